@@ -1,0 +1,276 @@
+"""Layout: how a global tensor is spread over a mesh, and the math of its shards.
+
+This module never communicates. A layout names every tensor dim; the names in a
+dim's group that are axes of the mesh shard it, the others stay local, and mesh
+axes named nowhere replicate it. The shard of a rank is, by definition, what
+`einops.rearrange` gives for the pattern indexed at the rank's mesh coordinates;
+groups of the form "(axes... name)" whose size does not divide follow
+`torch.chunk` axis by axis, major first (DTensor's uneven sharding).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from . import notation
+from .errors import MeshAxisError, ShapeError, caret, did_you_mean
+from .mesh import AxisName, Mesh
+from .notation import Dim, Factor
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """A resolved factor: its name, its size, and whether it is a mesh axis."""
+
+    name: str
+    size: int
+    axis: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DimPlacement:
+    """One dim on one mesh: its global size and factors, major to minor.
+
+    `uneven` is True for a "(axes... name)" group whose size does not divide; its
+    parts then hold the mesh axes and the name with size 0 (sizes vary by rank).
+    """
+
+    size: int
+    parts: tuple[Part, ...]
+    uneven: bool
+
+    @property
+    def axes(self) -> tuple[AxisName, ...]:
+        return tuple(p.name for p in self.parts if p.axis)
+
+
+class Layout:
+    """A parsed, canonical layout pattern (frozen, hashable, cached).
+
+    >>> Layout("(dp  b) s | sum(tp)")
+    Layout('(dp b) s | sum(tp)')
+    """
+
+    __slots__ = ("pattern", "_text")
+    pattern: notation.Pattern
+
+    def __new__(cls, text: str | Layout) -> Layout:
+        if isinstance(text, Layout):
+            return text
+        return _parse_layout(text)
+
+    @classmethod
+    def parse(cls, text: str | Layout) -> Layout:
+        """The layout for `text` (cached: parsing the same text twice is a dict lookup)."""
+        return cls(text)
+
+    @classmethod
+    def _from_pattern(cls, pattern: notation.Pattern) -> Layout:
+        self = object.__new__(cls)
+        object.__setattr__(self, "pattern", pattern)
+        object.__setattr__(self, "_text", str(pattern))
+        return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("Layout is immutable")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Layout, (self._text,))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Layout) and self.pattern == other.pattern
+
+    def __hash__(self) -> int:
+        return hash(self.pattern)
+
+    def __str__(self) -> str:
+        return self._text
+
+    def __repr__(self) -> str:
+        return f"Layout({self._text!r})"
+
+    # -- structure (no mesh needed) --------------------------------------------
+    @property
+    def dims(self) -> tuple[Dim, ...]:
+        return self.pattern.dims
+
+    @property
+    def ndim(self) -> int:
+        return len(self.pattern.dims)
+
+    @property
+    def reduce_op(self) -> str | None:
+        """The pending reduction ("sum", "avg", "max", "min") or None."""
+        return self.pattern.reduce_op
+
+    @property
+    def partial_axes(self) -> tuple[AxisName, ...]:
+        """Mesh axes with pending partial results, as written."""
+        return self.pattern.reduce_axes
+
+    def dim_names(self) -> tuple[str, ...]:
+        """A readable name per dim: its local (unsized, non-axis) factor, else dimN."""
+        out = []
+        for i, dim in enumerate(self.dims):
+            local = [f.name for f in dim.factors if f.size is None]
+            out.append(local[-1] if local else f"dim{i}")
+        return tuple(out)
+
+    # -- math on a mesh --------------------------------------------------------
+    def placements(self, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ...]:
+        """Each dim resolved on `mesh` for a global `shape`; raises if it does not fit."""
+        return _resolve(self, mesh, tuple(int(s) for s in shape))
+
+    def sharded_axes(self, mesh: Mesh) -> tuple[AxisName, ...]:
+        """Mesh axes that shard some dim, in mesh order."""
+        names = {f.name for d in self.dims for f in d.factors}
+        return tuple(a for a in mesh.axis_names if a in names)
+
+    def replicated_axes(self, mesh: Mesh) -> tuple[AxisName, ...]:
+        """Mesh axes named nowhere in the layout, in mesh order."""
+        used = set(self.sharded_axes(mesh)) | set(self.partial_axes)
+        return tuple(a for a in mesh.axis_names if a not in used)
+
+    def indices(self, mesh: Mesh, shape: Shape, rank: int) -> tuple[tuple[int, ...], ...]:
+        """Per dim, the global indices `rank` holds, in the order of its local tensor."""
+        placed = self.placements(mesh, shape)
+        return _indices(placed, tuple(sorted(mesh.coords(rank).items())))
+
+    def local_shape(self, mesh: Mesh, shape: Shape, rank: int) -> Shape:
+        """Shape of the local tensor of `rank`."""
+        return tuple(len(ix) for ix in self.indices(mesh, shape, rank))
+
+    def check_local(self, mesh: Mesh, shape: Shape, rank: int, local_shape: Shape,
+                    argument: str = "local tensor") -> None:
+        """Raise ShapeError if `local_shape` is not what `rank` holds under this layout."""
+        want = self.local_shape(mesh, shape, rank)
+        if tuple(local_shape) != want:
+            raise ShapeError(
+                f"{argument} on rank {rank} has shape {tuple(local_shape)}, but layout"
+                f' "{self}" of global shape {tuple(shape)} on {mesh!r} gives it shape {want}.'
+                " fix: pass the shard this rank holds, or the right global shape/layout"
+            )
+
+
+def as_layout(value: str | Layout, argument: str = "layout") -> Layout:
+    """A Layout from a pattern string or Layout (raises a meshcomm error otherwise)."""
+    if isinstance(value, (str, Layout)):
+        return Layout(value)
+    raise ShapeError(f"{argument} must be a layout string or Layout, got {type(value).__name__}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_layout(text: str) -> Layout:
+    return Layout._from_pattern(notation.parse(text))
+
+
+@functools.lru_cache(maxsize=8192)
+def _resolve(layout: Layout, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ...]:
+    text = str(layout)
+    if len(shape) != layout.ndim:
+        raise ShapeError(
+            f'layout "{text}" has {layout.ndim} dims but the shape {shape} has {len(shape)}.'
+            f" fix: name one dim per tensor dim, e.g. \"{_suggest(len(shape))}\""
+        )
+    for axis in layout.partial_axes:
+        if axis not in mesh.axis_names:
+            raise _axis_error(text, axis, mesh, "a pending reduction is over mesh axes")
+    return tuple(_place_dim(text, i, dim, shape[i], mesh) for i, dim in enumerate(layout.dims))
+
+
+def _suggest(ndim: int) -> str:
+    return " ".join("abcdefgh"[i] if i < 8 else f"d{i}" for i in range(ndim))
+
+
+def _axis_error(text: str, name: str, mesh: Mesh, why: str) -> MeshAxisError:
+    at = text.find(name)
+    hint = did_you_mean(name, mesh.axis_names)
+    return MeshAxisError(
+        f'layout "{text}" on {mesh!r}: "{name}" is not a mesh axis\n'
+        + caret(text, at, at + len(name), f"{why} ({', '.join(mesh.axis_names)})")
+        + (f"\n  fix: {hint}" if hint else "")
+    )
+
+
+def _place_dim(text: str, i: int, dim: Dim, size: int, mesh: Mesh) -> DimPlacement:
+    axes = set(mesh.axis_names)
+    for f in dim.factors:
+        if f.name in axes and f.size is not None and f.size != mesh.axis_size(f.name):
+            raise ShapeError(
+                f'layout "{text}": "{f}" in dim {i} gives mesh axis {f.name} size {f.size}, but'
+                f" {mesh!r} has {f.name}={mesh.axis_size(f.name)}. fix: write {f.name} alone"
+            )
+    free = [f for f in dim.factors if f.name not in axes and f.size is None]
+    if len(free) > 1 and len(dim.factors) > 1:
+        bad = next((f.name for f in free if did_you_mean(f.name, axes)), free[0].name)
+        raise _axis_error(text, bad, mesh, "a group holds mesh axes, sized factors (x=2) and"
+                          " at most one dim name")
+    known = math.prod(mesh.axis_size(f.name) if f.name in axes else (f.size or 1)
+                      for f in dim.factors)
+    parts_known = [Part(f.name, mesh.axis_size(f.name) if f.name in axes else (f.size or 0),
+                        f.name in axes) for f in dim.factors]
+    if not free:
+        if known != size:
+            raise ShapeError(
+                f'layout "{text}" does not fit dim {i} of size {size}: its factors {dim} multiply'
+                f" to {known}. fix: give the dim a name that takes the rest, e.g. \"({dim.factors[0]} x)\""
+            )
+        return DimPlacement(size, tuple(parts_known), False)
+    if size % known == 0:
+        parts = tuple(Part(p.name, size // known, False) if p.size == 0 and not p.axis else p
+                      for p in parts_known)
+        return DimPlacement(size, parts, False)
+    chunk_form = all(f.name in axes for f in dim.factors[:-1]) and dim.factors[-1] is free[0]
+    if not chunk_form:
+        raise ShapeError(
+            f'layout "{text}" does not fit dim {i} of size {size}: {dim} needs a multiple of'
+            f" {known}; only \"(axes... name)\" groups allow uneven shards."
+            f" fix: use \"({' '.join(a for a in mesh.axis_names if a in {f.name for f in dim.factors})} {free[0].name})\""
+            f", or pad dim {i} to {-(-size // known) * known}"
+        )
+    return DimPlacement(size, tuple(parts_known), True)
+
+
+def chunk_range(start: int, length: int, parts: int, index: int) -> tuple[int, int]:
+    """`torch.chunk` of [start, start+length) into `parts`: the (start, length) of chunk `index`."""
+    step = -(-length // parts) if length else 0
+    lo = min(index * step, length)
+    hi = min((index + 1) * step, length)
+    return start + lo, hi - lo
+
+
+@functools.lru_cache(maxsize=65536)
+def _indices(placed: tuple[DimPlacement, ...],
+             coords: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
+    where = dict(coords)
+    out = []
+    for dim in placed:
+        if dim.uneven:
+            start, length = 0, dim.size
+            for part in dim.parts:
+                if part.axis:
+                    start, length = chunk_range(start, length, part.size, where[part.name])
+            out.append(tuple(range(start, start + length)))
+            continue
+        out.append(_even_indices(dim.parts, where))
+    return tuple(out)
+
+
+def _even_indices(parts: tuple[Part, ...], where: dict[str, int]) -> tuple[int, ...]:
+    strides = []
+    stride = 1
+    for part in reversed(parts):
+        strides.append(stride)
+        stride *= part.size
+    strides.reverse()
+    offset = sum(where[p.name] * s for p, s in zip(parts, strides) if p.axis)
+    local = [(p.size, s) for p, s in zip(parts, strides) if not p.axis]
+    idx = [offset]
+    for size, s in local:
+        idx = [base + k * s for base in idx for k in range(size)]
+    return tuple(idx)

@@ -1,0 +1,278 @@
+"""Mesh: named axes over a grid of ranks.
+
+This module never communicates. Ranks are laid out row-major (the last axis
+varies fastest), the convention of `torch.distributed.device_mesh`, unless an
+explicit grid of global ranks is given.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import MeshAxisError, ShapeError, caret
+
+AxisName = str
+
+_AXIS_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ITEM_RE = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([0-9]+)\s*")
+
+
+def _parse_axes(text: str) -> tuple[tuple[str, int], ...]:
+    axes: list[tuple[str, int]] = []
+    pos = 0
+    stripped = text.replace(",", " ")
+    while pos < len(stripped):
+        if stripped[pos].isspace():
+            pos += 1
+            continue
+        match = _ITEM_RE.match(stripped, pos)
+        if not match:
+            end = pos
+            while end < len(stripped) and not stripped[end].isspace():
+                end += 1
+            raise MeshAxisError(
+                f'cannot parse mesh "{text}"\n'
+                + caret(text, pos, end, "expected NAME=SIZE, e.g. dp=2")
+                + '\n  fix: write the axes as "dp=2 tp=4"'
+            )
+        axes.append((match.group(1), int(match.group(2))))
+        pos = match.end()
+    return tuple(axes)
+
+
+class Mesh:
+    """Named mesh axes in order, over a row-major grid of global ranks.
+
+    >>> mesh = Mesh("dp=2 tp=4")
+    >>> mesh.coords(5)
+    {'dp': 1, 'tp': 1}
+    >>> mesh.groups("tp")
+    ((0, 1, 2, 3), (4, 5, 6, 7))
+    """
+
+    __slots__ = ("_names", "_sizes", "_ranks", "_hash")
+
+    def __init__(
+        self, spec: str | Mapping[str, int] | None = None, /, *, ranks: Any = None, **sizes: int
+    ) -> None:
+        if spec is not None and sizes:
+            raise MeshAxisError(
+                f"Mesh({spec!r}, {', '.join(f'{k}={v}' for k, v in sizes.items())}): give the axes"
+                ' once, either as a string "dp=2 tp=4" or as keywords dp=2, tp=4'
+            )
+        if isinstance(spec, str):
+            items = _parse_axes(spec)
+        elif isinstance(spec, Mapping):
+            items = tuple((str(k), v) for k, v in spec.items())
+        elif spec is None:
+            items = tuple(sizes.items())
+        else:
+            raise MeshAxisError(
+                f"Mesh({spec!r}): expected a string like \"dp=2 tp=4\", a mapping or keywords"
+            )
+        names = tuple(name for name, _ in items)
+        for name, size in items:
+            if not _AXIS_RE.fullmatch(name):
+                raise MeshAxisError(f'mesh axis name "{name}" is not an identifier')
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise MeshAxisError(
+                    f'mesh axis "{name}" has size {size!r}; sizes are positive integers'
+                )
+            if names.count(name) > 1:
+                raise MeshAxisError(
+                    f'mesh axis "{name}" appears {names.count(name)} times in {list(names)};'
+                    " fix: give each axis a distinct name"
+                )
+        if not items:
+            raise MeshAxisError('a mesh needs at least one axis, e.g. Mesh("dp=2")')
+        self._names = names
+        self._sizes = tuple(size for _, size in items)
+        self._ranks = self._rank_grid(ranks)
+        self._hash = hash((self._names, self._sizes, self._ranks))
+
+    def _rank_grid(self, ranks: Any) -> tuple[int, ...]:
+        size = math.prod(self._sizes)
+        if ranks is None:
+            return tuple(range(size))
+        if hasattr(ranks, "tolist"):
+            ranks = ranks.tolist()
+        flat: list[int] = []
+        shape = _nested_shape(ranks, flat)
+        if shape != self._sizes and not (len(shape) == 1 and shape[0] == size):
+            raise ShapeError(
+                f"ranks= has shape {shape} but {self!r} needs shape {self._sizes}"
+                f" (or a flat list of {size} ranks)"
+            )
+        if len(set(flat)) != len(flat) or any(r < 0 for r in flat):
+            raise ShapeError(f"ranks= must hold distinct non-negative ranks, got {flat}")
+        return tuple(flat)
+
+    # -- value behaviour -------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, Mesh)
+            and self._names == other._names
+            and self._sizes == other._sizes
+            and self._ranks == other._ranks
+        )
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))
+        if self._ranks != tuple(range(len(self._ranks))):
+            return f"Mesh({axes}, ranks={list(self._ranks)})"
+        return f"Mesh({axes})"
+
+    def __str__(self) -> str:
+        return " ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if hasattr(self, "_hash"):
+            raise AttributeError("Mesh is immutable")
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (dict(self.axes), self._ranks))
+
+    # -- queries ------------------------------------------------------------
+    @property
+    def axes(self) -> dict[AxisName, int]:
+        """Ordered mapping of axis name to size (a fresh dict)."""
+        return dict(zip(self._names, self._sizes))
+
+    @property
+    def axis_names(self) -> tuple[AxisName, ...]:
+        return self._names
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._sizes
+
+    @property
+    def size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks in row-major mesh order."""
+        return self._ranks
+
+    def axis_size(self, axis: AxisName) -> int:
+        return self._sizes[self._axis_index(axis)]
+
+    def _axis_index(self, axis: AxisName) -> int:
+        try:
+            return self._names.index(axis)
+        except ValueError:
+            from .errors import did_you_mean
+
+            hint = did_you_mean(axis, self._names)
+            raise MeshAxisError(
+                f'"{axis}" is not an axis of {self!r}; axes are {", ".join(self._names)}'
+                + (f"\n  fix: {hint}" if hint else "")
+            ) from None
+
+    def position(self, rank: int) -> int:
+        """Index of global `rank` in row-major mesh order."""
+        pos = _positions(self._ranks).get(rank)
+        if pos is None:
+            raise ShapeError(f"rank {rank} is not in {self!r} (its ranks are {list(self._ranks)})")
+        return pos
+
+    def coords(self, rank: int) -> dict[AxisName, int]:
+        """Mesh coordinates of global `rank`, one per axis."""
+        return dict(zip(self._names, _unravel(self.position(rank), self._sizes)))
+
+    def rank_at(self, **coords: int) -> int:
+        """Global rank at the given coordinates (every axis must be named)."""
+        missing = [n for n in self._names if n not in coords]
+        extra = [n for n in coords if n not in self._names]
+        if missing or extra:
+            raise MeshAxisError(
+                f"rank_at({', '.join(f'{k}={v}' for k, v in coords.items())}) on {self!r}:"
+                + (f" missing {missing}" if missing else "")
+                + (f" unknown {extra}" if extra else "")
+            )
+        pos = 0
+        for name, size in zip(self._names, self._sizes):
+            c = coords[name]
+            if not 0 <= c < size:
+                raise ShapeError(f"coordinate {name}={c} is out of range 0..{size - 1}")
+            pos = pos * size + c
+        return self._ranks[pos]
+
+    def groups(self, *axes: AxisName) -> tuple[tuple[int, ...], ...]:
+        """Rank groups of a collective over `axes` (several = one flat group, first axis major)."""
+        return _groups(self, tuple(axes))
+
+    def group_index(self, rank: int, *axes: AxisName) -> tuple[int, int]:
+        """(which group, position in that group) of `rank` for a collective over `axes`."""
+        coords = self.coords(rank)
+        pos = 0
+        for a in axes:
+            pos = pos * self.axis_size(a) + coords[a]
+        for g, group in enumerate(self.groups(*axes)):
+            if rank in group:
+                return g, pos
+        raise AssertionError(f"rank {rank} in no group of {axes}")
+
+
+def _rebuild(axes: dict[str, int], ranks: tuple[int, ...]) -> Mesh:
+    return Mesh(axes, ranks=list(ranks))
+
+
+def _nested_shape(value: Any, flat: list[int]) -> tuple[int, ...]:
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        shapes = {_nested_shape(v, flat) for v in value}
+        if len(shapes) > 1:
+            raise ShapeError(f"ranks= is ragged: {value!r}")
+        inner = shapes.pop() if shapes else ()
+        return (len(value), *inner)
+    flat.append(int(value))
+    return ()
+
+
+def _unravel(pos: int, sizes: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(sizes):
+        out.append(pos % size)
+        pos //= size
+    return tuple(reversed(out))
+
+
+@functools.lru_cache(maxsize=256)
+def _positions(ranks: tuple[int, ...]) -> dict[int, int]:
+    return {r: i for i, r in enumerate(ranks)}
+
+
+@functools.lru_cache(maxsize=1024)
+def _groups(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[tuple[int, ...], ...]:
+    idx = [mesh._axis_index(a) for a in axes]
+    if len(set(idx)) != len(idx):
+        raise MeshAxisError(f"axes {list(axes)} name an axis twice")
+    names = mesh.axis_names
+    rest = [i for i in range(len(names)) if i not in idx]
+    sizes = mesh.shape
+    out = []
+    for outer in range(math.prod(sizes[i] for i in rest)):
+        oc = _unravel(outer, [sizes[i] for i in rest])
+        group = []
+        for inner in range(math.prod(sizes[i] for i in idx)):
+            ic = _unravel(inner, [sizes[i] for i in idx])
+            coord = [0] * len(sizes)
+            for i, c in zip(rest, oc):
+                coord[i] = c
+            for i, c in zip(idx, ic):
+                coord[i] = c
+            pos = 0
+            for c, s in zip(coord, sizes):
+                pos = pos * s + c
+            group.append(mesh.ranks[pos])
+        out.append(tuple(group))
+    return tuple(out)
