@@ -1,9 +1,18 @@
-"""meshcomm: sharded tensors you can reason about."""
+"""meshcomm: sharded tensors you can reason about.
+
+>>> import meshcomm as mc
+>>> mesh = mc.Mesh("dp=2 tp=4")
+>>> [step.kind for step in mc.plan(mesh, (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)").steps]
+['all_to_all']
+"""
 from . import sim
+from .display import show
 from .errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
                      PlanError, RecipeError, ShapeError)
 from .layout import Layout, as_layout
 from .mesh import Mesh
+from .plan import CostModel, Plan, Step, plan
 
-__all__ = ["Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError", "MeshMismatchError",
-           "MeshcommError", "PlanError", "RecipeError", "ShapeError", "as_layout", "sim"]
+__all__ = ["CostModel", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
+           "MeshMismatchError", "MeshcommError", "Plan", "PlanError", "RecipeError", "ShapeError",
+           "Step", "as_layout", "plan", "show", "sim"]

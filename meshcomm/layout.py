@@ -113,11 +113,15 @@ class Layout:
         """Mesh axes with pending partial results, as written."""
         return self.pattern.reduce_axes
 
-    def dim_names(self) -> tuple[str, ...]:
-        """A readable name per dim: its local (unsized, non-axis) factor, else dimN."""
+    def dim_names(self, mesh: Mesh | None = None) -> tuple[str, ...]:
+        """A readable name per dim: its local (unsized, non-axis) factor, else dimN.
+
+        Without `mesh` every unsized name counts as local; with it, mesh axes do not.
+        """
+        axes = set(mesh.axis_names) if mesh is not None else set()
         out = []
         for i, dim in enumerate(self.dims):
-            local = [f.name for f in dim.factors if f.size is None]
+            local = [f.name for f in dim.factors if f.size is None and f.name not in axes]
             out.append(local[-1] if local else f"dim{i}")
         return tuple(out)
 

@@ -1,0 +1,454 @@
+"""The planner's move set: every single step from one state, with its exact traffic.
+
+This module never communicates. A move is one collective (or one local
+operation) that turns a state into another. Each carries what an executor
+needs to run it (local rearranges before and after, the collective's group
+axes and arguments) and the bytes every rank sends and receives, from the
+algorithm each collective is modelled with:
+
+- all_gather: every block reaches every other group member once (ring):
+  rank i sends (g-1)*L_i and receives the sum of the other blocks.
+- reduce_scatter: ring; rank i sends its input less its own output chunk and
+  receives (g-1) times its output chunk.
+- all_reduce: ring reduce_scatter then ring all_gather of the flattened tensor
+  in `torch.chunk` chunks c_i: rank i sends and receives (T - c_i) + (g-1)*c_i.
+- all_to_all: pairwise; a rank sends every chunk but its own and receives one
+  chunk from every other member.
+- collective_permute: direct; a rank sends its block to one partner and
+  receives one (nothing when it is its own partner).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .layout import chunk_range
+from .mesh import AxisName, Mesh
+from .rearrange import Rearrange
+from .states import (DimState, Shard, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels,
+                     to_layout)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One step between states: what runs, and the per-rank traffic in elements."""
+
+    kind: str                      # a Step kind: "local", "all_gather", ...
+    axes: tuple[AxisName, ...]     # group axes, major first
+    after: State
+    action: str = ""               # for "local": "slice", "mark_partial", "spread_partial"
+    op: str | None = None          # reduce op of reduce_scatter / all_reduce / mark_partial
+    dim: int | None = None         # tensor dim of an uneven (chunk) collective, else None
+    pre: Rearrange | None = None   # local rearrange before the collective
+    post: Rearrange | None = None  # local rearrange after it
+    pairs: tuple[tuple[int, int], ...] = ()
+    send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
+    recv: tuple[int, ...] = ()
+
+
+# -- rearranges ---------------------------------------------------------------------
+Piece = tuple[int, int, int]   # (dim, lo, hi)
+
+
+def _refine(runs: list[tuple[int, int]], cuts: set[int]) -> list[tuple[int, int]]:
+    out = []
+    for lo, hi in runs:
+        points = sorted({p for p in cuts if lo < p < hi} | {lo, hi}, reverse=True)
+        out.extend((b, a) for a, b in zip(points, points[1:]))
+    return out
+
+
+def _rearrange(before: State, after: State, lead_in: tuple[Shard, ...],
+               lead_out: tuple[Shard, ...], lead_dims: dict[AxisName, int]) -> Rearrange | None:
+    """Rearrange from `before`'s local tensor (plus leading `lead_in` blocks) to `after`'s."""
+    flat_in: list[Piece] = []
+    flat_out: list[Piece] = []
+    split: list[tuple[int, ...] | None] = []
+    merge: list[int] = []
+    per_dim_in: list[list[Piece] | None] = []
+    per_dim_out: list[list[Piece] | None] = []
+    for d, (b, a) in enumerate(zip(before.dims, after.dims)):
+        if b.chunks or a.chunks:
+            per_dim_in.append(None)
+            per_dim_out.append(None)
+            continue
+        cuts = set(b.bounds()) | set(a.bounds())
+        per_dim_in.append([(d, lo, hi) for lo, hi in _refine(list(b.local_runs()), cuts)])
+        per_dim_out.append([(d, lo, hi) for lo, hi in _refine(list(a.local_runs()), cuts)])
+
+    def lead(shards: tuple[Shard, ...], per_dim: list[list[Piece] | None]) -> list[Piece]:
+        pieces: list[Piece] = []
+        for lo, hi, axis in shards:
+            d = lead_dims[axis]
+            cuts = set(before.dims[d].bounds()) | set(after.dims[d].bounds())
+            pieces += [(d, plo, phi) for plo, phi in _refine([(lo, hi)], cuts)]
+        return pieces
+
+    if lead_in:
+        pieces = lead(lead_in, per_dim_in)
+        flat_in += pieces
+        split.append(tuple(p[2] // p[1] for p in pieces))
+    for d, pieces in enumerate(per_dim_in):
+        if pieces is None:
+            flat_in.append((d, -1, -1))
+            split.append(None)
+        else:
+            flat_in += pieces
+            split.append(tuple(p[2] // p[1] for p in pieces))
+    if lead_out:
+        pieces = lead(lead_out, per_dim_out)
+        flat_out += pieces
+        merge.append(len(pieces))
+    for d, pieces in enumerate(per_dim_out):
+        chosen = [(d, -1, -1)] if pieces is None else pieces
+        flat_out += chosen
+        merge.append(len(chosen))
+    perm = tuple(flat_in.index(p) for p in flat_out)
+    r = Rearrange(tuple(split), perm, tuple(merge))
+    return None if r.is_identity else r
+
+
+# -- helpers -------------------------------------------------------------------------
+def _set_dim(state: State, d: int, dim: DimState, **changes: object) -> State:
+    dims = state.dims[:d] + (dim,) + state.dims[d + 1:]
+    fields = {"dims": dims, "partial": state.partial, "op": state.op}
+    fields.update(changes)  # type: ignore[arg-type]
+    return State(**fields)  # type: ignore[arg-type]
+
+
+def _without(dim: DimState, axis: AxisName, mesh: Mesh) -> DimState:
+    if dim.chunks:
+        return chunk_dim(dim.size, tuple(a for a in dim.chunks if a != axis), mesh)
+    return even_dim(dim.size, tuple(s for s in dim.shards if s[2] != axis))
+
+
+def _shard_of(dim: DimState, axis: AxisName) -> Shard:
+    return next(s for s in dim.shards if s[2] == axis)
+
+
+def _fits(dim: DimState, shard: Shard) -> bool:
+    """True if `shard`'s interval is local in even `dim` and keeps a valid factorization."""
+    if dim.chunks:
+        return False
+    lo, hi, _ = shard
+    if any(not (hi <= s[0] or lo >= s[1]) for s in dim.shards):
+        return False
+    return is_chain(tuple(sorted(set(dim.bounds()) | {lo, hi})))
+
+
+def _group_pos(mesh: Mesh, rank: int, axes: tuple[AxisName, ...]) -> int:
+    coords = mesh.coords(rank)
+    pos = 0
+    for a in axes:
+        pos = pos * mesh.axis_size(a) + coords[a]
+    return pos
+
+
+def _group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
+    return math.prod(mesh.axis_size(a) for a in axes)
+
+
+# -- traffic ---------------------------------------------------------------------------
+def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...]):
+    send, recv = [], []
+    g = _group_size(mesh, axes)
+    for group in mesh.groups(*axes):
+        total = sum(sizes[mesh.position(r)] for r in group)
+        for r in group:
+            mine = sizes[mesh.position(r)]
+            send.append((mesh.position(r), (g - 1) * mine))
+            recv.append((mesh.position(r), total - mine))
+    return _ordered(send, mesh.size), _ordered(recv, mesh.size)
+
+
+def _scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
+                     outs: tuple[int, ...]):
+    g = _group_size(mesh, axes)
+    send = tuple(i - o for i, o in zip(ins, outs))
+    recv = tuple((g - 1) * o for o in outs)
+    return send, recv
+
+
+def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...]):
+    g = _group_size(mesh, axes)
+    out = []
+    for r in mesh.ranks:
+        total = sizes[mesh.position(r)]
+        _, c = chunk_range(0, total, g, _group_pos(mesh, r, axes))
+        out.append((total - c) + (g - 1) * c)
+    return tuple(out), tuple(out)
+
+
+def _ordered(pairs: list[tuple[int, int]], n: int) -> tuple[int, ...]:
+    out = [0] * n
+    for pos, v in pairs:
+        out[pos] = v
+    return tuple(out)
+
+
+# -- move generators --------------------------------------------------------------
+def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """all_gather of one axis, or of several even axes at once (one flattened group)."""
+    sizes = local_numels(state, mesh)
+    even: list[AxisName] = []
+    for d, dim in enumerate(state.dims):
+        for axis in dim.axes:
+            if dst.dims[d].axes and _same_place(state, dst, d, axis):
+                continue
+            if dim.chunks:
+                if axis == dim.chunks[-1]:
+                    after = _set_dim(state, d, _without(dim, axis, mesh))
+                    send, recv = _gather_traffic(mesh, (axis,), sizes)
+                    yield Move("all_gather", (axis,), after, dim=d, send=send, recv=recv)
+                continue
+            even.append(axis)
+    order = [a for a in mesh.axis_names if a in even]
+    for k in range(1, len(order) + 1):
+        for group in itertools.combinations(order, k):
+            yield _even_gather(state, group, mesh, sizes)
+
+
+def _same_place(state: State, dst: State, d: int, axis: AxisName) -> bool:
+    a, b = state.dims[d], dst.dims[d]
+    if a.chunks or b.chunks:
+        ca, cb = as_chunks(a), as_chunks(b)
+        return ca is not None and cb is not None and axis in ca and ca[:ca.index(axis) + 1] == cb[:ca.index(axis) + 1]
+    return any(s[2] == axis for s in b.shards) and _shard_of(a, axis) == _shard_of(b, axis)
+
+
+def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh, sizes) -> Move:
+    after = state
+    shards = []
+    dims = {}
+    for axis in group:
+        d = after.axis_dim(axis)
+        assert d is not None, f"{axis} shards no dim of {state}"
+        shards.append(_shard_of(after.dims[d], axis))
+        dims[axis] = d
+        after = _set_dim(after, d, _without(after.dims[d], axis, mesh))
+    post = _rearrange(state, after, tuple(shards), (), dims)
+    send, recv = _gather_traffic(mesh, group, sizes)
+    return Move("all_gather", group, after, post=post, send=send, recv=recv)
+
+
+def _even_target(dst: State, axis: AxisName) -> tuple[int, Shard] | None:
+    d = dst.axis_dim(axis)
+    if d is None or dst.dims[d].chunks:
+        return None
+    return d, _shard_of(dst.dims[d], axis)
+
+
+def _chunk_next(state: State, dst: State, axis: AxisName) -> int | None:
+    """The dim where appending `axis` to the chunk chain moves toward uneven `dst`."""
+    d = dst.axis_dim(axis)
+    if d is None or not dst.dims[d].chunks:
+        return None
+    have = as_chunks(state.dims[d])
+    want = dst.dims[d].chunks
+    if have is None or want[:len(have)] != have or len(want) <= len(have):
+        return None
+    return d if want[len(have)] == axis else None
+
+
+def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Free local moves: a replicated axis takes its destination factor."""
+    zeros = (0,) * mesh.size
+    for axis in mesh.axis_names:
+        if axis in state.used_axes():
+            continue
+        target = _even_target(dst, axis)
+        if target and _fits(state.dims[target[0]], target[1]):
+            d, shard = target
+            after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
+            pre = _rearrange(state, after, (), (shard,), {axis: d})
+            yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
+        d = _chunk_next(state, dst, axis)
+        if d is not None:
+            chain = (as_chunks(state.dims[d]) or ()) + (axis,)
+            after = _set_dim(state, d, chunk_dim(state.dims[d].size, chain, mesh))
+            yield Move("local", (axis,), after, action="slice", dim=d, send=zeros, recv=zeros)
+
+
+def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """all_to_all moving one even axis from its factor to its destination factor."""
+    sizes = local_numels(state, mesh)
+    for d1, dim in enumerate(state.dims):
+        for lo, hi, axis in dim.shards:
+            target = _even_target(dst, axis)
+            if target is None or target == (d1, (lo, hi, axis)):
+                continue
+            d2, shard2 = target
+            if not _fits(state.dims[d2], shard2):
+                continue
+            tag = "\0" + axis
+            mid = _set_dim(state, d2, even_dim(state.dims[d2].size,
+                                               state.dims[d2].shards + ((shard2[0], shard2[1], tag),)))
+            removed = _set_dim(state, d1, _without(state.dims[d1], axis, mesh))
+            after = _set_dim(removed, d2, even_dim(removed.dims[d2].size,
+                                                   removed.dims[d2].shards + (shard2,)))
+            if not is_chain(after.dims[d2].bounds()):
+                continue
+            pre = _rearrange(state, mid, (), ((shard2[0], shard2[1], tag),), {tag: d2})
+            post = _rearrange(mid, after, ((lo, hi, axis),), (), {axis: d1})
+            g = mesh.axis_size(axis)
+            traffic = tuple(s - s // g for s in sizes)
+            yield Move("all_to_all", (axis,), after, pre=pre, post=post, send=traffic, recv=traffic)
+
+
+def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """collective_permute swapping the factors of two equal axes (or handing one to a replicated axis)."""
+    sizes = local_numels(state, mesh)
+    placed = [(d, s) for d, dim in enumerate(state.dims) for s in dim.shards]
+    free = [a for a in mesh.axis_names if a not in state.used_axes()]
+    for (d1, s1), other in itertools.product(placed, placed + [(None, a) for a in free]):
+        a = s1[2]
+        d2, s2 = other
+        b = s2[2] if d2 is not None else s2
+        if (d2 is not None and a >= b) or a == b or mesh.axis_size(a) != mesh.axis_size(b):
+            continue
+        swap = {a: b, b: a}
+        after = state
+        for d in {d1} | ({d2} if d2 is not None else set()):
+            dim = after.dims[d]
+            after = _set_dim(after, d, even_dim(dim.size, tuple(
+                (lo, hi, swap.get(x, x)) for lo, hi, x in dim.shards)))
+        if not any(_even_target(dst, x) == (after.axis_dim(x), _shard_of(after.dims[after.axis_dim(x)], x))
+                   for x in (a, b) if after.axis_dim(x) is not None):
+            continue
+        g = mesh.axis_size(a)
+        pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
+        moving = tuple(0 if _diag(mesh, r, a, b) else sizes[mesh.position(r)] for r in mesh.ranks)
+        yield Move("collective_permute", (a, b), after, pairs=pairs, send=moving, recv=moving)
+
+
+def _diag(mesh: Mesh, rank: int, a: AxisName, b: AxisName) -> bool:
+    coords = mesh.coords(rank)
+    return coords[a] == coords[b]
+
+
+def _drop_partial(state: State, axes: tuple[AxisName, ...]) -> tuple[tuple[AxisName, ...], str | None]:
+    left = tuple(a for a in state.partial if a not in axes)
+    return left, state.op if left else None
+
+
+def reductions(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """reduce_scatter of pending axes into their destination factors, and all_reduce."""
+    pending = [a for a in state.partial if a not in dst.partial]
+    sizes = local_numels(state, mesh)
+    for k in range(1, len(pending) + 1):
+        for group in itertools.combinations(pending, k):
+            left, op = _drop_partial(state, group)
+            after = State(state.dims, left, op)
+            send, recv = _all_reduce_traffic(mesh, group, sizes)
+            yield Move("all_reduce", group, after, op=state.op, send=send, recv=recv)
+            yield from _reduce_scatters(state, dst, mesh, group, sizes)
+
+
+def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName, ...],
+                     sizes: tuple[int, ...]) -> Iterator[Move]:
+    left, op = _drop_partial(state, group)
+    if len(group) == 1:
+        d = _chunk_next(state, dst, group[0])
+        if d is not None:
+            chain = (as_chunks(state.dims[d]) or ()) + group
+            after = State(state.dims, left, op)
+            after = _set_dim(after, d, chunk_dim(state.dims[d].size, chain, mesh))
+            send, recv = _scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
+            yield Move("reduce_scatter", group, after, op=state.op, dim=d, send=send, recv=recv)
+    after = State(state.dims, left, op)
+    shards, dims = [], {}
+    for axis in group:
+        target = _even_target(dst, axis)
+        if target is None or not _fits(after.dims[target[0]], target[1]):
+            return
+        d, shard = target
+        after = _set_dim(after, d, even_dim(after.dims[d].size, after.dims[d].shards + (shard,)))
+        shards.append(shard)
+        dims[axis] = d
+    pre = _rearrange(state, after, (), tuple(shards), dims)
+    send, recv = _scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
+    yield Move("reduce_scatter", group, after, op=state.op, pre=pre, send=send, recv=recv)
+
+
+def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Free local moves into a pending reduction the destination asks for."""
+    if not dst.partial or (state.partial and state.op != dst.op):
+        return
+    zeros = (0,) * mesh.size
+    used = state.used_axes()
+    for axis in dst.partial:
+        if axis in state.partial:
+            continue
+        partial = tuple(a for a in mesh.axis_names if a in state.partial or a == axis)
+        if axis not in used:
+            after = State(state.dims, partial, dst.op)
+            yield Move("local", (axis,), after, action="mark_partial", op=dst.op,
+                       send=zeros, recv=zeros)
+            continue
+        d = state.axis_dim(axis)
+        if d is None or dst.op == "avg":
+            continue
+        if state.dims[d].chunks:
+            if state.dims[d].chunks[-1] == axis:
+                after = State(_set_dim(state, d, _without(state.dims[d], axis, mesh)).dims,
+                              partial, dst.op)
+                yield Move("local", (axis,), after, action="spread_partial", op=dst.op, dim=d,
+                           send=zeros, recv=zeros)
+            continue
+        shard = _shard_of(state.dims[d], axis)
+        after = State(_set_dim(state, d, _without(state.dims[d], axis, mesh)).dims, partial, dst.op)
+        post = _rearrange(state, after, (shard,), (), {axis: d})
+        yield Move("local", (axis,), after, action="spread_partial", op=dst.op, post=post,
+                   send=zeros, recv=zeros)
+
+
+def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """One collective_permute straight to `dst` when every rank's destination block is
+    exactly some other rank's current block (e.g. shard orders of unequal axes)."""
+    if state.partial != dst.partial or state == dst:
+        return
+    have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
+    owners: dict[object, list[int]] = {}
+    for r in mesh.ranks:
+        owners.setdefault(have[r], []).append(r)
+    source = {}
+    for r in mesh.ranks:
+        want = block_indices(dst, mesh, r)
+        free = [s for s in owners.get(want, []) if s not in source.values()]
+        if not free:
+            return
+        source[r] = r if r in free else free[0]
+    axes = tuple(a for a in mesh.axis_names
+                 if any(mesh.coords(r)[a] != mesh.coords(s)[a] for r, s in source.items()))
+    pairs = None
+    for group in mesh.groups(*axes):
+        pos = {rank: i for i, rank in enumerate(group)}
+        these = tuple(sorted((pos[source[r]], pos[r]) for r in group if source[r] in pos))
+        if len(these) != len(group) or (pairs is not None and these != pairs):
+            return
+        pairs = these
+    sizes = local_numels(state, mesh)
+    sent = {s for r, s in source.items() if s != r}
+    recv = tuple(0 if source[r] == r else sizes[mesh.position(source[r])] for r in mesh.ranks)
+    send = tuple(sizes[mesh.position(r)] if r in sent else 0 for r in mesh.ranks)
+    yield Move("collective_permute", axes, dst, pairs=pairs or (), send=send, recv=recv)
+
+
+def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per dim, the global indices `rank` holds in `state`, in local order."""
+    names = tuple(f"d{i}" for i in range(len(state.dims)))
+    layout = to_layout(state, names, mesh)
+    shape = tuple(d.size for d in state.dims)
+    return layout.indices(mesh, shape, rank)
+
+
+GENERATORS = (gathers, slices, all_to_alls, permutes, reductions, partial_marks, block_permutes)
+
+
+def expand(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Every move of the move set from `state` toward `dst`."""
+    for generate in GENERATORS:
+        yield from generate(state, dst, mesh)

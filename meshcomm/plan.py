@@ -1,0 +1,254 @@
+"""Plans: the cheapest exact sequence of collectives between two layouts.
+
+This module never communicates. `plan()` searches the move set of
+`meshcomm.moves` (Dijkstra with Pareto labels over planner states) for the
+path of least modelled time under a `CostModel`; ties go to the lower peak
+memory, then to fewer steps. Plans are frozen values, cached on their inputs,
+and every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import bounds
+from .errors import PlanError
+from .layout import Layout, Shape, as_layout
+from .mesh import AxisName, Mesh
+from .moves import Move, expand
+from .rearrange import Rearrange
+from .states import State, from_layout, local_numels, to_layout
+
+STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all",
+              "collective_permute", "broadcast", "send_recv")
+
+
+def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), float(v)) for k, v in value.items()))
+    if isinstance(value, tuple):
+        return tuple(sorted(value))
+    return (("*", float(value)),)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Latency and bandwidth per mesh axis: step time = latency + max-rank bytes / bandwidth.
+
+    A collective over several axes pays the largest latency and the smallest
+    bandwidth among them. Local steps cost nothing. The default has no latency,
+    so bytes decide and ties go to memory, then to fewer steps.
+
+    >>> cm = CostModel(latency_s={"dp": 20e-6, "tp": 2e-6}, bandwidth={"dp": 25e9, "tp": 450e9})
+    >>> cm.time(("dp",), 25_000) > cm.time(("tp",), 25_000)
+    True
+    """
+
+    latency_s: Any = 0.0
+    bandwidth: Any = 100e9
+    backend: str = "nccl"
+    _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
+    _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency_s", _pairs(self.latency_s))
+        object.__setattr__(self, "bandwidth", _pairs(self.bandwidth))
+        if any(v <= 0 for _, v in self.bandwidth) or any(v < 0 for _, v in self.latency_s):
+            raise PlanError(f"CostModel needs bandwidth > 0 and latency >= 0, got {self}")
+        object.__setattr__(self, "_lat", self.latency_s)
+        object.__setattr__(self, "_bw", self.bandwidth)
+
+    def _get(self, table: tuple[tuple[str, float], ...], axis: str, default: float) -> float:
+        found = dict(table)
+        return found.get(axis, found.get("*", default))
+
+    def time(self, axes: tuple[AxisName, ...], max_bytes: int) -> float:
+        """Modelled seconds of one collective over `axes` whose busiest rank moves `max_bytes`."""
+        latency = max(self._get(self._lat, a, 0.0) for a in axes)
+        bandwidth = min(self._get(self._bw, a, 100e9) for a in axes)
+        return latency + max_bytes / bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a plan: a collective (or local move) over `axes`, from `before` to `after`.
+
+    `pre`/`post` are the local rearranges around the collective; `dim` is the
+    tensor dim of an uneven (chunk) collective; `pairs` the (source, destination)
+    group positions of a permute. Bytes are per rank, in mesh order.
+    """
+
+    kind: str
+    axes: tuple[AxisName, ...]
+    before: Layout
+    after: Layout
+    action: str = ""
+    op: str | None = None
+    dim: int | None = None
+    pre: Rearrange | None = None
+    post: Rearrange | None = None
+    pairs: tuple[tuple[int, int], ...] = ()
+    send_bytes: tuple[int, ...] = ()
+    recv_bytes: tuple[int, ...] = ()
+    time_s: float = 0.0
+    peak_bytes: tuple[int, ...] = ()
+
+    def __str__(self) -> str:
+        what = self.action if self.kind == "local" else self.kind
+        over = f"({', '.join(self.axes)})" if self.axes else ""
+        return f"{what}{over}: {self.before} -> {self.after}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The steps from `src` to `dst` and their modelled traffic, memory and time.
+
+    Byte tuples are per rank in mesh order (`mesh.ranks`).
+    """
+
+    mesh: Mesh
+    shape: Shape
+    dtype: torch.dtype
+    src: Layout
+    dst: Layout
+    steps: tuple[Step, ...]
+    send_bytes: tuple[int, ...]
+    recv_bytes: tuple[int, ...]
+    lower_bound_bytes: tuple[int, ...]
+    peak_bytes: tuple[int, ...]
+    cost: float
+    cost_model: CostModel
+
+    @property
+    def collectives(self) -> tuple[Step, ...]:
+        """The steps that communicate."""
+        return tuple(s for s in self.steps if s.kind != "local")
+
+    @property
+    def bound_ratio(self) -> float:
+        """Max-rank received bytes over the max-rank lower bound (1.0 when both are 0)."""
+        got, bound = max(self.recv_bytes, default=0), max(self.lower_bound_bytes, default=0)
+        return 1.0 if got == bound else (math.inf if bound == 0 else got / bound)
+
+    def __str__(self) -> str:
+        lines = [f"plan {self.src} -> {self.dst} for shape {self.shape} on {self.mesh!r}"]
+        lines += [f"  {i}. {step}" for i, step in enumerate(self.steps, 1)] or ["  (no steps)"]
+        lines.append(f"  max bytes received {max(self.recv_bytes, default=0)},"
+                     f" lower bound {max(self.lower_bound_bytes, default=0)}")
+        return "\n".join(lines)
+
+
+def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
+         dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None) -> Plan:
+    """Cheapest exact sequence of collectives that turns layout `src` into `dst`.
+
+    >>> p = plan(Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
+    >>> [step.kind for step in p.steps]
+    ['all_to_all']
+    """
+    if not isinstance(mesh, Mesh):
+        raise PlanError(f"mesh must be a meshcomm Mesh, got {type(mesh).__name__}")
+    shape = tuple(int(s) for s in shape)
+    return _plan(mesh, shape, dtype, as_layout(src, "src"), as_layout(dst, "dst"),
+                 cost_model or CostModel())
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout,
+          cost_model: CostModel) -> Plan:
+    start, goal = from_layout(src, mesh, shape), from_layout(dst, mesh, shape)
+    _check_ops(src, dst)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    moves = _search(start, goal, mesh, itemsize, cost_model)
+    names = dst.dim_names(mesh)
+    steps = []
+    state, layout = start, src
+    src_sizes = tuple(n * itemsize for n in local_numels(start, mesh))
+    for i, move in enumerate(moves):
+        after = dst if move.after == goal else to_layout(move.after, names, mesh)
+        steps.append(_step(move, state, layout, after, mesh, itemsize, cost_model,
+                           src_sizes if i else None))
+        state, layout = move.after, after
+    send = tuple(sum(s.send_bytes[r] for s in steps) for r in range(mesh.size))
+    recv = tuple(sum(s.recv_bytes[r] for s in steps) for r in range(mesh.size))
+    peak = tuple(max([s.peak_bytes[r] for s in steps] + [src_sizes[r]]) for r in range(mesh.size))
+    lower = tuple(n * itemsize for n in bounds.lower_bound_elements(mesh, shape, src, dst))
+    return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peak,
+                sum(s.time_s for s in steps), cost_model)
+
+
+def _check_ops(src: Layout, dst: Layout) -> None:
+    shared = [a for a in src.partial_axes if a in dst.partial_axes]
+    if shared and src.reduce_op != dst.reduce_op:
+        raise PlanError(
+            f'src "{src}" has a pending {src.reduce_op} over {", ".join(shared)} but dst "{dst}"'
+            f" asks for a pending {dst.reduce_op} there; one axis cannot mix two reductions."
+            f" fix: resolve the {src.reduce_op} first (reshard to a layout without"
+            f" | {src.reduce_op}({', '.join(shared)})), then mark the new one"
+        )
+
+
+def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, itemsize: int,
+          cost_model: CostModel, held: tuple[int, ...] | None) -> Step:
+    ins = local_numels(state, mesh)
+    outs = local_numels(move.after, mesh)
+    peak = tuple((i + o) * itemsize + (held[r] if held else 0)
+                 for r, (i, o) in enumerate(zip(ins, outs)))
+    send = tuple(b * itemsize for b in move.send)
+    recv = tuple(b * itemsize for b in move.recv)
+    time = 0.0 if move.kind == "local" else cost_model.time(
+        move.axes, max(max(send), max(recv)))
+    return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
+                move.post, move.pairs, send, recv, time, peak)
+
+
+def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
+            cost_model: CostModel) -> tuple[Move, ...]:
+    """Least (time, peak, steps) path of moves from `start` to `goal` (Pareto labels)."""
+    src_peak = max(local_numels(start, mesh)) * itemsize
+    counter = itertools.count()
+    heap: list[tuple[tuple[float, int, int], int, State, tuple[Move, ...]]] = [
+        ((0.0, src_peak, 0), next(counter), start, ())]
+    labels: dict[State, list[tuple[float, int, int]]] = {start: [(0.0, src_peak, 0)]}
+    src_sizes = local_numels(start, mesh)
+    while heap:
+        key, _, state, path = heapq.heappop(heap)
+        if state == goal:
+            return path
+        if key not in labels.get(state, ()):
+            continue
+        for move in expand(state, goal, mesh):
+            nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_sizes, bool(path))
+            if _dominated(nkey, labels.get(move.after, [])):
+                continue
+            kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
+            labels[move.after] = kept + [nkey]
+            heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,)))
+    raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug, please report it")
+
+
+def _extend(key: tuple[float, int, int], move: Move, state: State, mesh: Mesh, itemsize: int,
+            cost_model: CostModel, src_sizes: tuple[int, ...], held: bool) -> tuple[float, int, int]:
+    ins, outs = local_numels(state, mesh), local_numels(move.after, mesh)
+    live = max((i + o + (s if held else 0)) for i, o, s in zip(ins, outs, src_sizes)) * itemsize
+    time = 0.0
+    if move.kind != "local":
+        busiest = max(max(move.send), max(move.recv)) * itemsize
+        time = cost_model.time(move.axes, busiest)
+    return (round(key[0] + time, 15), max(key[1], live), key[2] + 1)
+
+
+def _dominates(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
+    return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2]
+
+
+def _dominated(key: tuple[float, int, int], labels: list[tuple[float, int, int]]) -> bool:
+    return any(_dominates(k, key) for k in labels)

@@ -1,0 +1,151 @@
+"""Run a Plan on simulated ranks: one short handler per step kind.
+
+The executor decides nothing: every argument comes from the plan's steps. It is
+the reference the torch.distributed executor must match bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import MeshMismatchError, ShapeError
+from ..layout import chunk_range
+from ..mesh import Mesh
+from ..plan import Plan, Step
+from . import collectives as coll
+from .collectives import SimResult
+from .shards import _filler
+
+
+def check_locals(plan: Plan, locals_: Sequence[Tensor]) -> None:
+    """Raise before any step if `locals_` do not match the plan's source layout."""
+    mesh = plan.mesh
+    if len(locals_) != mesh.size:
+        raise ShapeError(f"execute got {len(locals_)} local tensors for {mesh!r} of {mesh.size} ranks;"
+                         " fix: pass one tensor per rank, in mesh order")
+    for rank, x in zip(mesh.ranks, locals_):
+        if not isinstance(x, Tensor):
+            raise ShapeError(f"local tensor of rank {rank} is a {type(x).__name__}, not a Tensor")
+        if x.dtype != plan.dtype:
+            raise ShapeError(f"local tensor of rank {rank} has dtype {x.dtype} but the plan was made"
+                             f" for {plan.dtype}; fix: mc.plan(..., dtype={x.dtype})")
+        plan.src.check_local(mesh, plan.shape, rank, tuple(x.shape), "local tensor")
+
+
+def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> SimResult:
+    """Each rank's output of `plan` and the bytes every step moved (mesh order).
+
+    >>> import meshcomm as mc
+    >>> m = mc.Mesh("tp=2")
+    >>> p = mc.plan(m, (4,), "(tp b)", "b")
+    >>> execute(p, mc.sim.scatter(torch.arange(4.0), m, "(tp b)")).outputs[1].tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    """
+    if mesh is not None and mesh != plan.mesh:
+        raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {mesh!r}."
+                                " fix: plan with the mesh you run on")
+    check_locals(plan, locals_)
+    result = SimResult.noop(list(locals_))
+    for step in plan.steps:
+        run = _RUN[step.kind]
+        outs = list(result.outputs)
+        result = result.then(_local(step, plan.mesh, outs, plan.shape) if step.kind == "local"
+                             else run(step, plan.mesh, outs))
+    return result
+
+
+def _groups(mesh: Mesh, step: Step) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(mesh.position(r) for r in g) for g in mesh.groups(*step.axes))
+
+
+def _size(mesh: Mesh, step: Step) -> int:
+    size = 1
+    for a in step.axes:
+        size *= mesh.axis_size(a)
+    return size
+
+
+def _map(step: Step, xs: list[Tensor], fn: Callable[[Tensor], Tensor] | None) -> list[Tensor]:
+    return xs if fn is None else [fn(x) for x in xs]
+
+
+def _local(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    outs = []
+    g = _size(mesh, step)
+    for rank, x in zip(mesh.ranks, xs):
+        pos = mesh.group_index(rank, *step.axes)[1]
+        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank)))
+    return SimResult.noop(outs)
+
+
+def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...]) -> Tensor:
+    """A local step on one rank at group position `pos` of a group of `g` (shared with dist).
+
+    `out_shape` is the rank's local shape after the step (from the step's layout).
+    """
+    if step.action == "slice":
+        if step.dim is not None:
+            start, length = chunk_range(0, x.shape[step.dim], g, pos)
+            return x.narrow(step.dim, start, length).clone()
+        y = step.pre.apply(x) if step.pre else x
+        return y[pos].clone()
+    if step.action == "mark_partial":
+        keep = step.op != "sum" or pos == 0
+        return x.clone() if keep else torch.zeros_like(x)
+    if step.action == "spread_partial":
+        fill = _filler(x, step.op or "sum")
+        if step.dim is not None:
+            out = _filler(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
+            start, _ = chunk_range(0, out_shape[step.dim], g, pos)
+            out.narrow(step.dim, start, x.shape[step.dim]).copy_(x)
+            return out
+        blocks = torch.stack([x if i == pos else fill for i in range(g)])
+        return step.post.apply(blocks) if step.post else blocks
+    raise AssertionError(f"unknown local action {step.action!r} in {step}")
+
+
+def _all_gather(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    if step.dim is not None:
+        return coll.all_gather(xs, _groups(mesh, step), dim=step.dim)
+    res = coll.all_gather([x.unsqueeze(0) for x in xs], _groups(mesh, step), dim=0)
+    return _with(res, _map(step, list(res.outputs), step.post.apply if step.post else None))
+
+
+def _reduce_scatter(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    op = step.op or "sum"
+    if step.dim is not None:
+        return coll.reduce_scatter(xs, _groups(mesh, step), dim=step.dim, op=op)
+    ys = _map(step, xs, step.pre.apply if step.pre else None)
+    res = coll.reduce_scatter(ys, _groups(mesh, step), dim=0, op=op)
+    return _with(res, [y.squeeze(0) for y in res.outputs])
+
+
+def _all_reduce(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    return coll.all_reduce(xs, _groups(mesh, step), op=step.op or "sum")
+
+
+def _all_to_all(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    ys = _map(step, xs, step.pre.apply if step.pre else None)
+    res = coll.all_to_all(ys, _groups(mesh, step), split_dim=0, concat_dim=0)
+    return _with(res, _map(step, list(res.outputs), step.post.apply if step.post else None))
+
+
+def _permute(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    return coll.collective_permute(xs, _groups(mesh, step), pairs=step.pairs)
+
+
+def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
+    return SimResult(tuple(outputs), res.send_bytes, res.recv_bytes)
+
+
+_RUN: dict[str, Callable[[Step, Mesh, list[Tensor]], SimResult]] = {
+    "local": _local,  # type: ignore[dict-item]  (called with the plan's shape)
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
+    "collective_permute": _permute,
+}
