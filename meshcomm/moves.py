@@ -45,6 +45,7 @@ class Move:
     pre: Rearrange | None = None   # local rearrange before the collective
     post: Rearrange | None = None  # local rearrange after it
     pairs: tuple[tuple[int, int], ...] = ()
+    transfers: tuple = ()          # plan.Transfer values of a send_recv move
     send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
     recv: tuple[int, ...] = ()
 

@@ -78,12 +78,33 @@ class CostModel:
 
 
 @dataclass(frozen=True, slots=True)
+class Transfer:
+    """Part of a send_recv step: `src` sends `dst` the cartesian block of its local tensor at
+    per-dim positions `src_index`; `dst` writes it at per-dim positions `dst_index` of its output.
+
+    Ranks are global. A pair may have several transfers; they travel in tuple order.
+    `src == dst` is a local copy and moves no bytes.
+    """
+
+    src: int
+    dst: int
+    src_index: tuple[tuple[int, ...], ...]
+    dst_index: tuple[tuple[int, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(len(ix) for ix in self.src_index)
+
+
+@dataclass(frozen=True, slots=True)
 class Step:
     """One step of a plan: a collective (or local move) over `axes`, from `before` to `after`.
 
     `pre`/`post` are the local rearranges around the collective; `dim` is the
     tensor dim of an uneven (chunk) collective; `pairs` the (source, destination)
-    group positions of a permute. Bytes are per rank, in mesh order.
+    group positions of a permute; `transfers` the blocks of a send_recv step (run
+    as one all_to_all with uneven splits over the step's flattened group, so it
+    traces like any other collective). Bytes are per rank, in mesh order.
     """
 
     kind: str
@@ -96,6 +117,7 @@ class Step:
     pre: Rearrange | None = None
     post: Rearrange | None = None
     pairs: tuple[tuple[int, int], ...] = ()
+    transfers: tuple[Transfer, ...] = ()
     send_bytes: tuple[int, ...] = ()
     recv_bytes: tuple[int, ...] = ()
     time_s: float = 0.0
@@ -207,7 +229,7 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
     time = 0.0 if move.kind == "local" else cost_model.time(
         move.axes, max(max(send), max(recv)))
     return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
-                move.post, move.pairs, send, recv, time, peak)
+                move.post, move.pairs, move.transfers, send, recv, time, peak)
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,

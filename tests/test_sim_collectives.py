@@ -310,17 +310,18 @@ ERRORS = [
     (lambda: all_reduce(ranks(dtype=torch.int64), TP, "avg"), ShapeError,
      "all_reduce: op 'avg' needs a floating dtype, got torch.int64"),
     (lambda: reduce_scatter(ranks(), TP, 0, splits=[1, 2]), ShapeError,
-     "reduce_scatter: splits=[1, 2] for groups[0] sums to 3 but the dim has size 4; fix: make"
-     " the sizes sum to 4"),
+     "reduce_scatter: splits=[1, 2] for groups[0] sums to 3; expected 2 sizes, one per group"
+     " position, that sum to the dim size 4"),
     (lambda: reduce_scatter(ranks(), TP, 0, splits=[4]), ShapeError,
-     "reduce_scatter: splits=[4] for groups[0] must be 2 sizes >= 0"),
+     "reduce_scatter: splits=[4] for groups[0] is not 2 sizes >= 0; expected 2 sizes"),
     (lambda: reduce_scatter([torch.ones(2), torch.ones(3)], [(0, 1)]), ShapeError,
      "every rank of a group needs the same shape"),
     (lambda: all_to_all(ranks((3,)), TP), ShapeError,
      "all_to_all: rank 0 has size 3 along split_dim=0, not divisible by the size 2 of groups[0];"
      " fix: pad dim 0 to a multiple of 2, or pass input_splits"),
     (lambda: all_to_all(ranks((3,)), TP, input_splits=[1, 1]), ShapeError,
-     "all_to_all: input_splits=[1, 1] for rank 0 sums to 2 but the dim has size 3"),
+     "all_to_all: input_splits=[1, 1] for rank 0 sums to 2; expected 2 sizes, one per group"
+     " position, that sum to the dim size 3"),
     (lambda: all_to_all([torch.ones(2, 2), torch.ones(2, 4)], [(0, 1)], 0, 0), ShapeError,
      "all_to_all: rank 0 would concatenate a block of shape (1, 2) from rank 0 with one of shape"
      " (1, 4) from rank 1 along concat_dim=0"),
@@ -417,8 +418,8 @@ def test_bytes_sent_equal_bytes_received(case, name, data) -> None:
                 splits[r] = draw(st.lists(st.integers(0, 2), min_size=len(g), max_size=len(g)))
         r = all_to_all([torch.arange(float(sum(s))) for s in splits], groups, input_splits=splits)
     elif name == "send_recv":
-        index = st.tuples(st.builds(slice, st.integers(0, 2), st.integers(0, 3)))
-        ts = draw(st.lists(st.builds(Transfer, st.integers(0, n - 1), st.integers(0, n - 1), index)))
+        rank, index = st.integers(0, n - 1), st.tuples(st.builds(slice, st.integers(0, 3)))
+        ts = draw(st.lists(st.builds(Transfer, rank, rank, index)))
         r = send_recv(xs, ts)
     else:
         r = {"all_gather": lambda: all_gather(xs, groups, 0),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import reduce
 from itertools import accumulate
 from typing import Literal, get_args
 
@@ -65,15 +66,13 @@ def _is_int(v: object) -> bool:
 
 def _prepare(fn: str, xs: Sequence[Tensor], groups: Groups = ()
              ) -> tuple[tuple[Tensor, ...], tuple[tuple[int, ...], ...]]:
-    """xs as a tuple and groups as tuples, after checking both."""
     if isinstance(xs, Tensor) or not isinstance(xs, Sequence):
         raise ShapeError(f"{fn}: xs must be a list of per-rank tensors, got {type(xs).__name__};"
                          " fix: pass [tensor_of_rank_0, tensor_of_rank_1, ...]")
     for r, x in enumerate(xs):
         if not isinstance(x, Tensor):
             raise ShapeError(f"{fn}: xs[{r}] is a {type(x).__name__}, expected a torch.Tensor")
-    owner: dict[int, int] = {}
-    n = len(xs)
+    owner, n = dict[int, int](), len(xs)
     for gi, group in enumerate(groups):
         if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or not group:
             raise MeshAxisError(f"{fn}: groups[{gi}] = {group!r} is not a non-empty tuple of"
@@ -191,9 +190,7 @@ def op_reduce(tensors: Sequence[Tensor], op: str) -> Tensor:
             raise ShapeError(f"op_reduce: tensors[{i}] is {t.dtype} {tuple(t.shape)} on {t.device}"
                              f" but tensors[0] is {first.dtype} {tuple(first.shape)}")
     step = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-    acc = first.clone()
-    for t in tensors[1:]:
-        acc = step(acc, t)
+    acc = reduce(step, tensors[1:], first.clone())  # a left fold: ((t0 op t1) op t2) ...
     return acc / len(tensors) if op == "avg" else acc
 
 
