@@ -40,6 +40,10 @@ class PlanError(MeshcommError, ValueError):
     """A layout change that cannot be planned (e.g. mixing two reductions on one axis)."""
 
 
+class RankFailure(MeshcommError, RuntimeError):
+    """A rank of a multi-process run raised, crashed or did not finish in time."""
+
+
 def caret(text: str, start: int, end: int | None = None, note: str = "") -> str:
     """The text on one line and a caret line under `text[start:end]`, indented by 4."""
     end = start + 1 if end is None or end <= start else end

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +57,7 @@ class Layout:
     Layout('(dp b) s | sum(tp)')
     """
 
-    __slots__ = ("pattern", "_text")
+    __slots__ = ("pattern", "_text", "_hash")
     pattern: notation.Pattern
 
     def __new__(cls, text: str | Layout) -> Layout:
@@ -74,6 +75,7 @@ class Layout:
         self = object.__new__(cls)
         object.__setattr__(self, "pattern", pattern)
         object.__setattr__(self, "_text", str(pattern))
+        object.__setattr__(self, "_hash", hash(pattern))
         return self
 
     def __setattr__(self, name: str, value: object) -> None:
@@ -83,10 +85,11 @@ class Layout:
         return (Layout, (self._text,))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Layout) and self.pattern == other.pattern
+        return self is other or (isinstance(other, Layout) and self._hash == other._hash
+                                 and self.pattern == other.pattern)
 
     def __hash__(self) -> int:
-        return hash(self.pattern)
+        return self._hash
 
     def __str__(self) -> str:
         return self._text
@@ -181,6 +184,8 @@ def _resolve(layout: Layout, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ..
             f'layout "{text}" has {layout.ndim} dims but the shape {shape} has {len(shape)}.'
             f" fix: name one dim per tensor dim, e.g. \"{_suggest(len(shape))}\""
         )
+    if any(s < 0 for s in shape):
+        raise ShapeError(f'layout "{text}": shape {shape} has a negative size; sizes are >= 0')
     for axis in layout.partial_axes:
         if axis not in mesh.axis_names:
             raise _axis_error(text, axis, mesh, "a pending reduction is over mesh axes")
@@ -192,7 +197,9 @@ def _suggest(ndim: int) -> str:
 
 
 def _axis_error(text: str, name: str, mesh: Mesh, why: str) -> MeshAxisError:
-    at = text.find(name)
+    # names are unique in a layout, so the whole-word match is the token ("tq", not "tqa")
+    found = re.search(rf"\b{re.escape(name)}\b", text)
+    at = found.start() if found else text.find(name)
     hint = did_you_mean(name, mesh.axis_names)
     return MeshAxisError(
         f'layout "{text}" on {mesh!r}: "{name}" is not a mesh axis\n'
@@ -222,7 +229,8 @@ def _place_dim(text: str, i: int, dim: Dim, size: int, mesh: Mesh) -> DimPlaceme
         if known != size:
             raise ShapeError(
                 f'layout "{text}" does not fit dim {i} of size {size}: its factors {dim} multiply'
-                f" to {known}. fix: give the dim a name that takes the rest, e.g. \"({dim.factors[0]} x)\""
+                f" to {known}. fix: give the dim a name that takes the rest, e.g."
+                f" \"({' '.join(map(str, dim.factors))} {_fresh_name(text, mesh)})\""
             )
         return DimPlacement(size, tuple(parts_known), False)
     if size % known == 0:
@@ -234,10 +242,23 @@ def _place_dim(text: str, i: int, dim: Dim, size: int, mesh: Mesh) -> DimPlaceme
         raise ShapeError(
             f'layout "{text}" does not fit dim {i} of size {size}: {dim} needs a multiple of'
             f" {known}; only \"(axes... name)\" groups allow uneven shards."
-            f" fix: use \"({' '.join(a for a in mesh.axis_names if a in {f.name for f in dim.factors})} {free[0].name})\""
+            f" fix: use \"{_chunk_form(dim, mesh, free[0].name)}\""
             f", or pad dim {i} to {-(-size // known) * known}"
         )
     return DimPlacement(size, tuple(parts_known), True)
+
+
+def _fresh_name(text: str, mesh: Mesh) -> str:
+    """A dim name used neither in `text` nor as a mesh axis (for fix suggestions)."""
+    used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)) | set(mesh.axis_names)
+    return next(n for n in ("x", "y", "z", *(f"n{k}" for k in range(len(used) + 1)))
+                if n not in used)
+
+
+def _chunk_form(dim: Dim, mesh: Mesh, name: str) -> str:
+    """The "(axes... name)" group of `dim`'s mesh axes, or `name` alone when it has none."""
+    axes = [a for a in mesh.axis_names if a in {f.name for f in dim.factors}]
+    return f"({' '.join(axes)} {name})" if axes else name
 
 
 def chunk_range(start: int, length: int, parts: int, index: int) -> tuple[int, int]:

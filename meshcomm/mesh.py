@@ -103,8 +103,10 @@ class Mesh:
         flat: list[int] = []
         shape = _nested_shape(ranks, flat)
         if shape != self._sizes and not (len(shape) == 1 and shape[0] == size):
+            # self is half built here (no _ranks yet), so its repr cannot be used.
+            axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))
             raise ShapeError(
-                f"ranks= has shape {shape} but {self!r} needs shape {self._sizes}"
+                f"ranks= has shape {shape} but Mesh({axes}) needs shape {self._sizes}"
                 f" (or a flat list of {size} ranks)"
             )
         if len(set(flat)) != len(flat) or any(r < 0 for r in flat):

@@ -13,7 +13,7 @@ import functools
 import heapq
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from .errors import PlanError
 from .layout import Layout, Shape, as_layout
 from .mesh import AxisName, Mesh
 from .moves import Move, expand
+from .p2p import send_recv_move
 from .rearrange import Rearrange
 from .states import State, from_layout, local_numels, to_layout
 
@@ -176,11 +177,22 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
     >>> [step.kind for step in p.steps]
     ['all_to_all']
     """
+    if type(shape) is not tuple:
+        shape = tuple(shape)
+    return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
+               dtype: torch.dtype, cost_model: CostModel) -> Plan:
+    """`plan` keyed on the arguments as given, so a repeated call is one dict lookup."""
     if not isinstance(mesh, Mesh):
-        raise PlanError(f"mesh must be a meshcomm Mesh, got {type(mesh).__name__}")
+        raise PlanError(f"mesh must be a meshcomm Mesh, got {type(mesh).__name__};"
+                        ' fix: mc.Mesh("dp=2 tp=4")')
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"dtype must be a torch.dtype, got {dtype!r}")
     shape = tuple(int(s) for s in shape)
-    return _plan(mesh, shape, dtype, as_layout(src, "src"), as_layout(dst, "dst"),
-                 cost_model or CostModel())
+    return _plan(mesh, shape, dtype, as_layout(src, "src"), as_layout(dst, "dst"), cost_model)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,22 +246,21 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least (time, peak, steps) path of moves from `start` to `goal` (Pareto labels)."""
-    src_peak = max(local_numels(start, mesh)) * itemsize
-    counter = itertools.count()
-    heap: list[tuple[tuple[float, int, int], int, State, tuple[Move, ...]]] = [
-        ((0.0, src_peak, 0), next(counter), start, ())]
-    labels: dict[State, list[tuple[float, int, int]]] = {start: [(0.0, src_peak, 0)]}
+    """Least (time, peak, steps, send_recv steps) path from `start` to `goal` (Pareto labels)."""
     src_sizes = local_numels(start, mesh)
+    first: Key = (0.0, max(src_sizes) * itemsize, 0, 0)
+    counter = itertools.count()
+    heap: list[tuple[Key, int, State, tuple[Move, ...]]] = [(first, next(counter), start, ())]
+    labels: dict[State, list[Key]] = {start: [first]}
     while heap:
         key, _, state, path = heapq.heappop(heap)
         if state == goal:
             return path
         if key not in labels.get(state, ()):
             continue
-        for move in expand(state, goal, mesh):
+        for move in _moves(state, goal, mesh):
             nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_sizes, bool(path))
-            if _dominated(nkey, labels.get(move.after, [])):
+            if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
                 continue
             kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
             labels[move.after] = kept + [nkey]
@@ -257,20 +268,28 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug, please report it")
 
 
-def _extend(key: tuple[float, int, int], move: Move, state: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel, src_sizes: tuple[int, ...], held: bool) -> tuple[float, int, int]:
+Key = tuple[float, int, int, int]
+_DEFAULT_COST = CostModel()
+
+
+def _moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
+    yield from expand(state, goal, mesh)
+    direct = send_recv_move(state, goal, mesh)
+    if direct is not None:
+        yield direct
+
+
+def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
+            cost_model: CostModel, src_sizes: tuple[int, ...], held: bool) -> Key:
     ins, outs = local_numels(state, mesh), local_numels(move.after, mesh)
     live = max((i + o + (s if held else 0)) for i, o, s in zip(ins, outs, src_sizes)) * itemsize
     time = 0.0
     if move.kind != "local":
         busiest = max(max(move.send), max(move.recv)) * itemsize
         time = cost_model.time(move.axes, busiest)
-    return (round(key[0] + time, 15), max(key[1], live), key[2] + 1)
+    return (round(key[0] + time, 15), max(key[1], live), key[2] + 1,
+            key[3] + (move.kind == "send_recv"))
 
 
-def _dominates(a: tuple[float, int, int], b: tuple[float, int, int]) -> bool:
-    return a[0] <= b[0] and a[1] <= b[1] and a[2] <= b[2]
-
-
-def _dominated(key: tuple[float, int, int], labels: list[tuple[float, int, int]]) -> bool:
-    return any(_dominates(k, key) for k in labels)
+def _dominates(a: Key, b: Key) -> bool:
+    return all(x <= y for x, y in zip(a, b))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from .. import p2p
 from ..errors import MeshMismatchError, ShapeError
 from ..layout import chunk_range
 from ..mesh import Mesh
@@ -50,10 +51,11 @@ def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> 
     check_locals(plan, locals_)
     result = SimResult.noop(list(locals_))
     for step in plan.steps:
-        run = _RUN[step.kind]
         outs = list(result.outputs)
-        result = result.then(_local(step, plan.mesh, outs, plan.shape) if step.kind == "local"
-                             else run(step, plan.mesh, outs))
+        if step.kind in ("local", "send_recv"):
+            result = result.then(_SHAPED[step.kind](step, plan.mesh, outs, plan.shape))
+        else:
+            result = result.then(_RUN[step.kind](step, plan.mesh, outs))
     return result
 
 
@@ -142,10 +144,24 @@ def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
 
 
 _RUN: dict[str, Callable[[Step, Mesh, list[Tensor]], SimResult]] = {
-    "local": _local,  # type: ignore[dict-item]  (called with the plan's shape)
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
     "all_reduce": _all_reduce,
     "all_to_all": _all_to_all,
     "collective_permute": _permute,
+}
+
+
+def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    packed = [p2p.pack(step.transfers, mesh, r, x) for r, x in zip(mesh.ranks, xs)]
+    group = (tuple(range(mesh.size)),)
+    res = coll.all_to_all([p[0] for p in packed], group, input_splits=[p[1] for p in packed])
+    outs = [p2p.unpack(step.transfers, mesh, r, flat, step.after.local_shape(mesh, shape, r))
+            for r, flat in zip(mesh.ranks, res.outputs)]
+    return _with(res, outs)
+
+
+_SHAPED: dict[str, Callable[[Step, Mesh, list[Tensor], tuple[int, ...]], SimResult]] = {
+    "local": _local,
+    "send_recv": _send_recv,
 }

@@ -1,0 +1,137 @@
+"""Point-to-point redistribution: any layout change as balanced block transfers.
+
+This module never communicates. `send_recv_move` plans a single step in which
+every rank receives exactly the elements it needs and does not hold (so a
+rank's received bytes equal the lower bound), each from one holder, spreading
+the sending over the ranks that hold replicas. Executors run the step as one
+all_to_all with uneven splits over the whole mesh, using `pack` and `unpack`
+so that the simulated and the real executor move the same bytes in the same
+order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+
+from .mesh import Mesh
+from .moves import Move, block_indices
+from .states import State
+
+Index = tuple[tuple[int, ...], ...]
+
+
+def _atoms(sets: list[tuple[int, ...]], size: int) -> list[tuple[int, ...]]:
+    """Classes of indices 0..size-1 that belong to exactly the same sets."""
+    members = [frozenset(s) for s in {tuple(sorted(s)) for s in sets}]
+    classes: dict[tuple[bool, ...], list[int]] = defaultdict(list)
+    for i in range(size):
+        classes[tuple(i in m for m in members)].append(i)
+    return list(classes.values())
+
+
+def _cells_of(need: Index, atoms: list[list[tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
+    per_dim = []
+    for d, ix in enumerate(need):
+        want = set(ix)
+        per_dim.append([a for a in atoms[d] if a and a[0] in want])
+    cells: list[tuple[tuple[int, ...], ...]] = [()]
+    for options in per_dim:
+        cells = [c + (a,) for c in cells for a in options]
+    return cells
+
+
+def _holds(have: Index, cell: tuple[tuple[int, ...], ...]) -> bool:
+    return all(a[0] in set(h) for h, a in zip(have, cell))
+
+
+@functools.lru_cache(maxsize=1024)
+def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
+    """One send_recv step from `state` straight to `dst`, or None where it does not apply."""
+    from .plan import Transfer
+
+    if state.partial != dst.partial or state.op != dst.op or state == dst:
+        return None
+    have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
+    need = {r: block_indices(dst, mesh, r) for r in mesh.ranks}
+    shape = tuple(d.size for d in state.dims)
+    atoms = [_atoms([have[r][d] for r in mesh.ranks] + [need[r][d] for r in mesh.ranks], n)
+             for d, n in enumerate(shape)]
+    load = dict.fromkeys(mesh.ranks, 0)
+    transfers = []
+    for r in mesh.ranks:
+        pos_r = [{g: k for k, g in enumerate(ix)} for ix in need[r]]
+        for cell in _cells_of(need[r], atoms):
+            src = r if _holds(have[r], cell) else _holder(state, mesh, r, cell, have, load)
+            if src is None:
+                return None
+            pos_s = [{g: k for k, g in enumerate(ix)} for ix in have[src]]
+            transfers.append(Transfer(src, r, tuple(tuple(p[g] for g in a) for p, a in zip(pos_s, cell)),
+                                      tuple(tuple(p[g] for g in a) for p, a in zip(pos_r, cell))))
+            if src != r:
+                load[src] += transfers[-1].numel
+    transfers.sort(key=lambda t: (mesh.position(t.src), mesh.position(t.dst)))
+    send, recv = [0] * mesh.size, [0] * mesh.size
+    for t in transfers:
+        if t.src != t.dst:
+            send[mesh.position(t.src)] += t.numel
+            recv[mesh.position(t.dst)] += t.numel
+    return Move("send_recv", mesh.axis_names, dst, transfers=tuple(transfers),
+                send=tuple(send), recv=tuple(recv))
+
+
+def _holder(state: State, mesh: Mesh, r: int, cell, have, load) -> int | None:
+    """The least-loaded rank holding `cell` with the same pending-reduction coordinates as r."""
+    mine = mesh.coords(r)
+    best = None
+    for s in mesh.ranks:
+        if any(mesh.coords(s)[a] != mine[a] for a in state.partial):
+            continue
+        if _holds(have[s], cell) and (best is None or load[s] < load[best]):
+            best = s
+    return best
+
+
+# -- running a send_recv step as one all_to_all with uneven splits -------------------
+def _grid(index: Index) -> tuple[Tensor, ...]:
+    axes = [torch.tensor(ix, dtype=torch.long) for ix in index]
+    return torch.meshgrid(*axes, indexing="ij") if axes else ()
+
+
+def pack(transfers, mesh: Mesh, rank: int, x: Tensor) -> tuple[Tensor, list[int]]:
+    """The flat buffer `rank` sends (blocks in destination order) and its split sizes."""
+    splits = [0] * mesh.size
+    parts = []
+    for t in transfers:
+        if t.src == rank:
+            parts.append(x[_grid(t.src_index)].reshape(-1) if t.src_index else x.reshape(-1))
+            splits[mesh.position(t.dst)] += t.numel
+    flat = torch.cat(parts) if parts else x.new_empty(0)
+    return flat, splits
+
+
+def recv_splits(transfers, mesh: Mesh, rank: int) -> list[int]:
+    """Elements `rank` receives from each mesh position."""
+    splits = [0] * mesh.size
+    for t in transfers:
+        if t.dst == rank:
+            splits[mesh.position(t.src)] += t.numel
+    return splits
+
+
+def unpack(transfers, mesh: Mesh, rank: int, flat: Tensor, out_shape: tuple[int, ...]) -> Tensor:
+    """`rank`'s output tensor from the flat buffer it received (blocks in source order)."""
+    out = flat.new_empty(out_shape)
+    offset = 0
+    for t in transfers:
+        if t.dst == rank:
+            block = flat[offset:offset + t.numel]
+            if t.dst_index:
+                out[_grid(t.dst_index)] = block.reshape([len(ix) for ix in t.dst_index])
+            else:
+                out = block.reshape(out_shape).clone()
+            offset += t.numel
+    return out
