@@ -161,12 +161,57 @@ class Plan:
         got, bound = max(self.recv_bytes, default=0), max(self.lower_bound_bytes, default=0)
         return 1.0 if got == bound else (math.inf if bound == 0 else got / bound)
 
+    def rows(self) -> tuple[dict[str, Any], ...]:
+        """One plain row per step (what `explain()` and `--json` show); bytes are max over ranks."""
+        out = []
+        for i, step in enumerate(self.steps, 1):
+            g = math.prod(self.mesh.axis_size(a) for a in step.axes)
+            out.append({
+                "step": i, "kind": step.kind, "action": step.action, "axes": list(step.axes),
+                "group_size": g, "op": step.op,
+                "before": str(step.before), "after": str(step.after),
+                "local_shape_before": list(_local_shape(self, step.before)),
+                "local_shape_after": list(_local_shape(self, step.after)),
+                "send_bytes": max(step.send_bytes), "recv_bytes": max(step.recv_bytes),
+                "time_s": step.time_s, "peak_bytes": max(step.peak_bytes),
+            })
+        return tuple(out)
+
+    def summary(self) -> dict[str, Any]:
+        """Totals of the plan as plain data (max over ranks unless named `_sum`)."""
+        return {
+            "mesh": str(self.mesh), "shape": list(self.shape), "dtype": str(self.dtype),
+            "src": str(self.src), "dst": str(self.dst),
+            "collectives": len(self.collectives), "steps": len(self.steps),
+            "send_bytes": max(self.send_bytes), "recv_bytes": max(self.recv_bytes),
+            "recv_bytes_sum": sum(self.recv_bytes),
+            "lower_bound_bytes": max(self.lower_bound_bytes),
+            "bound_ratio": self.bound_ratio, "peak_bytes": max(self.peak_bytes),
+            "cost_s": self.cost,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON-ready data: summary plus one row per step."""
+        return {**self.summary(), "plan": list(self.rows())}
+
+    def explain(self) -> str:
+        """The plan as a plain-text table: one row per step, then totals against the bound.
+
+        `print(plan)` prints the same; `mc.show_plan(plan)` draws it with rich and adds
+        the pictures of the layouts before and after.
+        """
+        from .explain import format_plan
+
+        return format_plan(self)
+
     def __str__(self) -> str:
-        lines = [f"plan {self.src} -> {self.dst} for shape {self.shape} on {self.mesh!r}"]
-        lines += [f"  {i}. {step}" for i, step in enumerate(self.steps, 1)] or ["  (no steps)"]
-        lines.append(f"  max bytes received {max(self.recv_bytes, default=0)},"
-                     f" lower bound {max(self.lower_bound_bytes, default=0)}")
-        return "\n".join(lines)
+        return self.explain()
+
+
+def _local_shape(p: Plan, layout: Layout) -> Shape:
+    """The largest local shape any rank holds under `layout` (ranks differ when uneven)."""
+    shapes = [layout.local_shape(p.mesh, p.shape, r) for r in p.mesh.ranks]
+    return max(shapes, key=math.prod)
 
 
 def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
