@@ -19,12 +19,14 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from . import explain
 from .layout import Layout, Shape, as_layout
 from .mesh import AxisName, Mesh
+from .plan import Plan
 
 __all__ = ["BlockGrid", "Console", "ShardRow", "block_grid", "dim_names", "export_svg",
-           "format_indices", "make_console", "owner_label", "render_layout", "shard_rows",
-           "show", "status"]
+           "format_indices", "make_console", "owner_label", "render_layout", "render_plan",
+           "shard_rows", "show", "show_plan", "status"]
 
 EMPTY = "∅"
 MAX_BLOCKS = 16
@@ -352,6 +354,53 @@ def _rank_table(mesh: Mesh, layout: Layout, rows: Sequence[ShardRow]) -> Table:
         coords = " ".join(f"{a}{c}" for a, c in row.coords)
         table.add_row(f"r{row.rank}", coords, str(row.local_shape), *row.ranges, row.note)
     return table
+
+
+# -- plans ------------------------------------------------------------------------
+def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> RenderableType:
+    """A rich renderable of `plan`: its steps as a table, the totals against the lower
+    bound, then (with `pictures`) the layouts before and after as `show` draws them.
+
+    The cells are the words of `plan.explain()`, so the two read the same.
+    """
+    parts: list[RenderableType] = [Text(explain.title_line(plan), style="bold")]
+    rows = plan.rows()
+    parts.append(_plan_table(rows) if rows else Text(explain.NO_STEPS))
+    parts.append(Text("\n".join(explain.total_lines(plan))))
+    if pictures:
+        for word, layout in (("before", plan.src), ("after", plan.dst)):
+            parts += [Text(""), Text(f"{word}:", style="bold underline"),
+                      render_layout(plan.mesh, plan.shape, layout, width=width)]
+    return Group(*parts)
+
+
+def _plan_table(rows: Sequence[dict[str, object]]) -> Table:
+    """One row per step; under its local shapes, the layout the step leaves."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    heads = list(explain.HEADERS)
+    heads[3] = "local shape\nlayout after"
+    for i, head in enumerate(heads):
+        table.add_column(head, justify="right" if i in explain.RIGHT else "left",
+                         no_wrap=i != 3, overflow="fold")
+    for row in rows:
+        cells = explain.step_cells(row)
+        shapes = Text(cells[3])
+        shapes.append(f'\n"{row["after"]}"', style="italic")
+        table.add_row(*cells[:3], shapes, *cells[4:])
+    return table
+
+
+def show_plan(plan: Plan, *, console: Console | None = None, width: int | None = None,
+              pictures: bool = True) -> None:
+    """Print `plan`: one row per step, totals against the lower bound, layout pictures.
+
+    >>> import meshcomm as mc
+    >>> p = mc.plan(mc.Mesh("dp=2 tp=2"), (8, 6), "(dp b) h", "b (dp h)")
+    >>> show_plan(p, width=100)  # doctest: +SKIP
+    """
+    console = console or make_console(width=width)
+    console.print(render_plan(plan, width=width or console.width, pictures=pictures),
+                  highlight=False)
 
 
 # -- consoles and output ----------------------------------------------------------

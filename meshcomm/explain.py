@@ -1,16 +1,167 @@
-"""Plain-text explanation of a Plan (no rich): used by `str(plan)` and `plan.explain()`."""
+"""Plain-text explanation of a Plan: the table behind `print(plan)` and `plan.explain()`.
+
+This module never imports rich. Its cell and line helpers (`step_cells`,
+`total_lines`, `layout_lines`) are plain strings that `display.render_plan`
+reuses, so the rich table and the plain one say the same thing in the same
+words. Bytes print in binary units ("1.0 KiB"); the exact counts are in
+`plan.to_json()`.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .layout import Layout
+    from .plan import Plan
+
+HEADERS = ("#", "step", "axes (group)", "local shape", "sent", "received", "time (µs)",
+           "peak mem")
+NO_STEPS = "(no communication: layouts are equal)"
+RIGHT = frozenset({0, 4, 5, 6, 7})     # numeric columns, right-aligned
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
-def format_plan(plan: Any) -> str:
-    """A fixed-width table of `plan.rows()` and its totals (temporary: see display.show_plan)."""
-    lines = [f"plan {plan.src} -> {plan.dst} for shape {plan.shape} on {plan.mesh!r}"]
-    for row in plan.rows():
-        what = row["action"] if row["kind"] == "local" else row["kind"]
-        lines.append(f"  {row['step']}. {what}({', '.join(row['axes'])}): {row['before']} -> {row['after']}")
+def format_bytes(n: int) -> str:
+    """Bytes in binary units: "48 B", "1.0 KiB", "2.5 MiB".
+
+    >>> format_bytes(1024), format_bytes(48), format_bytes(3 * 2**20 // 2)
+    ('1.0 KiB', '48 B', '1.5 MiB')
+    """
+    if n < 1024:
+        return f"{n} B"
+    k = min(int(math.log(n, 1024)), len(_UNITS) - 1)
+    value = n / 1024**k
+    if round(value, 1) >= 1024 and k + 1 < len(_UNITS):
+        k, value = k + 1, value / 1024
+    return f"{value:.1f} {_UNITS[k]}"
+
+
+def format_us(seconds: float) -> str:
+    """Seconds as microseconds with three significant digits and no exponent.
+
+    >>> format_us(1.024e-08), format_us(2.5e-5), format_us(0.0), format_us(0.0123)
+    ('0.0102', '25.0', '0', '12300')
+    """
+    us = seconds * 1e6
+    if us == 0:
+        return "0"
+    places = max(0, 2 - math.floor(math.log10(abs(us))))
+    return f"{us:.{places}f}"
+
+
+def dtype_name(plan: Plan) -> str:
+    """The plan's dtype without the "torch." prefix, e.g. "float32"."""
+    return str(plan.dtype).removeprefix("torch.")
+
+
+def title_line(plan: Plan) -> str:
+    """'plan "src" -> "dst": shape (8, 6) float32 on Mesh(dp=2, tp=2)'."""
+    return (f'plan "{plan.src}" -> "{plan.dst}": shape {tuple(plan.shape)} {dtype_name(plan)}'
+            f" on {plan.mesh!r}")
+
+
+def step_name(row: dict[str, Any]) -> str:
+    """The step column: the collective, or the local action, plus its reduce op if any."""
+    name = row["action"] if row["kind"] == "local" else row["kind"]
+    return f"{name} {row['op']}" if row["op"] else name
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return str(tuple(shape))
+
+
+def step_cells(row: dict[str, Any]) -> tuple[str, ...]:
+    """The cells of one `plan.rows()` row, in `HEADERS` order."""
+    axes = f"{','.join(row['axes'])} ({row['group_size']})"
+    shapes = f"{_shape_text(row['local_shape_before'])} -> {_shape_text(row['local_shape_after'])}"
+    return (str(row["step"]), step_name(row), axes, shapes, format_bytes(row["send_bytes"]),
+            format_bytes(row["recv_bytes"]), format_us(row["time_s"]),
+            format_bytes(row["peak_bytes"]))
+
+
+def step_layouts(row: dict[str, Any]) -> str:
+    """'"before" -> "after"': the layouts around one step."""
+    return f'"{row["before"]}" -> "{row["after"]}"'
+
+
+def bound_text(plan: Plan) -> str:
+    """'1.00x of the lower bound (1024 B)', from the busiest rank's received bytes."""
     s = plan.summary()
-    lines.append(f"  max bytes received {s['recv_bytes']}, lower bound {s['lower_bound_bytes']}")
+    ratio = s["bound_ratio"]
+    if math.isinf(ratio):
+        return f"receives {s['recv_bytes']} B where the lower bound is 0 B"
+    return f"{ratio:.2f}x of the lower bound ({s['lower_bound_bytes']} B)"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def total_lines(plan: Plan) -> tuple[str, ...]:
+    """The totals: the bound, the busiest rank's and all ranks' traffic, memory and time."""
+    s = plan.summary()
+    return (
+        f"total: {_count(s['collectives'], 'collective')} in {_count(s['steps'], 'step')},"
+        f" {bound_text(plan)}",
+        f"  busiest rank sends {format_bytes(s['send_bytes'])} and receives"
+        f" {format_bytes(s['recv_bytes'])} (all ranks receive {format_bytes(s['recv_bytes_sum'])})",
+        f"  peak memory {format_bytes(s['peak_bytes'])} per rank;"
+        f" modelled time {format_us(s['cost_s'])} µs",
+    )
+
+
+def _layout_note(plan: Plan, layout: Layout) -> str:
+    shape = max((layout.local_shape(plan.mesh, plan.shape, r) for r in plan.mesh.ranks),
+                key=math.prod)
+    parts = [f"local {_shape_text(shape)}"]
+    for word, axes in (("sharded", layout.sharded_axes(plan.mesh)),
+                       ("replicated", layout.replicated_axes(plan.mesh))):
+        if axes:
+            parts.append(f"{word} over {', '.join(axes)}")
+    note = "; ".join(parts)
+    if layout.reduce_op is not None:
+        note += f"; pending {layout.reduce_op} over {', '.join(layout.partial_axes)}"
+    return note
+
+
+def layout_lines(plan: Plan) -> tuple[str, ...]:
+    """'before: "src"  local (4, 6); sharded over dp' and the same for after."""
+    quoted = {word: f'"{layout}"' for word, layout in (("before:", plan.src), ("after:", plan.dst))}
+    pad = max(len(q) for q in quoted.values())
+    return tuple(f"{word:<7} {quoted[word]:<{pad}}  {_layout_note(plan, layout)}"
+                 for word, layout in (("before:", plan.src), ("after:", plan.dst)))
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Fixed-width table lines: a header, then each step and its layouts indented below."""
+    cells = [step_cells(row) for row in rows]
+    widths = [max(len(c[i]) for c in [HEADERS, *cells]) for i in range(len(HEADERS))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if i in RIGHT else v.ljust(w)
+                 for i, (v, w) in enumerate(zip(values, widths))]
+        return "  ".join(parts).rstrip()
+
+    out = [line(HEADERS)]
+    for row, values in zip(rows, cells):
+        out.append(line(values))
+        out.append(" " * (widths[0] + 2) + step_layouts(row))
+    return out
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as fixed-width text: title, one row per step, totals, layouts before and after.
+
+    >>> import meshcomm as mc
+    >>> p = mc.plan(mc.Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
+    >>> print(format_plan(p).splitlines()[2])
+    1  all_to_all  dp (2)        (4, 16, 8) -> (8, 8, 8)  1.0 KiB   1.0 KiB     0.0102   4.0 KiB
+    """
+    rows = plan.rows()
+    lines = [title_line(plan)]
+    lines += _table(rows) if rows else [NO_STEPS]
+    lines += [*total_lines(plan), *layout_lines(plan)]
     return "\n".join(lines)

@@ -188,7 +188,7 @@ def _resolve(layout: Layout, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ..
         raise ShapeError(f'layout "{text}": shape {shape} has a negative size; sizes are >= 0')
     for axis in layout.partial_axes:
         if axis not in mesh.axis_names:
-            raise _axis_error(text, axis, mesh, "a pending reduction is over mesh axes")
+            raise _axis_error(text, axis, mesh, "a pending reduction is over mesh axes ({axes})")
     return tuple(_place_dim(text, i, dim, shape[i], mesh) for i, dim in enumerate(layout.dims))
 
 
@@ -203,7 +203,7 @@ def _axis_error(text: str, name: str, mesh: Mesh, why: str) -> MeshAxisError:
     hint = did_you_mean(name, mesh.axis_names)
     return MeshAxisError(
         f'layout "{text}" on {mesh!r}: "{name}" is not a mesh axis\n'
-        + caret(text, at, at + len(name), f"{why} ({', '.join(mesh.axis_names)})")
+        + caret(text, at, at + len(name), why.format(axes=", ".join(mesh.axis_names)))
         + (f"\n  fix: {hint}" if hint else "")
     )
 
@@ -219,8 +219,8 @@ def _place_dim(text: str, i: int, dim: Dim, size: int, mesh: Mesh) -> DimPlaceme
     free = [f for f in dim.factors if f.name not in axes and f.size is None]
     if len(free) > 1 and len(dim.factors) > 1:
         bad = next((f.name for f in free if did_you_mean(f.name, axes)), free[0].name)
-        raise _axis_error(text, bad, mesh, "a group holds mesh axes, sized factors (x=2) and"
-                          " at most one dim name")
+        raise _axis_error(text, bad, mesh, "a group is one dim name plus mesh axes ({axes})"
+                          " or sized factors (x=2)")
     known = math.prod(mesh.axis_size(f.name) if f.name in axes else (f.size or 1)
                       for f in dim.factors)
     parts_known = [Part(f.name, mesh.axis_size(f.name) if f.name in axes else (f.size or 0),

@@ -39,7 +39,7 @@ class Move:
     kind: str                      # a Step kind: "local", "all_gather", ...
     axes: tuple[AxisName, ...]     # group axes, major first
     after: State
-    action: str = ""               # for "local": "slice", "mark_partial", "spread_partial"
+    action: str = ""               # for "local": "slice", "mark_partial", "reindex"
     op: str | None = None          # reduce op of reduce_scatter / all_reduce / mark_partial
     dim: int | None = None         # tensor dim of an uneven (chunk) collective, else None
     pre: Rearrange | None = None   # local rearrange before the collective
@@ -375,7 +375,8 @@ def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName
 
 
 def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
-    """Free local moves into a pending reduction the destination asks for."""
+    """Free local moves: a replicated axis becomes a pending reduction the destination asks for
+    (one rank of each group keeps the values for "sum", every rank for the other ops)."""
     if not dst.partial or (state.partial and state.op != dst.op):
         return
     zeros = (0,) * mesh.size
@@ -388,22 +389,6 @@ def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             after = State(state.dims, partial, dst.op)
             yield Move("local", (axis,), after, action="mark_partial", op=dst.op,
                        send=zeros, recv=zeros)
-            continue
-        d = state.axis_dim(axis)
-        if d is None or dst.op == "avg":
-            continue
-        if state.dims[d].chunks:
-            if state.dims[d].chunks[-1] == axis:
-                after = State(_set_dim(state, d, _without(state.dims[d], axis, mesh)).dims,
-                              partial, dst.op)
-                yield Move("local", (axis,), after, action="spread_partial", op=dst.op, dim=d,
-                           send=zeros, recv=zeros)
-            continue
-        shard = _shard_of(state.dims[d], axis)
-        after = State(_set_dim(state, d, _without(state.dims[d], axis, mesh)).dims, partial, dst.op)
-        post = _rearrange(state, after, (shard,), (), {axis: d})
-        yield Move("local", (axis,), after, action="spread_partial", op=dst.op, post=post,
-                   send=zeros, recv=zeros)
 
 
 def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
@@ -424,6 +409,10 @@ def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         source[r] = r if r in free else free[0]
     axes = tuple(a for a in mesh.axis_names
                  if any(mesh.coords(r)[a] != mesh.coords(s)[a] for r, s in source.items()))
+    if not axes:  # every rank already holds its block: only the description changes
+        zeros = (0,) * mesh.size
+        yield Move("local", (), dst, action="relabel", send=zeros, recv=zeros)
+        return
     pairs = None
     for group in mesh.groups(*axes):
         pos = {rank: i for i, rank in enumerate(group)}

@@ -22,7 +22,8 @@ from .errors import LayoutSyntaxError, caret
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
-_TOKEN_RE = re.compile(r"\s*(?:([A-Za-z_][A-Za-z0-9_]*)(\s*=\s*(-?[0-9]+))?|(.))")
+# The token is optional so that trailing whitespace (newlines too, which "." skips) matches.
+_TOKEN_RE = re.compile(r"\s*(?:([A-Za-z_][A-Za-z0-9_]*)(\s*=\s*(-?[0-9]+))?|(.))?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,8 @@ def _tokens(text: str, start: int, end: int) -> list[tuple[int, int, str, int | 
             break
         tok_start = m.start(1) if m.group(1) else m.start(4)
         if m.group(1):
+            if m.group(2) and len(m.group(3).lstrip("-0")) > 18:   # int() refuses 4300+ digits
+                raise _fail(text, tok_start, m.end(), "this size is too large", "write x=2")
             size = int(m.group(3)) if m.group(2) else None
             if m.group(2) and m.group(3) is None:
                 raise _fail(text, tok_start, m.end(), "expected a size after '='", "write x=2")

@@ -30,7 +30,7 @@ def _atoms(sets: list[tuple[int, ...]], size: int) -> list[tuple[int, ...]]:
     classes: dict[tuple[bool, ...], list[int]] = defaultdict(list)
     for i in range(size):
         classes[tuple(i in m for m in members)].append(i)
-    return list(classes.values())
+    return [tuple(c) for c in classes.values()]
 
 
 def _cells_of(need: Index, atoms: list[list[tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
@@ -79,6 +79,8 @@ def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
         if t.src != t.dst:
             send[mesh.position(t.src)] += t.numel
             recv[mesh.position(t.dst)] += t.numel
+    if not any(send):
+        return None  # only local copies: the slicing moves do that without a buffer
     return Move("send_recv", mesh.axis_names, dst, transfers=tuple(transfers),
                 send=tuple(send), recv=tuple(recv))
 
@@ -93,6 +95,58 @@ def _holder(state: State, mesh: Mesh, r: int, cell, have, load) -> int | None:
         if _holds(have[s], cell) and (best is None or load[s] < load[best]):
             best = s
     return best
+
+
+@functools.lru_cache(maxsize=1024)
+def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
+    """A free local step straight to a pending reduction in `dst`: each rank keeps the part of
+    its block that it needs, and the other elements hold the op's identity, or None.
+
+    For every element a destination reduction group needs, one member that holds and needs
+    it keeps it (the first in group order), so the reduction gives the element back exactly.
+    """
+    from .plan import Transfer
+
+    new = tuple(a for a in dst.partial if a not in state.partial)
+    if not new or dst.op == "avg" or (state.partial and state.op != dst.op):
+        return None
+    if any(a not in dst.partial for a in state.partial) or state == dst:
+        return None
+    have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
+    need = {r: block_indices(dst, mesh, r) for r in mesh.ranks}
+    shape = tuple(d.size for d in state.dims)
+    atoms = [_atoms([have[r][d] for r in mesh.ranks] + [need[r][d] for r in mesh.ranks], n)
+             for d, n in enumerate(shape)]
+    transfers = []
+    for group in mesh.groups(*new):
+        kept: set[tuple[tuple[int, ...], ...]] = set()
+        wanted: set[tuple[tuple[int, ...], ...]] = set()
+        for r in group:
+            pos_r = [{g: k for k, g in enumerate(ix)} for ix in need[r]]
+            pos_h = [{g: k for k, g in enumerate(ix)} for ix in have[r]]
+            for cell in _cells_of(need[r], atoms):
+                wanted.add(cell)
+                if cell in kept or not _holds(have[r], cell):
+                    continue
+                kept.add(cell)
+                transfers.append(Transfer(r, r, tuple(tuple(p[g] for g in a) for p, a in zip(pos_h, cell)),
+                                          tuple(tuple(p[g] for g in a) for p, a in zip(pos_r, cell))))
+        if wanted - kept:
+            return None
+    zeros = (0,) * mesh.size
+    return Move("local", new, dst, action="reindex", op=dst.op, transfers=tuple(transfers),
+                send=zeros, recv=zeros)
+
+
+def fill_reindexed(transfers, rank: int, x: Tensor, out: Tensor) -> Tensor:
+    """Write the blocks `rank` keeps into `out` (already holding the op's identity)."""
+    for t in transfers:
+        if t.dst == rank:
+            if t.dst_index:
+                out[_grid(t.dst_index)] = x[_grid(t.src_index)]
+            else:
+                out = x.clone()
+    return out
 
 
 # -- running a send_recv step as one all_to_all with uneven splits -------------------

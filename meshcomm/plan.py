@@ -24,7 +24,7 @@ from .errors import PlanError
 from .layout import Layout, Shape, as_layout
 from .mesh import AxisName, Mesh
 from .moves import Move, expand
-from .p2p import send_recv_move
+from .p2p import reindex_move, send_recv_move
 from .rearrange import Rearrange
 from .states import State, from_layout, local_numels, to_layout
 
@@ -319,9 +319,14 @@ _DEFAULT_COST = CostModel()
 
 def _moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     yield from expand(state, goal, mesh)
-    direct = send_recv_move(state, goal, mesh)
-    if direct is not None:
-        yield direct
+    # Straight to the goal, or to the goal's dims when its pending axes are marked after.
+    stripped = State(goal.dims, state.partial, state.op)
+    sharded = {a for dim in goal.dims for a in dim.axes}
+    targets = [goal]
+    if stripped != goal and not sharded & set(state.partial):
+        targets.append(stripped)
+    moves = [send_recv_move(state, t, mesh) for t in targets] + [reindex_move(state, goal, mesh)]
+    yield from (m for m in moves if m is not None)
 
 
 def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,

@@ -79,11 +79,12 @@ def _local(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> 
     g = _size(mesh, step)
     for rank, x in zip(mesh.ranks, xs):
         pos = mesh.group_index(rank, *step.axes)[1]
-        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank)))
+        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank))
     return SimResult.noop(outs)
 
 
-def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...]) -> Tensor:
+def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...],
+               rank: int) -> Tensor:
     """A local step on one rank at group position `pos` of a group of `g` (shared with dist).
 
     `out_shape` is the rank's local shape after the step (from the step's layout).
@@ -97,15 +98,11 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
     if step.action == "mark_partial":
         keep = step.op != "sum" or pos == 0
         return x.clone() if keep else torch.zeros_like(x)
-    if step.action == "spread_partial":
-        fill = _filler(x, step.op or "sum")
-        if step.dim is not None:
-            out = _filler(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
-            start, _ = chunk_range(0, out_shape[step.dim], g, pos)
-            out.narrow(step.dim, start, x.shape[step.dim]).copy_(x)
-            return out
-        blocks = torch.stack([x if i == pos else fill for i in range(g)])
-        return step.post.apply(blocks) if step.post else blocks
+    if step.action == "relabel":
+        return x.clone()
+    if step.action == "reindex":
+        out = _filler(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
+        return p2p.fill_reindexed(step.transfers, rank, x, out)
     raise AssertionError(f"unknown local action {step.action!r} in {step}")
 
 

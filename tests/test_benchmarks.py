@@ -1,0 +1,57 @@
+"""benchmarks/plan_vs_dtensor.py --quick runs end to end and writes the JSON it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_dtensor.py"
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("bench") / "plan_vs_dtensor.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out),
+                           "--timeout", "45"],
+                          capture_output=True, text=True, timeout=55)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_json_has_the_expected_keys(quick_run: tuple[str, dict]) -> None:
+    _, report = quick_run
+    assert set(report) == {"meta", "cases", "summary", "planning_speed"}
+    assert {"cases", "worse_than_dtensor", "worse_details",
+            "geomean_recv_max_over_lower_bound"} <= set(report["summary"])
+    assert report["cases"], "no cases ran"
+    for row in report["cases"]:
+        assert {"id", "mesh", "shape", "src", "dst", "meshcomm", "dtensor",
+                "dtensor_placements"} <= set(row)
+        assert {"recv_max", "recv_sum", "collectives", "peak_max",
+                "lower_bound_max"} <= set(row["meshcomm"])
+        assert set(row["dtensor"]) == {"default", "min_cost"}
+    speed = report["planning_speed"]
+    assert speed["meshcomm"]["cold_p50_s"] > 0 and speed["meshcomm"]["cached_p50_s"] > 0
+    assert speed["dtensor"]["cached_p50_s"] > 0 and "ratios" in speed
+
+
+def test_dtensor_runs_are_checked_and_counted(quick_run: tuple[str, dict]) -> None:
+    _, report = quick_run
+    measured = [d for row in report["cases"] for d in row["dtensor"].values()
+                if isinstance(d, dict) and "error" not in d]
+    assert measured and all(d["ok"] for d in measured)
+    by_id = {row["id"]: row for row in report["cases"]}
+    # tp=4, (8, 16) float32, "(tp a) b" -> "a (tp b)": one all_to_all, 3 blocks of 32 bytes.
+    assert by_id["c01"]["dtensor"]["default"]["recv_max"] == 96
+    assert by_id["c01"]["dtensor"]["default"]["collectives"] == 1
+    assert by_id["c01"]["meshcomm"]["recv_max"] == 96
+
+
+def test_summary_lines_are_printed(quick_run: tuple[str, dict]) -> None:
+    stdout, _ = quick_run
+    assert "cases where meshcomm moves more bytes or uses more peak memory" in stdout
+    assert "geometric mean of meshcomm max-rank received bytes / lower bound" in stdout
