@@ -6,7 +6,7 @@
 ['all_to_all']
 """
 from . import sim
-from .display import show
+from .display import show, show_plan
 from .errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
                      PlanError, RecipeError, ShapeError)
 from .layout import Layout, as_layout
@@ -15,4 +15,4 @@ from .plan import CostModel, Plan, Step, plan
 
 __all__ = ["CostModel", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
            "MeshMismatchError", "MeshcommError", "Plan", "PlanError", "RecipeError", "ShapeError",
-           "Step", "as_layout", "plan", "show", "sim"]
+           "Step", "as_layout", "plan", "show", "show_plan", "sim"]

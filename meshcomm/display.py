@@ -376,7 +376,7 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
 
 def _plan_table(rows: Sequence[dict[str, object]]) -> Table:
     """One row per step; under its local shapes, the layout the step leaves."""
-    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
     heads = list(explain.HEADERS)
     heads[3] = "local shape\nlayout after"
     for i, head in enumerate(heads):

@@ -75,7 +75,7 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 def step_cells(row: dict[str, Any]) -> tuple[str, ...]:
     """The cells of one `plan.rows()` row, in `HEADERS` order."""
-    axes = f"{','.join(row['axes'])} ({row['group_size']})"
+    axes = f"{','.join(row['axes'])} ({row['group_size']})" if row["axes"] else "-"
     shapes = f"{_shape_text(row['local_shape_before'])} -> {_shape_text(row['local_shape_after'])}"
     return (str(row["step"]), step_name(row), axes, shapes, format_bytes(row["send_bytes"]),
             format_bytes(row["recv_bytes"]), format_us(row["time_s"]),

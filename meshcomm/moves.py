@@ -403,7 +403,9 @@ def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     source = {}
     for r in mesh.ranks:
         want = block_indices(dst, mesh, r)
-        free = [s for s in owners.get(want, []) if s not in source.values()]
+        # Pending partial values only move between ranks at the same reduction coordinates.
+        free = [s for s in owners.get(want, []) if s not in source.values()
+                and all(mesh.coords(s)[a] == mesh.coords(r)[a] for a in state.partial)]
         if not free:
             return
         source[r] = r if r in free else free[0]

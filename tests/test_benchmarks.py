@@ -16,8 +16,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_vs_dtensor.p
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("bench") / "plan_vs_dtensor.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out),
-                           "--timeout", "45"],
-                          capture_output=True, text=True, timeout=55)
+                           "--timeout", "60"],
+                          capture_output=True, text=True, timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 
