@@ -322,7 +322,8 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         g = mesh.axis_size(a)
         pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
         moving = tuple(0 if _diag(mesh, r, a, b) else sizes[mesh.position(r)] for r in mesh.ranks)
-        yield Move("collective_permute", (a, b), after, pairs=pairs, send=moving, recv=moving)
+        axes = tuple(x for x in mesh.axis_names if x in (a, b))  # symmetric pairs: any order
+        yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
 
 
 def _diag(mesh: Mesh, rank: int, a: AxisName, b: AxisName) -> bool:

@@ -76,9 +76,24 @@ def _collect(procs: list[Any], results_q: Any, world_size: int, deadline: float,
             _check_dead(procs, results, silent_since, now)
             continue
         if not ok:
-            raise RankFailure(f"run_ranks: rank {rank} of {world_size} raised:\n{payload}")
+            raise RankFailure(f"run_ranks: rank {rank} of {world_size} raised:\n{payload}"
+                              + _later_failures(results_q))
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]
+
+
+def _later_failures(results_q: Any) -> str:
+    """The last line of every other failure reported within a moment (often consequences)."""
+    lines = []
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        try:
+            rank, ok, payload = results_q.get(timeout=max(0.0, end - time.monotonic()))
+        except queue_mod.Empty:
+            break
+        if not ok:
+            lines.append(f"  rank {rank}: {payload.strip().splitlines()[-1]}")
+    return "\nother ranks that failed after it:\n" + "\n".join(lines) if lines else ""
 
 
 def _check_dead(procs: list[Any], results: dict[int, Any], silent_since: dict[int, float],

@@ -383,3 +383,28 @@ def test_indices_match_einops_or_torch_chunk(case):
 def test_every_error_is_a_meshcomm_error():
     with pytest.raises(MeshcommError):
         Layout("(b dp)").placements(Mesh("dp=4"), (10,))
+
+
+@pytest.mark.parametrize("text, placements", [
+    ("(b dp) h", lambda S, SS, R: [SS(0, split_factor=4), R()]),
+    ("(x=2 dp b) h", lambda S, SS, R: [SS(0, split_factor=2), R()]),
+    ("(tp dp b) h", lambda S, SS, R: [SS(0, split_factor=2), S(0)]),
+    ("(dp tp b) h", lambda S, SS, R: [S(0), S(0)]),
+    ("(dp b) (tp h)", lambda S, SS, R: [S(0), S(1)]),
+])
+def test_dtensor_strided_shard_mapping(text, placements):
+    """The DTensor column of docs/notation.md: each mesh dim's split, applied in mesh order."""
+    types = pytest.importorskip("torch.distributed.tensor.placement_types")
+    strided = getattr(types, "_StridedShard", None)
+    if strided is None or not hasattr(strided, "_split_tensor"):
+        pytest.skip("this torch has no _StridedShard._split_tensor")
+    mesh = Mesh("dp=2 tp=2")
+    x = arange((8, 4))
+    layout = Layout(text)
+    spec = placements(types.Shard, strided, types.Replicate)
+    for pos, rank in enumerate(mesh.ranks):
+        local = x
+        for p, size, c in zip(spec, mesh.shape, mesh.coords(rank).values()):
+            if not isinstance(p, types.Replicate):
+                local = p._split_tensor(local, size, with_padding=False)[0][c]
+        assert torch.equal(sim.scatter(x, mesh, layout)[pos], local), rank
