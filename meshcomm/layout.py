@@ -19,7 +19,7 @@ from typing import Any
 from . import notation
 from .errors import MeshAxisError, ShapeError, caret, did_you_mean
 from .mesh import AxisName, Mesh
-from .notation import Dim, Factor
+from .notation import Dim
 
 Shape = tuple[int, ...]
 

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import torch
 from torch import Tensor
 
 from .. import p2p
 from ..errors import MeshMismatchError, ShapeError
-from ..layout import chunk_range
 from ..mesh import Mesh
 from ..plan import Plan, Step
 from . import collectives as coll
 from .collectives import SimResult
-from .shards import _filler
+from ..local import local_move
 
 
 def check_locals(plan: Plan, locals_: Sequence[Tensor]) -> None:
@@ -81,29 +79,6 @@ def _local(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> 
         pos = mesh.group_index(rank, *step.axes)[1]
         outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank))
     return SimResult.noop(outs)
-
-
-def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...],
-               rank: int) -> Tensor:
-    """A local step on one rank at group position `pos` of a group of `g` (shared with dist).
-
-    `out_shape` is the rank's local shape after the step (from the step's layout).
-    """
-    if step.action == "slice":
-        if step.dim is not None:
-            start, length = chunk_range(0, x.shape[step.dim], g, pos)
-            return x.narrow(step.dim, start, length).clone()
-        y = step.pre.apply(x) if step.pre else x
-        return y[pos].clone()
-    if step.action == "mark_partial":
-        keep = step.op != "sum" or pos == 0
-        return x.clone() if keep else torch.zeros_like(x)
-    if step.action == "relabel":
-        return x.clone()
-    if step.action == "reindex":
-        out = _filler(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
-        return p2p.fill_reindexed(step.transfers, rank, x, out)
-    raise AssertionError(f"unknown local action {step.action!r} in {step}")
 
 
 def _all_gather(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ShapeError
+from ..local import identity_like
 from ..layout import Layout, Shape, as_layout
 from ..mesh import Mesh
 
@@ -43,18 +44,6 @@ def _partial_owner(mesh: Mesh, layout: Layout, rank: int, numel: int) -> Tensor:
     return torch.arange(numel) % group == pos
 
 
-def _filler(x: Tensor, op: str) -> Tensor:
-    """What a rank holds where it does not own the value: the identity of `op`."""
-    if op in ("sum", "avg"):
-        return torch.zeros_like(x)
-    if x.dtype.is_floating_point:
-        return torch.full_like(x, float("-inf") if op == "max" else float("inf"))
-    if x.dtype == torch.bool:
-        return torch.full_like(x, op == "min")
-    info = torch.iinfo(x.dtype)
-    return torch.full_like(x, info.min if op == "max" else info.max)
-
-
 def scatter(global_tensor: Tensor, mesh: Mesh, layout: str | Layout) -> list[Tensor]:
     """Each rank's local tensor of `global_tensor` under `layout`, in mesh order.
 
@@ -78,7 +67,7 @@ def scatter(global_tensor: Tensor, mesh: Mesh, layout: str | Layout) -> list[Ten
             value = local
             if op == "avg":
                 value = local * _group_size(mesh, layout)
-            local = torch.where(owner, value, _filler(local, op))
+            local = torch.where(owner, value, identity_like(local, op))
         out.append(local)
     return out
 
