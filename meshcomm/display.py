@@ -363,7 +363,8 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
 
     The cells are the words of `plan.explain()`, so the two read the same.
     """
-    parts: list[RenderableType] = [Text(explain.title_line(plan), style="bold")]
+    parts: list[RenderableType] = [Text("\n".join(explain.title_lines(plan, width)),
+                                        style="bold")]
     rows = plan.rows()
     parts.append(_plan_table(rows) if rows else Text(explain.NO_STEPS))
     parts.append(Text("\n".join(explain.total_lines(plan))))
@@ -379,11 +380,12 @@ def _plan_table(rows: Sequence[dict[str, object]]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
     heads = list(explain.HEADERS)
     heads[3] = "local shape\nlayout after"
+    cells_per_row = [explain.step_cells(row) for row in rows]
+    shapes_width = max(len(cells[3]) for cells in cells_per_row)
     for i, head in enumerate(heads):
         table.add_column(head, justify="right" if i in explain.RIGHT else "left",
-                         no_wrap=i != 3, overflow="fold")
-    for row in rows:
-        cells = explain.step_cells(row)
+                         no_wrap=i != 3, overflow="fold", min_width=shapes_width if i == 3 else None)
+    for row, cells in zip(rows, cells_per_row):
         shapes = Text(cells[3])
         shapes.append(f'\n"{row["after"]}"', style="italic")
         table.add_row(*cells[:3], shapes, *cells[4:])

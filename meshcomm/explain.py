@@ -57,10 +57,13 @@ def dtype_name(plan: Plan) -> str:
     return str(plan.dtype).removeprefix("torch.")
 
 
-def title_line(plan: Plan) -> str:
-    """'plan "src" -> "dst": shape (8, 6) float32 on Mesh(dp=2, tp=2)'."""
-    return (f'plan "{plan.src}" -> "{plan.dst}": shape {tuple(plan.shape)} {dtype_name(plan)}'
-            f" on {plan.mesh!r}")
+def title_lines(plan: Plan, width: int = 100) -> tuple[str, ...]:
+    """'plan "src" -> "dst": shape (8, 6) float32 on Mesh(dp=2, tp=2)', in two lines
+    (the shape on the second) when one would be wider than `width`."""
+    head = f'plan "{plan.src}" -> "{plan.dst}"'
+    tail = f"shape {tuple(plan.shape)} {dtype_name(plan)} on {plan.mesh!r}"
+    one = f"{head}: {tail}"
+    return (one,) if len(one) <= width else (f"{head}:", f"  {tail}")
 
 
 def step_name(row: dict[str, Any]) -> str:
@@ -161,7 +164,7 @@ def format_plan(plan: Plan) -> str:
     1  all_to_all  dp (2)        (4, 16, 8) -> (8, 8, 8)  1.0 KiB   1.0 KiB     0.0102   4.0 KiB
     """
     rows = plan.rows()
-    lines = [title_line(plan)]
+    lines = list(title_lines(plan))
     lines += _table(rows) if rows else [NO_STEPS]
     lines += [*total_lines(plan), *layout_lines(plan)]
     return "\n".join(lines)

@@ -48,6 +48,10 @@ class CostModel:
     bandwidth among them. Local steps cost nothing. The default has no latency,
     so bytes decide and ties go to memory, then to fewer steps.
 
+    `native` names the step kinds the backend runs as real collectives (NCCL and
+    gloo run them all). The planner never uses a kind outside it: nothing is
+    emulated behind the cost model's back.
+
     >>> cm = CostModel(latency_s={"dp": 20e-6, "tp": 2e-6}, bandwidth={"dp": 25e9, "tp": 450e9})
     >>> cm.time(("dp",), 25_000) > cm.time(("tp",), 25_000)
     True
@@ -56,6 +60,7 @@ class CostModel:
     latency_s: Any = 0.0
     bandwidth: Any = 100e9
     backend: str = "nccl"
+    native: Any = STEP_KINDS
     _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
 
@@ -64,6 +69,11 @@ class CostModel:
         object.__setattr__(self, "bandwidth", _pairs(self.bandwidth))
         if any(v <= 0 for _, v in self.bandwidth) or any(v < 0 for _, v in self.latency_s):
             raise PlanError(f"CostModel needs bandwidth > 0 and latency >= 0, got {self}")
+        unknown = set(self.native) - set(STEP_KINDS)
+        if unknown:
+            raise PlanError(f"CostModel(native=...) names unknown step kinds {sorted(unknown)};"
+                            f" kinds are {', '.join(STEP_KINDS)}")
+        object.__setattr__(self, "native", tuple(k for k in STEP_KINDS if k in set(self.native)))
         object.__setattr__(self, "_lat", self.latency_s)
         object.__setattr__(self, "_bw", self.bandwidth)
 
@@ -303,7 +313,7 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             return path
         if key not in labels.get(state, ()):
             continue
-        for move in _moves(state, goal, mesh):
+        for move in _moves(state, goal, mesh, cost_model.native):
             nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_sizes, bool(path))
             if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
                 continue
@@ -317,7 +327,13 @@ Key = tuple[float, int, int, int]
 _DEFAULT_COST = CostModel()
 
 
-def _moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
+def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> Iterator[Move]:
+    for move in _all_moves(state, goal, mesh):
+        if move.kind == "local" or move.kind in native:
+            yield move
+
+
+def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     yield from expand(state, goal, mesh)
     # Straight to the goal, or to the goal's dims when its pending axes are marked after.
     stripped = State(goal.dims, state.partial, state.op)

@@ -210,3 +210,15 @@ def test_there_and_back_again(case):
     back = execute(mc.plan(mesh, shape, dst, src), list(there.outputs))
     for got, want in zip(back.outputs, scatter(x, mesh, src)):
         assert torch.equal(got, want)
+
+
+def test_a_backend_without_a_collective_never_gets_it():
+    everything = mc.plan(M22, (8, 16), "(tp b) s", "(b tp) s")
+    assert [s.kind for s in everything.collectives] == ["all_to_all"]
+    cm = mc.CostModel(native=("all_gather", "reduce_scatter", "all_reduce"))
+    p = mc.plan(M22, (8, 16), "(tp b) s", "(b tp) s", cost_model=cm)
+    assert {s.kind for s in p.collectives} <= {"all_gather", "reduce_scatter", "all_reduce"}
+    assert max(p.recv_bytes) > max(everything.recv_bytes)
+    _check_exact(p, torch.randn(8, 16))
+    with pytest.raises(mc.PlanError, match="unknown step kinds \\['alltoall'\\]"):
+        mc.CostModel(native=("alltoall",))
