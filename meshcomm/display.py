@@ -384,7 +384,8 @@ def _plan_table(rows: Sequence[dict[str, object]]) -> Table:
     shapes_width = max(len(cells[3]) for cells in cells_per_row)
     for i, head in enumerate(heads):
         table.add_column(head, justify="right" if i in explain.RIGHT else "left",
-                         no_wrap=i != 3, overflow="fold", min_width=shapes_width if i == 3 else None)
+                         no_wrap=i in explain.RIGHT, overflow="fold",
+                         min_width=shapes_width if i == 3 else None)
     for row, cells in zip(rows, cells_per_row):
         shapes = Text(cells[3])
         shapes.append(f'\n"{row["after"]}"', style="italic")

@@ -25,10 +25,10 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def format_bytes(n: int) -> str:
-    """Bytes in binary units: "48 B", "1.0 KiB", "2.5 MiB".
+    """Bytes in binary units with about three digits: "48 B", "1.0 KiB", "2.5 MiB", "128 KiB".
 
-    >>> format_bytes(1024), format_bytes(48), format_bytes(3 * 2**20 // 2)
-    ('1.0 KiB', '48 B', '1.5 MiB')
+    >>> format_bytes(1024), format_bytes(48), format_bytes(3 * 2**20 // 2), format_bytes(2**17)
+    ('1.0 KiB', '48 B', '1.5 MiB', '128 KiB')
     """
     if n < 1024:
         return f"{n} B"
@@ -36,7 +36,7 @@ def format_bytes(n: int) -> str:
     value = n / 1024**k
     if round(value, 1) >= 1024 and k + 1 < len(_UNITS):
         k, value = k + 1, value / 1024
-    return f"{value:.1f} {_UNITS[k]}"
+    return f"{value:.{1 if round(value, 1) < 100 else 0}f} {_UNITS[k]}"
 
 
 def format_us(seconds: float) -> str:

@@ -255,8 +255,10 @@ def _chunk_next(state: State, dst: State, axis: AxisName) -> int | None:
 
 
 def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
-    """Free local moves: a replicated axis takes its destination factor."""
+    """Free local moves: replicated axes take their destination factors (one or all at once)."""
     zeros = (0,) * mesh.size
+    together: list[tuple[AxisName, int, Shard]] = []
+    after_all = state
     for axis in mesh.axis_names:
         if axis in state.used_axes():
             continue
@@ -266,11 +268,20 @@ def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
             pre = _rearrange(state, after, (), (shard,), {axis: d})
             yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
+            if _fits(after_all.dims[d], shard):
+                after_all = _set_dim(after_all, d, even_dim(
+                    after_all.dims[d].size, after_all.dims[d].shards + (shard,)))
+                together.append((axis, d, shard))
         d = _chunk_next(state, dst, axis)
         if d is not None:
             chain = (as_chunks(state.dims[d]) or ()) + (axis,)
             after = _set_dim(state, d, chunk_dim(state.dims[d].size, chain, mesh))
             yield Move("local", (axis,), after, action="slice", dim=d, send=zeros, recv=zeros)
+    if len(together) > 1:
+        axes = tuple(a for a, _, _ in together)
+        pre = _rearrange(state, after_all, (), tuple(s for _, _, s in together),
+                         {a: d for a, d, _ in together})
+        yield Move("local", axes, after_all, action="slice", pre=pre, send=zeros, recv=zeros)
 
 
 def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:

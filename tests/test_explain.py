@@ -79,7 +79,8 @@ def test_format_multi_axis_group() -> None:
 
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"),
                                      (1536, "1.5 KiB"), (2**20 - 1, "1.0 MiB"),
-                                     (5 * 2**30, "5.0 GiB")])
+                                     (5 * 2**30, "5.0 GiB"), (2**17, "128 KiB"),
+                                     (1023 * 2**20, "1023 MiB"), (2**60, "1024 PiB")])
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
 
