@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -62,7 +63,7 @@ def parse_per_axis(text: str) -> float | PerAxis:
     except ValueError:
         pairs = []
     names = [name for name, _ in pairs]
-    if not pairs or len(set(names)) != len(names):
+    if not pairs or len(set(names)) != len(names) or not all(math.isfinite(v) for _, v in pairs):
         raise argparse.ArgumentTypeError(
             f'"{text}" is not a number or a list of axis=number, e.g. 2e-6 or "dp=20e-6,tp=2e-6"'
         )

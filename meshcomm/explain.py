@@ -132,10 +132,11 @@ def _layout_note(plan: Plan, layout: Layout) -> str:
 
 def layout_lines(plan: Plan) -> tuple[str, ...]:
     """'before: "src"  local (4, 6); sharded over dp' and the same for after."""
-    quoted = {word: f'"{layout}"' for word, layout in (("before:", plan.src), ("after:", plan.dst))}
-    pad = max(len(q) for q in quoted.values())
-    return tuple(f"{word:<7} {quoted[word]:<{pad}}  {_layout_note(plan, layout)}"
-                 for word, layout in (("before:", plan.src), ("after:", plan.dst)))
+    pairs = (("before:", plan.src), ("after:", plan.dst))
+    quoted = [f'"{layout}"' for _, layout in pairs]
+    pad = max(map(len, quoted))
+    return tuple(f"{word:<7} {text:<{pad}}  {_layout_note(plan, layout)}"
+                 for (word, layout), text in zip(pairs, quoted))
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> list[str]:

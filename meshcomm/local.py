@@ -44,6 +44,8 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
         return x.clone() if keep else torch.zeros_like(x)
     if step.action == "relabel":
         return x.clone()
+    if step.action == "select":
+        return p2p.fill_reindexed(step.transfers, rank, x, x.new_empty(out_shape))
     if step.action == "reindex":
         out = identity_like(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
         return p2p.fill_reindexed(step.transfers, rank, x, out)

@@ -79,8 +79,9 @@ def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
         if t.src != t.dst:
             send[mesh.position(t.src)] += t.numel
             recv[mesh.position(t.dst)] += t.numel
-    if not any(send):
-        return None  # only local copies: the slicing moves do that without a buffer
+    if not any(send):  # every rank already holds what it needs: pick it out locally
+        return Move("local", (), dst, action="select", transfers=tuple(transfers),
+                    send=tuple(send), recv=tuple(recv))
     return Move("send_recv", mesh.axis_names, dst, transfers=tuple(transfers),
                 send=tuple(send), recv=tuple(recv))
 
@@ -139,7 +140,8 @@ def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
 
 
 def fill_reindexed(transfers, rank: int, x: Tensor, out: Tensor) -> Tensor:
-    """Write the blocks `rank` keeps into `out` (already holding the op's identity)."""
+    """Write the blocks `rank` keeps into `out` (for a reindex, already holding the op's
+    identity; for a select, every element is written)."""
     for t in transfers:
         if t.dst == rank:
             if t.dst_index:

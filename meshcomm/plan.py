@@ -301,7 +301,7 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least (time, peak, steps, send_recv steps) path from `start` to `goal` (Pareto labels)."""
+    """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels)."""
     src_sizes = local_numels(start, mesh)
     first: Key = (0.0, max(src_sizes) * itemsize, 0, 0)
     counter = itertools.count()
@@ -353,8 +353,9 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
     if move.kind != "local":
         busiest = max(max(move.send), max(move.recv)) * itemsize
         time = cost_model.time(move.axes, busiest)
+    # Last tie-break: fewer steps driven by index lists (send_recv, select, reindex).
     return (round(key[0] + time, 15), max(key[1], live), key[2] + 1,
-            key[3] + (move.kind == "send_recv"))
+            key[3] + bool(move.transfers))
 
 
 def _dominates(a: Key, b: Key) -> bool:

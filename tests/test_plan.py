@@ -118,7 +118,8 @@ def test_sim_execute_rejects_bad_locals():
 
 
 # -- property tests -------------------------------------------------------------------------
-MESHES = [M22, M24, M222, mc.Mesh("x=3 y=2"), mc.Mesh("p=4"), mc.Mesh("a=2 b=3 c=2")]
+MESHES = [M22, M24, M222, mc.Mesh("x=3 y=2"), mc.Mesh("p=4"), mc.Mesh("a=2 b=3 c=2"),
+          mc.Mesh("a=2 b=4 c=2"), mc.Mesh("x=4 y=4")]
 NAMES = "ijkl"
 
 
@@ -146,8 +147,9 @@ def layouts(draw, mesh: mc.Mesh, ndim: int, ops=("sum", "max", "min", "avg")) ->
 @st.composite
 def transitions(draw):
     mesh = draw(st.sampled_from(MESHES))
-    ndim = draw(st.integers(1, 3))
-    shape = tuple(draw(st.sampled_from([4, 6, 8, 12, 5, 7, 1])) for _ in range(ndim))
+    ndim = draw(st.integers(1, 4))
+    sizes = [4, 6, 8, 12, 5, 7, 1] if ndim < 4 else [2, 4, 3, 8, 1]
+    shape = tuple(draw(st.sampled_from(sizes)) for _ in range(ndim))
     src = draw(layouts(mesh, ndim))
     op = mc.Layout(src).reduce_op
     dst = draw(layouts(mesh, ndim, ops=(op,) if op else ("sum", "max", "min", "avg")))
@@ -183,7 +185,7 @@ def _full_numel(p: mc.Plan, layout: mc.Layout) -> bool:
                for r in p.mesh.ranks)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(transitions(), st.integers(0, 2**31 - 1))
 def test_every_plan_is_exact_and_counts_its_bytes(case, seed):
     mesh, shape, src, dst = case
