@@ -6,6 +6,8 @@
 ['all_to_all']
 """
 from . import sim
+from .dist.collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
+                               recv, reduce_scatter, send, sendrecv)
 from .display import show, show_plan
 from .errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
                      PlanError, RecipeError, ShapeError)
@@ -16,3 +18,5 @@ from .plan import CostModel, Plan, Step, plan
 __all__ = ["CostModel", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
            "MeshMismatchError", "MeshcommError", "Plan", "PlanError", "RecipeError", "ShapeError",
            "Step", "as_layout", "plan", "show", "show_plan", "sim"]
+__all__ += ["all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute", "recv",
+            "reduce_scatter", "send", "sendrecv"]

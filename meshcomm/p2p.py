@@ -48,29 +48,50 @@ def _holds(have: Index, cell: tuple[tuple[int, ...], ...]) -> bool:
     return all(a[0] in set(h) for h, a in zip(have, cell))
 
 
-@functools.lru_cache(maxsize=1024)
-def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
-    """One send_recv step from `state` straight to `dst`, or None where it does not apply."""
-    from .plan import Transfer
+Blocks = dict[int, Index]
+Cell = tuple[tuple[int, ...], ...]
 
-    if state.partial != dst.partial or state.op != dst.op or state == dst:
-        return None
+
+def _blocks(state: State, dst: State, mesh: Mesh) -> tuple[Blocks, Blocks, list[list[tuple[int, ...]]]]:
+    """Per rank the indices held in `state` and in `dst`, and per dim the atoms of both."""
     have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
     need = {r: block_indices(dst, mesh, r) for r in mesh.ranks}
     shape = tuple(d.size for d in state.dims)
     atoms = [_atoms([have[r][d] for r in mesh.ranks] + [need[r][d] for r in mesh.ranks], n)
              for d, n in enumerate(shape)]
+    return have, need, atoms
+
+
+@functools.lru_cache(maxsize=4096)
+def _where(index: Index) -> tuple[dict[int, int], ...]:
+    """Per dim, global index -> local position."""
+    return tuple({g: k for k, g in enumerate(ix)} for ix in index)
+
+
+def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks):
+    """The Transfer of `cell` from `src`'s local positions to `dst`'s."""
+    from .plan import Transfer
+
+    def positions(index: Index) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(p[g] for g in atom) for p, atom in zip(_where(index), cell))
+
+    return Transfer(src, dst, positions(have[src]), positions(need[dst]))
+
+
+@functools.lru_cache(maxsize=1024)
+def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
+    """One send_recv step from `state` straight to `dst`, or None where it does not apply."""
+    if state.partial != dst.partial or state.op != dst.op or state == dst:
+        return None
+    have, need, atoms = _blocks(state, dst, mesh)
     load = dict.fromkeys(mesh.ranks, 0)
     transfers = []
     for r in mesh.ranks:
-        pos_r = [{g: k for k, g in enumerate(ix)} for ix in need[r]]
         for cell in _cells_of(need[r], atoms):
             src = r if _holds(have[r], cell) else _holder(state, mesh, r, cell, have, load)
             if src is None:
                 return None
-            pos_s = [{g: k for k, g in enumerate(ix)} for ix in have[src]]
-            transfers.append(Transfer(src, r, tuple(tuple(p[g] for g in a) for p, a in zip(pos_s, cell)),
-                                      tuple(tuple(p[g] for g in a) for p, a in zip(pos_r, cell))))
+            transfers.append(_transfer(src, r, cell, have, need))
             if src != r:
                 load[src] += transfers[-1].numel
     transfers.sort(key=lambda t: (mesh.position(t.src), mesh.position(t.dst)))
@@ -106,32 +127,23 @@ def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
     For every element a destination reduction group needs, one member that holds and needs
     it keeps it (the first in group order), so the reduction gives the element back exactly.
     """
-    from .plan import Transfer
-
     new = tuple(a for a in dst.partial if a not in state.partial)
     if not new or dst.op == "avg" or (state.partial and state.op != dst.op):
         return None
     if any(a not in dst.partial for a in state.partial) or state == dst:
         return None
-    have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
-    need = {r: block_indices(dst, mesh, r) for r in mesh.ranks}
-    shape = tuple(d.size for d in state.dims)
-    atoms = [_atoms([have[r][d] for r in mesh.ranks] + [need[r][d] for r in mesh.ranks], n)
-             for d, n in enumerate(shape)]
+    have, need, atoms = _blocks(state, dst, mesh)
     transfers = []
     for group in mesh.groups(*new):
         kept: set[tuple[tuple[int, ...], ...]] = set()
         wanted: set[tuple[tuple[int, ...], ...]] = set()
         for r in group:
-            pos_r = [{g: k for k, g in enumerate(ix)} for ix in need[r]]
-            pos_h = [{g: k for k, g in enumerate(ix)} for ix in have[r]]
             for cell in _cells_of(need[r], atoms):
                 wanted.add(cell)
                 if cell in kept or not _holds(have[r], cell):
                     continue
                 kept.add(cell)
-                transfers.append(Transfer(r, r, tuple(tuple(p[g] for g in a) for p, a in zip(pos_h, cell)),
-                                          tuple(tuple(p[g] for g in a) for p, a in zip(pos_r, cell))))
+                transfers.append(_transfer(r, r, cell, have, need))
         if wanted - kept:
             return None
     zeros = (0,) * mesh.size
