@@ -20,3 +20,8 @@ __all__ = ["CostModel", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
            "Step", "as_layout", "plan", "show", "show_plan", "sim"]
 __all__ += ["all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute", "recv",
             "reduce_scatter", "send", "sendrecv"]
+from .api import Sharded, distribute, reshard, reshard_many
+from .dist import BoundMesh, ByteTrace, init_mesh
+
+__all__ += ["BoundMesh", "ByteTrace", "Sharded", "distribute", "init_mesh", "reshard",
+            "reshard_many"]

@@ -59,6 +59,8 @@ class Layout:
 
     __slots__ = ("pattern", "_text", "_hash")
     pattern: notation.Pattern
+    _text: str
+    _hash: int
 
     def __new__(cls, text: str | Layout) -> Layout:
         if isinstance(text, Layout):

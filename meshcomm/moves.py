@@ -24,12 +24,16 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .layout import chunk_range
 from .mesh import AxisName, Mesh
 from .rearrange import Rearrange
 from .states import (DimState, Shard, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels,
                      to_layout)
+
+if TYPE_CHECKING:
+    from .plan import Transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +49,7 @@ class Move:
     pre: Rearrange | None = None   # local rearrange before the collective
     post: Rearrange | None = None  # local rearrange after it
     pairs: tuple[tuple[int, int], ...] = ()
-    transfers: tuple = ()          # plan.Transfer values of a send_recv move
+    transfers: tuple[Transfer, ...] = ()  # plan.Transfer values of a send_recv move
     send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
     recv: tuple[int, ...] = ()
 
@@ -55,7 +59,7 @@ Piece = tuple[int, int, int]   # (dim, lo, hi)
 
 
 def _refine(runs: list[tuple[int, int]], cuts: set[int]) -> list[tuple[int, int]]:
-    out = []
+    out: list[tuple[int, int]] = []
     for lo, hi in runs:
         points = sorted({p for p in cuts if lo < p < hi} | {lo, hi}, reverse=True)
         out.extend((b, a) for a, b in zip(points, points[1:]))
@@ -92,19 +96,19 @@ def _rearrange(before: State, after: State, lead_in: tuple[Shard, ...],
         pieces = lead(lead_in, per_dim_in)
         flat_in += pieces
         split.append(tuple(p[2] // p[1] for p in pieces))
-    for d, pieces in enumerate(per_dim_in):
-        if pieces is None:
+    for d, dim_pieces in enumerate(per_dim_in):
+        if dim_pieces is None:
             flat_in.append((d, -1, -1))
             split.append(None)
         else:
-            flat_in += pieces
-            split.append(tuple(p[2] // p[1] for p in pieces))
+            flat_in += dim_pieces
+            split.append(tuple(p[2] // p[1] for p in dim_pieces))
     if lead_out:
         pieces = lead(lead_out, per_dim_out)
         flat_out += pieces
         merge.append(len(pieces))
-    for d, pieces in enumerate(per_dim_out):
-        chosen = [(d, -1, -1)] if pieces is None else pieces
+    for d, dim_pieces in enumerate(per_dim_out):
+        chosen = [(d, -1, -1)] if dim_pieces is None else dim_pieces
         flat_out += chosen
         merge.append(len(chosen))
     perm = tuple(flat_in.index(p) for p in flat_out)
@@ -153,8 +157,10 @@ def _group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
 
 
 # -- traffic ---------------------------------------------------------------------------
-def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...]):
-    send, recv = [], []
+def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                    sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    send: list[tuple[int, int]] = []
+    recv: list[tuple[int, int]] = []
     g = _group_size(mesh, axes)
     for group in mesh.groups(*axes):
         total = sum(sizes[mesh.position(r)] for r in group)
@@ -166,16 +172,17 @@ def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ..
 
 
 def _scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
-                     outs: tuple[int, ...]):
+                     outs: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = _group_size(mesh, axes)
     send = tuple(i - o for i, o in zip(ins, outs))
     recv = tuple((g - 1) * o for o in outs)
     return send, recv
 
 
-def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...]):
+def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                        sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = _group_size(mesh, axes)
-    out = []
+    out: list[int] = []
     for r in mesh.ranks:
         total = sizes[mesh.position(r)]
         _, c = chunk_range(0, total, g, _group_pos(mesh, r, axes))
@@ -220,10 +227,11 @@ def _same_place(state: State, dst: State, d: int, axis: AxisName) -> bool:
     return any(s[2] == axis for s in b.shards) and _shard_of(a, axis) == _shard_of(b, axis)
 
 
-def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh, sizes) -> Move:
+def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
+                 sizes: tuple[int, ...]) -> Move:
     after = state
-    shards = []
-    dims = {}
+    shards: list[Shard] = []
+    dims: dict[AxisName, int] = {}
     for axis in group:
         d = after.axis_dim(axis)
         assert d is not None, f"{axis} shards no dim of {state}"
@@ -272,11 +280,11 @@ def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
                 after_all = _set_dim(after_all, d, even_dim(
                     after_all.dims[d].size, after_all.dims[d].shards + (shard,)))
                 together.append((axis, d, shard))
-        d = _chunk_next(state, dst, axis)
-        if d is not None:
-            chain = (as_chunks(state.dims[d]) or ()) + (axis,)
-            after = _set_dim(state, d, chunk_dim(state.dims[d].size, chain, mesh))
-            yield Move("local", (axis,), after, action="slice", dim=d, send=zeros, recv=zeros)
+        chunk_d = _chunk_next(state, dst, axis)
+        if chunk_d is not None:
+            chain = (as_chunks(state.dims[chunk_d]) or ()) + (axis,)
+            after = _set_dim(state, chunk_d, chunk_dim(state.dims[chunk_d].size, chain, mesh))
+            yield Move("local", (axis,), after, action="slice", dim=chunk_d, send=zeros, recv=zeros)
     if len(together) > 1:
         axes = tuple(a for a, _, _ in together)
         pre = _rearrange(state, after_all, (), tuple(s for _, _, s in together),
@@ -315,10 +323,11 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     sizes = local_numels(state, mesh)
     placed = [(d, s) for d, dim in enumerate(state.dims) for s in dim.shards]
     free = [a for a in mesh.axis_names if a not in state.used_axes()]
-    for (d1, s1), other in itertools.product(placed, placed + [(None, a) for a in free]):
+    # Partners: each placed shard's (dim, axis), then each free axis with no dim.
+    partners: list[tuple[int | None, AxisName]] = [(d, s[2]) for d, s in placed]
+    partners += [(None, a) for a in free]
+    for (d1, s1), (d2, b) in itertools.product(placed, partners):
         a = s1[2]
-        d2, s2 = other
-        b = s2[2] if d2 is not None else s2
         if (d2 is not None and a >= b) or a == b or mesh.axis_size(a) != mesh.axis_size(b):
             continue
         swap = {a: b, b: a}
@@ -327,8 +336,8 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             dim = after.dims[d]
             after = _set_dim(after, d, even_dim(dim.size, tuple(
                 (lo, hi, swap.get(x, x)) for lo, hi, x in dim.shards)))
-        if not any(_even_target(dst, x) == (after.axis_dim(x), _shard_of(after.dims[after.axis_dim(x)], x))
-                   for x in (a, b) if after.axis_dim(x) is not None):
+        if not any(_even_target(dst, x) == (dx, _shard_of(after.dims[dx], x))
+                   for x in (a, b) if (dx := after.axis_dim(x)) is not None):
             continue
         g = mesh.axis_size(a)
         pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
@@ -412,7 +421,7 @@ def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     owners: dict[object, list[int]] = {}
     for r in mesh.ranks:
         owners.setdefault(have[r], []).append(r)
-    source = {}
+    source: dict[int, int] = {}
     for r in mesh.ranks:
         want = block_indices(dst, mesh, r)
         # Pending partial values only move between ranks at the same reduction coordinates.

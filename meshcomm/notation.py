@@ -172,7 +172,8 @@ def _parse_reduce(text: str, bar: int) -> tuple[str, tuple[str, ...]]:
     return ops[0], tuple(axes)
 
 
-def _parse_reduce_axes(text: str, toks: list, i: int, axes: list[str], after: int) -> int:
+def _parse_reduce_axes(text: str, toks: list[tuple[int, int, str, int | None, str]], i: int,
+                       axes: list[str], after: int) -> int:
     if i >= len(toks) or toks[i][4] != "(":
         raise _fail(text, after, after + 1, "expected '(' and mesh axes", "write e.g. sum(tp)")
     i += 1

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +22,9 @@ from torch import Tensor
 from .mesh import Mesh
 from .moves import Move, block_indices
 from .states import State
+
+if TYPE_CHECKING:
+    from .plan import Transfer
 
 Index = tuple[tuple[int, ...], ...]
 
@@ -68,7 +73,7 @@ def _where(index: Index) -> tuple[dict[int, int], ...]:
     return tuple({g: k for k, g in enumerate(ix)} for ix in index)
 
 
-def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks):
+def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Transfer:
     """The Transfer of `cell` from `src`'s local positions to `dst`'s."""
     from .plan import Transfer
 
@@ -107,7 +112,8 @@ def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
                 send=tuple(send), recv=tuple(recv))
 
 
-def _holder(state: State, mesh: Mesh, r: int, cell, have, load) -> int | None:
+def _holder(state: State, mesh: Mesh, r: int, cell: Cell, have: Blocks,
+            load: dict[int, int]) -> int | None:
     """The least-loaded rank holding `cell` with the same pending-reduction coordinates as r."""
     mine = mesh.coords(r)
     best = None
@@ -151,7 +157,7 @@ def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
                 send=zeros, recv=zeros)
 
 
-def fill_reindexed(transfers, rank: int, x: Tensor, out: Tensor) -> Tensor:
+def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Tensor) -> Tensor:
     """Write the blocks `rank` keeps into `out` (for a reindex, already holding the op's
     identity; for a select, every element is written)."""
     for t in transfers:
@@ -169,7 +175,7 @@ def _grid(index: Index) -> tuple[Tensor, ...]:
     return torch.meshgrid(*axes, indexing="ij") if axes else ()
 
 
-def pack(transfers, mesh: Mesh, rank: int, x: Tensor) -> tuple[Tensor, list[int]]:
+def pack(transfers: Iterable[Transfer], mesh: Mesh, rank: int, x: Tensor) -> tuple[Tensor, list[int]]:
     """The flat buffer `rank` sends (blocks in destination order) and its split sizes."""
     splits = [0] * mesh.size
     parts = []
@@ -181,7 +187,7 @@ def pack(transfers, mesh: Mesh, rank: int, x: Tensor) -> tuple[Tensor, list[int]
     return flat, splits
 
 
-def recv_splits(transfers, mesh: Mesh, rank: int) -> list[int]:
+def recv_splits(transfers: Iterable[Transfer], mesh: Mesh, rank: int) -> list[int]:
     """Elements `rank` receives from each mesh position."""
     splits = [0] * mesh.size
     for t in transfers:
@@ -190,7 +196,7 @@ def recv_splits(transfers, mesh: Mesh, rank: int) -> list[int]:
     return splits
 
 
-def unpack(transfers, mesh: Mesh, rank: int, flat: Tensor, out_shape: tuple[int, ...]) -> Tensor:
+def unpack(transfers: Iterable[Transfer], mesh: Mesh, rank: int, flat: Tensor, out_shape: tuple[int, ...]) -> Tensor:
     """`rank`'s output tensor from the flat buffer it received (blocks in source order)."""
     out = flat.new_empty(out_shape)
     offset = 0

@@ -1,0 +1,241 @@
+"""The public runtime API: reshard a local shard, Sharded values, distribute, reshard_many.
+
+Thin: each function normalizes its arguments, gets the cached plan from `mc.plan`
+and hands it to the executor (`meshcomm.dist`). Nothing here communicates except
+through a plan, and nothing communicates to learn a shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+from . import display
+from .dist.autograd import reshard_autograd
+from .dist.bind import BoundMesh
+from .dist.execute import ByteTrace, execute_many
+from .errors import MeshMismatchError, ShapeError
+from .layout import Layout, Shape, as_layout
+from .mesh import Mesh
+from .plan import CostModel, Plan, plan
+from .sim.shards import scatter, take
+
+
+def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
+            shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+            cost_model: CostModel | None = None) -> Tensor:
+    """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
+    `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
+
+    >>> bound = mc.init_mesh("dp=2 tp=2")                         # doctest: +SKIP
+    >>> y = mc.reshard(x, bound, "(dp b) s (tp h)", "b (dp s) (tp h)")  # doctest: +SKIP
+
+    `shape` is the global shape; without it every shard is assumed even (global size =
+    local size times the sizes of the dim's mesh axes), so pass it for uneven layouts.
+    `dtype` defaults to `x_local.dtype`.
+    """
+    if torch.compiler.is_compiling():
+        return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
+    p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+    return reshard_autograd(x_local, mesh, p)
+
+
+# Under torch.compile, Dynamo does not trace the planner: `_static_args` runs once at trace
+# time (its result is a constant of plain values), and `_reshard_traced` appears in the
+# graph as one call that AOTAutograd traces down to the functional collectives it makes.
+@torch._dynamo.assume_constant_result
+def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
+                 shape: Sequence[int] | None, dtype: torch.dtype | None,
+                 cost_model: CostModel | None) -> str:
+    """Everything `_reshard_traced` needs besides the tensor, as one JSON string."""
+    if not isinstance(bound, BoundMesh):
+        _plan_for(torch.empty(0), bound, src, dst, shape, dtype, cost_model)  # raises
+    mesh = bound.mesh
+    names = [[list(axes), bound.group_name(axes)] for k in range(1, len(mesh.axis_names) + 1)
+             for axes in itertools.combinations(mesh.axis_names, k)]
+    cost = None if cost_model is None else [
+        [f.name, getattr(cost_model, f.name)] for f in dataclasses.fields(cost_model) if f.init]
+    return json.dumps({
+        "axes": list(mesh.axes.items()), "ranks": list(mesh.ranks), "backend": bound.backend,
+        "device": str(bound.device), "rank": bound.rank, "names": names, "src": str(src),
+        "dst": str(dst), "shape": None if shape is None else [int(s) for s in shape],
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."), "cost": cost})
+
+
+@torch._dynamo.nonstrict_trace
+def _reshard_traced(x: Tensor, static: str) -> Tensor:
+    a = json.loads(static)
+    names = {tuple(axes): name for axes, name in a["names"]}
+    bound = BoundMesh(Mesh(dict(a["axes"]), ranks=a["ranks"]), a["backend"],
+                      torch.device(a["device"]), a["rank"], names)
+    cost = None if a["cost"] is None else CostModel(**{k: _tuples(v) for k, v in a["cost"]})
+    dtype = None if a["dtype"] is None else getattr(torch, a["dtype"])
+    return reshard_autograd(x, bound, _plan_for(x, bound, a["src"], a["dst"], a["shape"],
+                                                dtype, cost))
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples they were."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _plan_for(x: Tensor, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+              shape: Sequence[int] | None, dtype: torch.dtype | None,
+              cost_model: CostModel | None) -> Plan:
+    if not isinstance(bound, BoundMesh):
+        what = f"the Mesh {bound!r}" if isinstance(bound, Mesh) else f"a {type(bound).__name__}"
+        raise MeshMismatchError(
+            f"reshard needs a mesh bound to torch.distributed, got {what};"
+            f" fix: bound = mc.init_mesh({str(bound)!r}) on every rank, then pass bound")
+    if not isinstance(x, Tensor):
+        raise ShapeError(f"reshard needs a local torch.Tensor, got {type(x).__name__}")
+    src_layout = as_layout(src, "src")
+    if shape is None:
+        shape = infer_shape(bound.mesh, src_layout, tuple(x.shape), bound.rank)
+    return plan(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
+                dtype=x.dtype if dtype is None else dtype, cost_model=cost_model)
+
+
+def infer_shape(mesh: Mesh, layout: Layout, local_shape: Shape, rank: int) -> Shape:
+    """The global shape of even shards: each local size times the sizes of its dim's axes.
+
+    Local only (never communicates). Raises where this rank's shard shows the layout is
+    uneven (an empty shard of a sharded dim), asking for `shape=`.
+
+    >>> infer_shape(Mesh("dp=2 tp=2"), Layout("(dp b) s | sum(tp)"), (4, 6), 0)
+    (8, 6)
+    """
+    if len(local_shape) != layout.ndim:
+        raise ShapeError(f'local tensor on rank {rank} has {len(local_shape)} dims but layout'
+                         f' "{layout}" has {layout.ndim}; fix: pass a tensor with one dim per'
+                         " layout dim")
+    axes = set(mesh.axis_names)
+    shape = []
+    for i, (dim, n) in enumerate(zip(layout.dims, local_shape)):
+        sizes = [mesh.axis_size(f.name) for f in dim.factors if f.name in axes]
+        if sizes and n == 0:
+            raise ShapeError(
+                f'cannot infer the global shape of layout "{layout}" on {mesh!r}: rank {rank}'
+                f" holds 0 elements of dim {i}, so its shards are uneven."
+                f" fix: pass shape=(...) (the global shape) on every rank")
+        shape.append(n * math.prod(sizes))
+    layout.check_local(mesh, tuple(shape), rank, local_shape, "local tensor")
+    return tuple(shape)
+
+
+def replicated(layout: Layout, mesh: Mesh) -> Layout:
+    """The fully replicated layout with the dims (and names, where unique) of `layout`."""
+    names = layout.dim_names(mesh)
+    if len(set(names)) != len(names):
+        names = tuple(f"d{i}" for i in range(len(names)))
+    return Layout(" ".join(names))
+
+
+@dataclass(frozen=True, eq=False)
+class Sharded:
+    """This rank's shard `local` of a global tensor of `shape` under `layout` on `mesh`.
+
+    >>> s = mc.distribute(torch.arange(8.0), bound, "(tp b)")    # doctest: +SKIP
+    >>> s.reshard("b").local.tolist()                            # doctest: +SKIP
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    """
+
+    local: Tensor
+    mesh: BoundMesh
+    layout: Layout
+    shape: Shape
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", as_layout(self.layout))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        self.layout.check_local(self.mesh.mesh, self.shape, self.mesh.rank,
+                                tuple(self.local.shape), "Sharded.local")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def reshard(self, dst: str | Layout, *, cost_model: CostModel | None = None) -> Sharded:
+        """The same global tensor under layout `dst` (call it on every rank)."""
+        out = reshard(self.local, self.mesh, self.layout, dst, shape=self.shape,
+                      cost_model=cost_model)
+        return Sharded(out, self.mesh, as_layout(dst, "dst"), self.shape)
+
+    def full(self) -> Tensor:
+        """The global tensor, on every rank (a reshard to the replicated layout)."""
+        return self.reshard(replicated(self.layout, self.mesh.mesh)).local
+
+    def show(self, **kwargs: Any) -> None:
+        """Print which rank holds which part (`mc.show` of the layout)."""
+        display.show(self.mesh.mesh, self.shape, self.layout, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Sharded(layout={str(self.layout)!r}, shape={self.shape}, mesh={self.mesh.mesh!r},"
+                f" rank={self.mesh.rank}, local={tuple(self.local.shape)} {self.dtype})")
+
+
+def distribute(global_tensor: Tensor, mesh: BoundMesh, layout: str | Layout) -> Sharded:
+    """This rank's shard of `global_tensor` under `layout`, sliced locally (no communication).
+
+    Every rank must pass the same global tensor. For a partial layout each element is
+    held by one rank of its reduction group, the others hold the op's identity (as
+    `mc.sim.scatter`).
+
+    >>> s = mc.distribute(torch.arange(8.0), bound, "(tp b)")    # doctest: +SKIP
+    """
+    if not isinstance(mesh, BoundMesh):
+        raise MeshMismatchError(f"distribute needs a mesh from mc.init_mesh, got"
+                                f" {type(mesh).__name__}; fix: mc.init_mesh({str(mesh)!r})")
+    layout = as_layout(layout)
+    m, shape = mesh.mesh, tuple(global_tensor.shape)
+    if layout.reduce_op is None:
+        local = take(global_tensor, layout.indices(m, shape, mesh.rank))
+    else:
+        local = scatter(global_tensor, m, layout)[m.position(mesh.rank)]
+    return Sharded(local, mesh, layout, shape)
+
+
+Item = Union[tuple[Sharded, Union[str, Layout]],
+             tuple[Tensor, BoundMesh, Union[str, Layout], Union[str, Layout], Sequence[int]]]
+
+
+def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
+                 cost_model: CostModel | None = None,
+                 trace: ByteTrace | None = None) -> list[Any]:
+    """Each item resharded, with one collective per step for each bucket of items whose
+    plans share a collective shape (FSDP-style flat buffers of up to `bucket_bytes`).
+
+    Items are `(sharded, dst)` (gives a Sharded) or `(x_local, mesh, src, dst, shape)`
+    (gives a Tensor). Call it on every rank with the same items in the same order.
+    Outputs equal `reshard` item by item. When a gradient is needed, items run one by
+    one through `reshard`.
+
+    >>> ws = mc.reshard_many([(w, "b h") for w in shards])       # doctest: +SKIP
+    """
+    jobs: list[tuple[Tensor, BoundMesh, Plan]] = []
+    for k, item in enumerate(items):
+        if len(item) == 2 and isinstance(item[0], Sharded):
+            s, dst = item
+            p = plan(s.mesh.mesh, s.shape, s.layout, as_layout(dst, "dst"), dtype=s.dtype,
+                     cost_model=cost_model)
+            jobs.append((s.local, s.mesh, p))
+        elif len(item) == 5:
+            x, bound, src, dst, shape = item
+            jobs.append((x, bound, _plan_for(x, bound, src, dst, shape, None, cost_model)))
+        else:
+            raise ShapeError(f"reshard_many: items[{k}] is neither (Sharded, dst) nor"
+                             " (x_local, mesh, src, dst, shape)")
+    if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
+        outs = [reshard_autograd(x, bound, p) for x, bound, p in jobs]
+    else:
+        outs = execute_many(jobs, bucket_bytes=bucket_bytes, trace=trace)
+    return [Sharded(out, bound, p.dst, p.shape) if isinstance(item[0], Sharded) else out
+            for item, out, (_, bound, p) in zip(items, outs, jobs)]
