@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,40 +50,32 @@ def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layo
 # Under torch.compile, Dynamo does not trace the planner: `_static_args` runs once at trace
 # time (its result is a constant of plain values), and `_reshard_traced` appears in the
 # graph as one call that AOTAutograd traces down to the functional collectives it makes.
-@torch._dynamo.assume_constant_result
 def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
                  shape: Sequence[int] | None, dtype: torch.dtype | None,
-                 cost_model: CostModel | None) -> str:
-    """Everything `_reshard_traced` needs besides the tensor, as one JSON string."""
+                 cost_model: CostModel | None) -> tuple[Any, ...]:
+    """Everything `_reshard_traced` needs besides the tensor, as plain values."""
     if not isinstance(bound, BoundMesh):
         _plan_for(torch.empty(0), bound, src, dst, shape, dtype, cost_model)  # raises
     mesh = bound.mesh
-    names = [[list(axes), bound.group_name(axes)] for k in range(1, len(mesh.axis_names) + 1)
-             for axes in itertools.combinations(mesh.axis_names, k)]
-    cost = None if cost_model is None else [
-        [f.name, getattr(cost_model, f.name)] for f in dataclasses.fields(cost_model) if f.init]
-    return json.dumps({
-        "axes": list(mesh.axes.items()), "ranks": list(mesh.ranks), "backend": bound.backend,
-        "device": str(bound.device), "rank": bound.rank, "names": names, "src": str(src),
-        "dst": str(dst), "shape": None if shape is None else [int(s) for s in shape],
-        "dtype": None if dtype is None else str(dtype).removeprefix("torch."), "cost": cost})
+    names = tuple((axes, bound.group_name(axes)) for k in range(1, len(mesh.axis_names) + 1)
+                  for axes in itertools.combinations(mesh.axis_names, k))
+    # None is no graph input: an absent shape, dtype or cost model is an empty tuple.
+    cost = () if cost_model is None else tuple(
+        (f.name, getattr(cost_model, f.name)) for f in dataclasses.fields(cost_model) if f.init)
+    return (mesh.axis_names, mesh.shape, mesh.ranks, bound.backend, str(bound.device), bound.rank,
+            names, str(src), str(dst), () if shape is None else (tuple(int(s) for s in shape),),
+            () if dtype is None else (dtype,), cost)
 
 
 @torch._dynamo.nonstrict_trace
-def _reshard_traced(x: Tensor, static: str) -> Tensor:
-    a = json.loads(static)
-    names = {tuple(axes): name for axes, name in a["names"]}
-    bound = BoundMesh(Mesh(dict(a["axes"]), ranks=a["ranks"]), a["backend"],
-                      torch.device(a["device"]), a["rank"], names)
-    cost = None if a["cost"] is None else CostModel(**{k: _tuples(v) for k, v in a["cost"]})
-    dtype = None if a["dtype"] is None else getattr(torch, a["dtype"])
-    return reshard_autograd(x, bound, _plan_for(x, bound, a["src"], a["dst"], a["shape"],
-                                                dtype, cost))
-
-
-def _tuples(value: Any) -> Any:
-    """JSON lists back to the tuples they were."""
-    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+def _reshard_traced(x: Tensor, static: tuple[Any, ...]) -> Tensor:
+    axes, sizes, ranks, backend, device, rank, names, src, dst, shape, dtype, cost = static
+    bound = BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
+                      torch.device(device), rank, dict(names))
+    cost_model = CostModel(**dict(cost)) if cost else None
+    p = _plan_for(x, bound, src, dst, shape[0] if shape else None, dtype[0] if dtype else None,
+                  cost_model)
+    return reshard_autograd(x, bound, p)
 
 
 def _plan_for(x: Tensor, bound: BoundMesh, src: str | Layout, dst: str | Layout,

@@ -74,9 +74,10 @@ def test_exception_on_rank_two_reports_its_traceback() -> None:
 
 
 def test_a_rank_past_the_timeout_is_killed_and_named() -> None:
-    timeout_s = 8.0
+    # Long enough for three spawns to import torch on a loaded 2-core machine.
+    timeout_s = 25.0
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] of 3 did not finish within 8 s"):
+    with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] of 3 did not finish within 25 s"):
         run_ranks(_pid_or_sleep, 3, 600.0, timeout_s=timeout_s)
     assert time.monotonic() - start < timeout_s + 5.0
     _assert_no_children()
