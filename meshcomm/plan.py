@@ -196,7 +196,8 @@ class Plan:
             "send_bytes": max(self.send_bytes), "recv_bytes": max(self.recv_bytes),
             "recv_bytes_sum": sum(self.recv_bytes),
             "lower_bound_bytes": max(self.lower_bound_bytes),
-            "bound_ratio": self.bound_ratio, "peak_bytes": max(self.peak_bytes),
+            "bound_ratio": self.bound_ratio if math.isfinite(self.bound_ratio) else None,
+            "peak_bytes": max(self.peak_bytes),
             "cost_s": self.cost,
         }
 
