@@ -124,7 +124,8 @@ def shard_rows(mesh: Mesh | str, shape: Sequence[int],
         coords = mesh.coords(rank)
         index = layout.indices(mesh, shape, rank)
         key = (index, tuple(coords[a] for a in layout.partial_axes))
-        owner = first.setdefault(key, rank)
+        empty = any(len(ix) == 0 for ix in index)
+        owner = rank if empty else first.setdefault(key, rank)  # empty shards copy nobody
         rows.append(ShardRow(rank, tuple(coords.items()), tuple(len(ix) for ix in index),
                              tuple(format_indices(ix) for ix in index),
                              None if owner == rank else owner, partial))

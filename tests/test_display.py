@@ -196,7 +196,7 @@ def test_narrow_grid_names_ranks_only() -> None:
 def test_render_empty_tensor() -> None:
     text = render((0, 6), "(dp b) h")
     assert "no block picture for a tensor with no elements" in text
-    assert "empty shard; replica of r0" in text
+    assert "empty shard" in text and "replica of" not in text
 
 
 def test_colour_decorates_but_labels_stay() -> None:
@@ -205,3 +205,9 @@ def test_colour_decorates_but_labels_stay() -> None:
     display.show(MESH, (8, 6), "(dp b) (tp h)", console=console)
     assert "\x1b[" in console.file.getvalue()  # type: ignore[attr-defined]
     assert cell_at(console.export_text(), "0:4", "3:6") == ["r1 dp0 tp1"]
+
+
+def test_empty_shards_are_not_called_replicas() -> None:
+    rows = shard_rows(mc.Mesh("dp=4"), (2,), "(dp b)")
+    assert [r.replica_of for r in rows] == [None, None, None, None]
+    assert "replica" not in rows[3].note
