@@ -6,9 +6,9 @@
 ['all_to_all']
 """
 from . import sim
+from .display import show, show_plan
 from .dist.collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
                                recv, reduce_scatter, send, sendrecv)
-from .display import show, show_plan
 from .errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
                      PlanError, RecipeError, ShapeError)
 from .layout import Layout, as_layout
@@ -25,3 +25,6 @@ from .dist import BoundMesh, ByteTrace, init_mesh
 
 __all__ += ["BoundMesh", "ByteTrace", "Sharded", "distribute", "init_mesh", "reshard",
             "reshard_many"]
+from .recipes import Recipe, logical, recipe
+
+__all__ += ["Recipe", "logical", "recipe"]

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from . import display
-from .dist.autograd import reshard_autograd
+from .dist.autograd import plan_untraced, reshard_autograd
 from .dist.bind import BoundMesh
 from .dist.execute import ByteTrace, execute_many
 from .errors import MeshMismatchError, ShapeError
@@ -30,7 +30,7 @@ from .sim.shards import scatter, take
 
 def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-            cost_model: CostModel | None = None) -> Tensor:
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> Tensor:
     """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
     `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
 
@@ -39,17 +39,22 @@ def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layo
 
     `shape` is the global shape; without it every shard is assumed even (global size =
     local size times the sizes of the dim's mesh axes), so pass it for uneven layouts.
-    `dtype` defaults to `x_local.dtype`.
+    `dtype` defaults to `x_local.dtype`. `trace` records the bytes of each collective call
+    (eager only).
     """
     if torch.compiler.is_compiling():
+        if trace is not None:
+            raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
+                             " leave it out (the plan's send_bytes/recv_bytes are the same)")
         return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
     p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
-    return reshard_autograd(x_local, mesh, p)
+    return reshard_autograd(x_local, mesh, p, trace)
 
 
-# Under torch.compile, Dynamo does not trace the planner: `_static_args` runs once at trace
-# time (its result is a constant of plain values), and `_reshard_traced` appears in the
-# graph as one call that AOTAutograd traces down to the functional collectives it makes.
+# Under torch.compile, Dynamo never traces the planner: `_static_args` only reads plain values
+# (strings, ints, tuples) off the bound mesh, and `_reshard_traced` is one opaque call for
+# Dynamo that AOTAutograd traces down to the functional collectives it makes, planning with
+# real Python on the way (outside the fake-tensor mode; see `plan_untraced`).
 def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
                  shape: Sequence[int] | None, dtype: torch.dtype | None,
                  cost_model: CostModel | None) -> tuple[Any, ...]:
@@ -91,8 +96,8 @@ def _plan_for(x: Tensor, bound: BoundMesh, src: str | Layout, dst: str | Layout,
     src_layout = as_layout(src, "src")
     if shape is None:
         shape = infer_shape(bound.mesh, src_layout, tuple(x.shape), bound.rank)
-    return plan(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
-                dtype=x.dtype if dtype is None else dtype, cost_model=cost_model)
+    return plan_untraced(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
+                         dtype=x.dtype if dtype is None else dtype, cost_model=cost_model)
 
 
 def infer_shape(mesh: Mesh, layout: Layout, local_shape: Shape, rank: int) -> Shape:

@@ -1,4 +1,4 @@
-"""`meshcomm show|plan|demo`: parse arguments, call the API, print with `display`.
+"""`meshcomm show|plan|demo|launch`: parse arguments, call the API, print with `display`.
 
 Each subcommand is one `Command` in `COMMANDS`: a function adding its arguments
 and a small handler returning the exit code. Exit codes: 0 success, 1 a check
@@ -22,6 +22,7 @@ from .errors import MeshAxisError, MeshcommError, did_you_mean
 from .layout import Layout, Shape
 from .mesh import Mesh
 from .plan import CostModel, Plan, plan
+from . import recipes
 
 DEMO_MESH = "dp=2 tp=2"
 DEMO_SHAPE = (8, 6)
@@ -138,35 +139,79 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 # -- demo ------------------------------------------------------------------------
+DEMO_PROCESSES = 4
+DEMO_TIMEOUT_S = 120.0
+
+
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, help="output width in columns")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    """Reshard a real tensor through the demo layouts on 4 local gloo processes.
+
+    The processes return their shards and bytes; this process prints every picture and
+    plan once (for all ranks) and checks each step against the simulator, bit for bit.
+    """
+    from .testing import run_ranks
+
     console = display.make_console(width=args.width)
     mesh = Mesh(DEMO_MESH)
     x = torch.arange(float(DEMO_SHAPE[0] * DEMO_SHAPE[1])).reshape(DEMO_SHAPE)
     for layout in DEMO_LAYOUTS:
         display.show(mesh, DEMO_SHAPE, layout, console=console)
         console.print()
-    pairs = zip(DEMO_LAYOUTS, DEMO_LAYOUTS[1:] + DEMO_LAYOUTS[:1])
-    results = [_demo_reshard(mesh, x, Layout(src), Layout(dst), console) for src, dst in pairs]
-    return 0 if all(results) else 1
-
-
-def _demo_reshard(mesh: Mesh, x: torch.Tensor, src: Layout, dst: Layout,
-                  console: display.Console) -> bool:
-    """Run the planned reshard of `x` from `src` to `dst` on simulated ranks and print the
-    plan; True if every rank's output is exact and the bytes moved are the plan's."""
-    p = plan(mesh, tuple(x.shape), src, dst, dtype=x.dtype)
-    res = sim.execute(p, sim.scatter(x, mesh, src))
-    problem = _demo_problem(p, x, res)
-    display.show_plan(p, console=console, pictures=False)
-    what = f'reshard "{src}" -> "{dst}"'
-    done = f"all {mesh.size} shards exact, bytes moved as planned"
-    display.status(console, not problem, f"{what}: {problem or done}")
+    chain = list(zip(DEMO_LAYOUTS, DEMO_LAYOUTS[1:] + DEMO_LAYOUTS[:1]))
+    console.print(f"running {len(chain)} reshards on {DEMO_PROCESSES} local processes"
+                  f" (torch.distributed, gloo) bound to {mesh!r}", highlight=False)
     console.print()
-    return not problem
+    per_rank = run_ranks(_demo_rank, DEMO_PROCESSES, DEMO_MESH, x, chain,
+                         timeout_s=DEMO_TIMEOUT_S)
+    shards = sim.scatter(x, mesh, chain[0][0])
+    ok = True
+    for k, (src, dst) in enumerate(chain):
+        p = plan(mesh, DEMO_SHAPE, src, dst, dtype=x.dtype)
+        res = sim.execute(p, shards)
+        real = [rank_steps[k] for rank_steps in per_rank]
+        problem = _demo_problem(p, x, res) or _demo_mismatch(p, res, real)
+        display.show_plan(p, console=console, pictures=False)
+        done = (f"all {mesh.size} shards exact and equal to the simulator, bytes moved as"
+                " planned")
+        display.status(console, not problem, f'reshard "{src}" -> "{dst}": {problem or done}')
+        console.print()
+        ok = ok and not problem
+        shards = list(res.outputs)
+    return 0 if ok else 1
+
+
+def _demo_rank(rank: int, world_size: int, mesh_spec: str, x: torch.Tensor,
+               chain: list[tuple[str, str]]) -> list[tuple[torch.Tensor, int, int]]:
+    """One process of the demo: each step's shard and the bytes it sent and received."""
+    from .api import distribute, reshard
+    from .dist import ByteTrace, init_mesh
+
+    bound = init_mesh(mesh_spec)
+    local = distribute(x, bound, chain[0][0]).local
+    steps = []
+    for src, dst in chain:
+        trace = ByteTrace()
+        local = reshard(local, bound, src, dst, shape=tuple(x.shape), trace=trace) + 0
+        steps.append((local, trace.send_bytes, trace.recv_bytes))
+    return steps
+
+
+def _demo_mismatch(p: Plan, res: sim.SimResult,
+                   real: list[tuple[torch.Tensor, int, int]]) -> str:
+    """How the processes' results differ from the simulator's, or "" if they do not."""
+    bad = [r for r, (got, want) in enumerate(zip(real, res.outputs))
+           if got[0].shape != want.shape or not torch.equal(got[0], want)]
+    if bad:
+        return f"ranks {bad} differ from the simulator"
+    moved = (tuple(s for _, s, _ in real), tuple(r for _, _, r in real))
+    if moved != (p.send_bytes, p.recv_bytes):
+        return (f"the processes moved {moved[0]} B sent / {moved[1]} B received,"
+                f" but the plan says {p.send_bytes} / {p.recv_bytes}")
+    return ""
 
 
 def _demo_problem(p: Plan, x: torch.Tensor, res: sim.SimResult) -> str:
@@ -186,13 +231,146 @@ def _demo_problem(p: Plan, x: torch.Tensor, res: sim.SimResult) -> str:
     return ""
 
 
+# -- launch ----------------------------------------------------------------------
+def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
+                        help="number of local processes")
+    parser.add_argument("script", help="the Python script every process runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    return launch(args.nproc, args.script, args.args)
+
+
+def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
+    """Run `script` on `nproc` local processes with torch's own launcher (torchrun
+    --standalone); returns 0 when every process succeeds, else 1.
+
+    Each process gets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so `mc.init_mesh`
+    joins them (gloo without CUDA, nccl with it).
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if nproc < 1:
+        raise MeshAxisError(f"launch needs -n of at least 1, got {nproc}")
+    try:
+        torchrun.main(["--standalone", f"--nproc-per-node={nproc}", script, *script_args])
+    except ChildFailedError as err:
+        print(f"meshcomm launch: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "show": Command("draw which rank holds which part of a tensor", _show_arguments, _run_show),
     "plan": Command("print the cheapest collectives between two layouts, with their cost",
                     _plan_arguments, _run_plan),
-    "demo": Command("show three layouts of an (8, 6) tensor on dp=2 tp=2 and check reshards",
-                    _demo_arguments, _run_demo),
+    "demo": Command("reshard an (8, 6) tensor through three layouts on 4 local processes"
+                    " (dp=2 tp=2) and check it", _demo_arguments, _run_demo),
+    "launch": Command("run a script on N local processes joined by torch.distributed",
+                      _launch_arguments, _run_launch),
 }
+
+
+# -- recipe ----------------------------------------------------------------------
+def parse_shape_of(text: str) -> tuple[str, Shape]:
+    """A (tensor name, shape) pair from "wq=16,8"; argparse names the flag on error."""
+    name, sep, shape = text.partition("=")
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name.strip()):
+        raise argparse.ArgumentTypeError(f'"{text}" is not NAME=SHAPE, e.g. wq=16,8')
+    return name.strip(), parse_shape(shape)
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="recipe_command", required=True, metavar="ACTION")
+    sub.add_parser("list", help="list the built-in recipes", description="list the built-in"
+                   " recipes")
+    show = sub.add_parser("show", help="print every named tensor's layout and picture",
+                          description="print every named tensor's layout and picture")
+    show.add_argument("name", help='a built-in name ("fsdp_tp") or a path to a .toml file')
+    show.add_argument("--mesh", help="mesh axes, e.g. \"dp=2 tp=2\" (default: the recipe's"
+                      " example mesh); axes the recipe names but the mesh lacks are dropped")
+    show.add_argument("--shape-of", action="append", default=[], type=parse_shape_of,
+                      metavar="NAME=SHAPE", help="example shape of a named tensor, e.g. wq=16,8")
+    show.add_argument("--tensor", action="append", default=[], metavar="NAME",
+                      help="show only this named tensor (repeatable)")
+    show.add_argument("--no-pictures", action="store_true", help="print the table only")
+    show.add_argument("--width", type=int, help="output width in columns")
+    check = sub.add_parser("check", help="validate a recipe file (exit 0 OK, 2 with the error)",
+                           description="validate a recipe file (exit 0 OK, 2 with the error)")
+    check.add_argument("file", help="a path to a .toml file (or a built-in name)")
+    check.add_argument("--mesh", help="also check every named tensor on this mesh")
+
+
+def _run_recipe(args: argparse.Namespace) -> int:
+    if args.recipe_command == "list":
+        return _recipe_list()
+    if args.recipe_command == "check":
+        return _recipe_check(args)
+    return _recipe_show(args)
+
+
+def _recipe_list() -> int:
+    names = recipes.builtin_recipes()
+    width = max(map(len, names), default=0)
+    for name in names:
+        found = recipes.recipe(name)
+        print(f"{name:<{width}}  {str(found.mesh):<18}  {found.description}")
+    return 0
+
+
+def _recipe_check(args: argparse.Namespace) -> int:
+    found = recipes.recipe(args.file)
+    meshes = [found.mesh] + ([Mesh(args.mesh)] if args.mesh else [])
+    for mesh in meshes:
+        found.check(mesh)
+    where = " and ".join(repr(m) for m in meshes)
+    text = (f'{found.source}: recipe "{found.name}" ({len(found.rules)} rules,'
+            f" {len(found.tensors)} named tensors) resolves on {where}")
+    display.status(display.make_console(width=max(100, len(text) + 8)), True, text)
+    return 0
+
+
+def _recipe_show(args: argparse.Namespace) -> int:
+    found = recipes.recipe(args.name)
+    mesh = Mesh(args.mesh) if args.mesh else found.mesh
+    shapes = {t.name: t.shape for t in found.tensors}
+    for name, shape in args.shape_of:
+        shapes[found.tensor(name).name] = shape
+    chosen = [found.tensor(n) for n in args.tensor] or list(found.tensors)
+    rows = [(t, found.layout(t.logical, mesh), shapes[t.name]) for t in chosen]
+    for _, layout, shape in rows:
+        if shape is not None:
+            layout.placements(mesh, shape)       # every error before any output
+    print(f'recipe "{found.name}": {found.description}\nfile: {found.source}')
+    print(f"mesh: {mesh!r}" + (" (the recipe's example mesh)" if mesh == found.mesh else ""))
+    print("rules:")
+    pad = max((len(name) for name, _ in found.rules), default=0)
+    for name, axes in found.rules:
+        dropped = [a for a in axes if a not in mesh.axis_names]
+        print(f"  {name:<{pad}} -> {', '.join(axes) or '(replicated)'}"
+              + (f"  ({', '.join(dropped)} not in the mesh: dropped)" if dropped else ""))
+    print("tensors:")
+    table = [("name", "kind", "logical dims", "layout", "shape")] + [
+        (t.name, t.kind, t.logical, str(layout), str(shape) if shape else "-")
+        for t, layout, shape in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(5)]
+    for r in table:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    if not args.no_pictures:
+        console = display.make_console(width=args.width)
+        for t, layout, shape in rows:
+            if shape is not None:
+                print(f"\n{t.name} ({t.kind}): \"{t.logical}\"" + (f" - {t.about}" if t.about
+                                                                  else ""))
+                display.show(mesh, shape, layout, console=console)
+    return 0
+
+
+COMMANDS["recipe"] = Command("list, show or check layout recipes (logical dims -> mesh axes)",
+                             _recipe_arguments, _run_recipe)
 
 
 def build_parser() -> argparse.ArgumentParser:
