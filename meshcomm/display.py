@@ -370,9 +370,10 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
     parts.append(_plan_table(rows) if rows else Text(explain.NO_STEPS))
     parts.append(Text("\n".join(explain.total_lines(plan))))
     if pictures:
-        for word, layout in (("before", plan.src), ("after", plan.dst)):
+        for word, layout, mesh in (("before", plan.src, plan.mesh),
+                                   ("after", plan.dst, plan.dst_mesh or plan.mesh)):
             parts += [Text(""), Text(f"{word}:", style="bold underline"),
-                      render_layout(plan.mesh, plan.shape, layout, width=width)]
+                      render_layout(mesh, plan.shape, layout, width=width)]
     return Group(*parts)
 
 

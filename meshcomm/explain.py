@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .layout import Layout
+    from .mesh import Mesh
     from .plan import Plan
 
 HEADERS = ("#", "step", "axes (group)", "local shape", "sent", "received", "time (µs)",
@@ -116,12 +117,13 @@ def total_lines(plan: Plan) -> tuple[str, ...]:
     )
 
 
-def _layout_note(plan: Plan, layout: Layout) -> str:
-    shape = max((layout.local_shape(plan.mesh, plan.shape, r) for r in plan.mesh.ranks),
-                key=math.prod)
+def _layout_note(plan: Plan, layout: Layout, mesh: Mesh) -> str:
+    shape = max((layout.local_shape(mesh, plan.shape, r) for r in mesh.ranks), key=math.prod)
     parts = [f"local {_shape_text(shape)}"]
-    for word, axes in (("sharded", layout.sharded_axes(plan.mesh)),
-                       ("replicated", layout.replicated_axes(plan.mesh))):
+    if plan.dst_mesh is not None:
+        parts.append(f"on {mesh!r}")
+    for word, axes in (("sharded", layout.sharded_axes(mesh)),
+                       ("replicated", layout.replicated_axes(mesh))):
         if axes:
             parts.append(f"{word} over {', '.join(axes)}")
     note = "; ".join(parts)
@@ -132,11 +134,11 @@ def _layout_note(plan: Plan, layout: Layout) -> str:
 
 def layout_lines(plan: Plan) -> tuple[str, ...]:
     """'before: "src"  local (4, 6); sharded over dp' and the same for after."""
-    pairs = (("before:", plan.src), ("after:", plan.dst))
-    quoted = [f'"{layout}"' for _, layout in pairs]
+    pairs = (("before:", plan.src, plan.mesh), ("after:", plan.dst, plan.dst_mesh or plan.mesh))
+    quoted = [f'"{layout}"' for _, layout, _ in pairs]
     pad = max(map(len, quoted))
-    return tuple(f"{word:<7} {text:<{pad}}  {_layout_note(plan, layout)}"
-                 for (word, layout), text in zip(pairs, quoted))
+    return tuple(f"{word:<7} {text:<{pad}}  {_layout_note(plan, layout, mesh)}"
+                 for (word, layout, mesh), text in zip(pairs, quoted))
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> list[str]:

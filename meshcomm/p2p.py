@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -57,14 +57,41 @@ Blocks = dict[int, Index]
 Cell = tuple[tuple[int, ...], ...]
 
 
-def _blocks(state: State, dst: State, mesh: Mesh) -> tuple[Blocks, Blocks, list[list[tuple[int, ...]]]]:
-    """Per rank the indices held in `state` and in `dst`, and per dim the atoms of both."""
+def _blocks(state: State, dst: State, mesh: Mesh,
+            dst_mesh: Mesh | None = None) -> tuple[Blocks, Blocks, list[list[tuple[int, ...]]]]:
+    """Per rank the indices held in `state` (on `mesh`) and in `dst` (on `dst_mesh`, by
+    default the same mesh), and per dim the atoms of both."""
+    dst_mesh = dst_mesh or mesh
     have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
-    need = {r: block_indices(dst, mesh, r) for r in mesh.ranks}
+    need = {r: block_indices(dst, dst_mesh, r) for r in dst_mesh.ranks}
     shape = tuple(d.size for d in state.dims)
-    atoms = [_atoms([have[r][d] for r in mesh.ranks] + [need[r][d] for r in mesh.ranks], n)
-             for d, n in enumerate(shape)]
+    atoms = [_atoms([h[d] for h in have.values()] + [n[d] for n in need.values()], size)
+             for d, size in enumerate(shape)]
     return have, need, atoms
+
+
+def assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
+           same_group: Callable[[int, int], bool]) -> tuple[Transfer, ...] | None:
+    """Transfers giving every receiver in `need` its block: what it holds itself is a local
+    copy, the rest comes from the least-loaded holder `s` with `same_group(s, receiver)`.
+
+    Returns None when some block has no such holder.
+    """
+    load = dict.fromkeys(have, 0)
+    transfers = []
+    for r in need:
+        for cell in _cells_of(need[r], atoms):
+            if r in have and _holds(have[r], cell):
+                src: int | None = r
+            else:
+                holders = [s for s in have if same_group(s, r) and _holds(have[s], cell)]
+                src = min(holders, key=lambda s: load[s]) if holders else None
+            if src is None:
+                return None
+            transfers.append(_transfer(src, r, cell, have, need))
+            if src != r:
+                load[src] += transfers[-1].numel
+    return tuple(transfers)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -89,16 +116,15 @@ def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
     if state.partial != dst.partial or state.op != dst.op or state == dst:
         return None
     have, need, atoms = _blocks(state, dst, mesh)
-    load = dict.fromkeys(mesh.ranks, 0)
-    transfers = []
-    for r in mesh.ranks:
-        for cell in _cells_of(need[r], atoms):
-            src = r if _holds(have[r], cell) else _holder(state, mesh, r, cell, have, load)
-            if src is None:
-                return None
-            transfers.append(_transfer(src, r, cell, have, need))
-            if src != r:
-                load[src] += transfers[-1].numel
+
+    def same_group(s: int, r: int) -> bool:  # partial values stay at their reduction coords
+        cs, cr = mesh.coords(s), mesh.coords(r)
+        return all(cs[a] == cr[a] for a in state.partial)
+
+    found = assign(have, need, atoms, same_group)
+    if found is None:
+        return None
+    transfers = list(found)
     transfers.sort(key=lambda t: (mesh.position(t.src), mesh.position(t.dst)))
     send, recv = [0] * mesh.size, [0] * mesh.size
     for t in transfers:
@@ -110,19 +136,6 @@ def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
                     send=tuple(send), recv=tuple(recv))
     return Move("send_recv", mesh.axis_names, dst, transfers=tuple(transfers),
                 send=tuple(send), recv=tuple(recv))
-
-
-def _holder(state: State, mesh: Mesh, r: int, cell: Cell, have: Blocks,
-            load: dict[int, int]) -> int | None:
-    """The least-loaded rank holding `cell` with the same pending-reduction coordinates as r."""
-    mine = mesh.coords(r)
-    best = None
-    for s in mesh.ranks:
-        if any(mesh.coords(s)[a] != mine[a] for a in state.partial):
-            continue
-        if _holds(have[s], cell) and (best is None or load[s] < load[best]):
-            best = s
-    return best
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,28 +188,44 @@ def _grid(index: Index) -> tuple[Tensor, ...]:
     return torch.meshgrid(*axes, indexing="ij") if axes else ()
 
 
-def pack(transfers: Iterable[Transfer], mesh: Mesh, rank: int, x: Tensor) -> tuple[Tensor, list[int]]:
-    """The flat buffer `rank` sends (blocks in destination order) and its split sizes."""
-    splits = [0] * mesh.size
+Order = Mesh | tuple[int, ...]
+
+
+def _positions(order: Order) -> dict[int, int]:
+    """Rank -> position: mesh order for a Mesh, else the order of the given ranks."""
+    ranks = order.ranks if isinstance(order, Mesh) else order
+    return {r: i for i, r in enumerate(ranks)}
+
+
+def pack(transfers: Iterable[Transfer], mesh: Order, rank: int,
+         x: Tensor) -> tuple[Tensor, list[int]]:
+    """The flat buffer `rank` sends (blocks in destination order) and its split sizes.
+
+    Positions are those of `mesh` (a Mesh, or the ranks of a cross-mesh plan).
+    """
+    where = _positions(mesh)
+    splits = [0] * len(where)
     parts = []
     for t in transfers:
         if t.src == rank:
             parts.append(x[_grid(t.src_index)].reshape(-1) if t.src_index else x.reshape(-1))
-            splits[mesh.position(t.dst)] += t.numel
+            splits[where[t.dst]] += t.numel
     flat = torch.cat(parts) if parts else x.new_empty(0)
     return flat, splits
 
 
-def recv_splits(transfers: Iterable[Transfer], mesh: Mesh, rank: int) -> list[int]:
-    """Elements `rank` receives from each mesh position."""
-    splits = [0] * mesh.size
+def recv_splits(transfers: Iterable[Transfer], mesh: Order, rank: int) -> list[int]:
+    """Elements `rank` receives from each position of `mesh`."""
+    where = _positions(mesh)
+    splits = [0] * len(where)
     for t in transfers:
         if t.dst == rank:
-            splits[mesh.position(t.src)] += t.numel
+            splits[where[t.src]] += t.numel
     return splits
 
 
-def unpack(transfers: Iterable[Transfer], mesh: Mesh, rank: int, flat: Tensor, out_shape: tuple[int, ...]) -> Tensor:
+def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
+           out_shape: tuple[int, ...]) -> Tensor:
     """`rank`'s output tensor from the flat buffer it received (blocks in source order)."""
     out = flat.new_empty(out_shape)
     offset = 0

@@ -115,7 +115,8 @@ class Step:
     tensor dim of an uneven (chunk) collective; `pairs` the (source, destination)
     group positions of a permute; `transfers` the blocks of a send_recv step (run
     as one all_to_all with uneven splits over the step's flattened group, so it
-    traces like any other collective). Bytes are per rank, in mesh order.
+    traces like any other collective; between two meshes, as batched point-to-point
+    sends). Bytes are per rank, in the order of the plan's `ranks`.
     """
 
     kind: str
@@ -133,6 +134,8 @@ class Step:
     recv_bytes: tuple[int, ...] = ()
     time_s: float = 0.0
     peak_bytes: tuple[int, ...] = ()
+    mesh: Mesh | None = None       # mesh of `before` when it is not the plan's source mesh
+    dst_mesh: Mesh | None = None   # mesh of `after` when it differs from that of `before`
 
     def __str__(self) -> str:
         what = self.action if self.kind == "local" else self.kind
@@ -144,7 +147,8 @@ class Step:
 class Plan:
     """The steps from `src` to `dst` and their modelled traffic, memory and time.
 
-    Byte tuples are per rank in mesh order (`mesh.ranks`).
+    Byte tuples are per rank in the order of `ranks`: the mesh's ranks, or for a plan
+    between two meshes (`dst_mesh` set) the ranks of both, ascending.
     """
 
     mesh: Mesh
@@ -159,6 +163,14 @@ class Plan:
     peak_bytes: tuple[int, ...]
     cost: float
     cost_model: CostModel
+    dst_mesh: Mesh | None = None
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global ranks that the byte tuples describe, in order."""
+        if self.dst_mesh is None:
+            return self.mesh.ranks
+        return tuple(sorted(set(self.mesh.ranks) | set(self.dst_mesh.ranks)))
 
     @property
     def collectives(self) -> tuple[Step, ...]:
@@ -175,13 +187,16 @@ class Plan:
         """One plain row per step (what `explain()` and `--json` show); bytes are max over ranks."""
         out = []
         for i, step in enumerate(self.steps, 1):
-            g = math.prod(self.mesh.axis_size(a) for a in step.axes)
+            before = step.mesh or self.mesh
+            after = step.dst_mesh or before
+            g = (math.prod(before.axis_size(a) for a in step.axes) if step.axes
+                 else len(set(before.ranks) | set(after.ranks)))
             out.append({
                 "step": i, "kind": step.kind, "action": step.action, "axes": list(step.axes),
                 "group_size": g, "op": step.op,
                 "before": str(step.before), "after": str(step.after),
-                "local_shape_before": list(_local_shape(self, step.before)),
-                "local_shape_after": list(_local_shape(self, step.after)),
+                "local_shape_before": list(_local_shape(self, before, step.before)),
+                "local_shape_after": list(_local_shape(self, after, step.after)),
                 "send_bytes": max(step.send_bytes), "recv_bytes": max(step.recv_bytes),
                 "time_s": step.time_s, "peak_bytes": max(step.peak_bytes),
             })
@@ -219,15 +234,19 @@ class Plan:
         return self.explain()
 
 
-def _local_shape(p: Plan, layout: Layout) -> Shape:
+def _local_shape(p: Plan, mesh: Mesh, layout: Layout) -> Shape:
     """The largest local shape any rank holds under `layout` (ranks differ when uneven)."""
-    shapes = [layout.local_shape(p.mesh, p.shape, r) for r in p.mesh.ranks]
+    shapes = [layout.local_shape(mesh, p.shape, r) for r in mesh.ranks]
     return max(shapes, key=math.prod)
 
 
 def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
-         dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None) -> Plan:
+         dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None,
+         dst_mesh: Mesh | None = None) -> Plan:
     """Cheapest exact sequence of collectives that turns layout `src` into `dst`.
+
+    With `dst_mesh`, `dst` lives on that other mesh (disjoint, overlapping or nested):
+    see `meshcomm.crossmesh`.
 
     >>> p = plan(Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
     >>> [step.kind for step in p.steps]
@@ -235,20 +254,28 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
     """
     if type(shape) is not tuple:
         shape = tuple(shape)
-    return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST)
+    return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST, dst_mesh)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
-               dtype: torch.dtype, cost_model: CostModel) -> Plan:
+               dtype: torch.dtype, cost_model: CostModel, dst_mesh: Mesh | None) -> Plan:
     """`plan` keyed on the arguments as given, so a repeated call is one dict lookup."""
-    if not isinstance(mesh, Mesh):
-        raise PlanError(f"mesh must be a meshcomm Mesh, got {type(mesh).__name__};"
-                        ' fix: mc.Mesh("dp=2 tp=4")')
+    for name, value in (("mesh", mesh), ("dst_mesh", dst_mesh)):
+        if value is not None and not isinstance(value, Mesh):
+            raise PlanError(f"{name} must be a meshcomm Mesh, got {type(value).__name__};"
+                            ' fix: mc.Mesh("dp=2 tp=4")')
+    if mesh is None:
+        raise PlanError('mesh must be a meshcomm Mesh, got None; fix: mc.Mesh("dp=2 tp=4")')
     if not isinstance(dtype, torch.dtype):
         raise PlanError(f"dtype must be a torch.dtype, got {dtype!r}")
     shape = tuple(int(s) for s in shape)
-    return _plan(mesh, shape, dtype, as_layout(src, "src"), as_layout(dst, "dst"), cost_model)
+    src_l, dst_l = as_layout(src, "src"), as_layout(dst, "dst")
+    if dst_mesh is not None and dst_mesh != mesh:
+        from .crossmesh import cross_plan  # a sibling pure module built on this one
+
+        return cross_plan(mesh, dst_mesh, shape, dtype, src_l, dst_l, cost_model)
+    return _plan(mesh, shape, dtype, src_l, dst_l, cost_model)
 
 
 @functools.lru_cache(maxsize=4096)

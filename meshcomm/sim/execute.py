@@ -37,6 +37,8 @@ def check_locals(plan: Plan, locals_: Sequence[Tensor]) -> None:
 def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> SimResult:
     """Each rank's output of `plan` and the bytes every step moved (mesh order).
 
+    For a plan between two meshes, see `meshcomm.sim.cross.execute_cross`.
+
     >>> import meshcomm as mc
     >>> m = mc.Mesh("tp=2")
     >>> p = mc.plan(m, (4,), "(tp b)", "b")
@@ -46,15 +48,22 @@ def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> 
     if mesh is not None and mesh != plan.mesh:
         raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {mesh!r}."
                                 " fix: plan with the mesh you run on")
+    if plan.dst_mesh is not None:
+        from .cross import execute_cross
+
+        return execute_cross(plan, locals_)
     check_locals(plan, locals_)
     result = SimResult.noop(list(locals_))
     for step in plan.steps:
-        outs = list(result.outputs)
-        if step.kind in ("local", "send_recv"):
-            result = result.then(_SHAPED[step.kind](step, plan.mesh, outs, plan.shape))
-        else:
-            result = result.then(_RUN[step.kind](step, plan.mesh, outs))
+        result = result.then(run_step(step, plan.mesh, list(result.outputs), plan.shape))
     return result
+
+
+def run_step(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    """One step on every rank of `mesh` (tensors in mesh order)."""
+    if step.kind in _SHAPED:
+        return _SHAPED[step.kind](step, mesh, xs, shape)
+    return _RUN[step.kind](step, mesh, xs)
 
 
 def _groups(mesh: Mesh, step: Step) -> tuple[tuple[int, ...], ...]:
