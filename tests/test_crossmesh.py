@@ -1,0 +1,153 @@
+"""Plans between two meshes, executed on simulated ranks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import meshcomm as mc
+from meshcomm.sim import execute, gather, scatter
+
+A = mc.Mesh("dp=2 tp=2")                              # ranks 0-3
+PAIRS = [
+    (A, mc.Mesh("tp=4", ranks=[4, 5, 6, 7])),          # disjoint, 4 -> 4
+    (A, mc.Mesh("x=2 y=2", ranks=[2, 3, 4, 5])),       # overlapping
+    (mc.Mesh("p=4"), mc.Mesh("q=2", ranks=[1, 2])),    # nested, 4 -> 2
+    (mc.Mesh("q=2", ranks=[6, 7]), mc.Mesh("p=4")),    # 2 -> 4
+    (mc.Mesh("p=3"), mc.Mesh("a=2 b=2", ranks=[3, 4, 5, 6])),  # 3 -> 4
+    (mc.Mesh("a=2 b=2 c=2"), mc.Mesh("tp=4", ranks=[0, 2, 4, 6])),
+]
+
+
+def _outputs(plan: mc.Plan, res: mc.sim.SimResult) -> list[torch.Tensor]:
+    assert plan.dst_mesh is not None
+    return [res.outputs[plan.ranks.index(r)] for r in plan.dst_mesh.ranks]
+
+
+def _run(src_mesh, dst_mesh, shape, src, dst) -> mc.Plan:
+    p = mc.plan(src_mesh, shape, src, dst, dst_mesh=dst_mesh)
+    x = torch.randn(shape)
+    res = execute(p, scatter(x, src_mesh, src))
+    assert res.send_bytes == p.send_bytes and res.recv_bytes == p.recv_bytes
+    outs = _outputs(p, res)
+    if p.dst.reduce_op:
+        assert torch.equal(gather(outs, dst_mesh, p.dst, shape), x)
+    else:
+        for got, want in zip(outs, scatter(x, dst_mesh, dst)):
+            assert torch.equal(got, want)
+    for r in p.ranks:
+        if r not in dst_mesh.ranks:
+            assert res.outputs[p.ranks.index(r)] is None
+    return p
+
+
+def test_disjoint_meshes_with_other_parallel_degrees():
+    b = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
+    p = _run(A, b, (8, 16), "(dp b) (tp s)", "b (tp s)")
+    assert [s.kind for s in p.steps] == ["send_recv"]
+    assert p.ranks == tuple(range(8))
+    assert p.recv_bytes == p.lower_bound_bytes == (0, 0, 0, 0) + (8 * 4 * 4,) * 4
+    assert p.send_bytes[4:] == (0,) * 4
+
+
+def test_a_rank_in_both_meshes_keeps_what_it_holds():
+    b = mc.Mesh("x=2 y=2", ranks=[2, 3, 4, 5])
+    p = _run(A, b, (8, 16), "(dp b) s", "(x b) s")
+    # rank 2 (dp=1 in A, x=0 in B) needs rows 0:4, which it does not hold; rank 3 neither.
+    assert all(r >= lb for r, lb in zip(p.recv_bytes, p.lower_bound_bytes))
+    assert p.recv_bytes == p.lower_bound_bytes
+
+
+def test_replicated_sources_share_the_sending():
+    src_mesh = mc.Mesh("dp=4")                          # every rank holds the whole tensor
+    dst_mesh = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
+    p = _run(src_mesh, dst_mesh, (16, 4), "b s", "(tp b) s")
+    sends = p.send_bytes[:4]
+    assert max(sends) == min(sends) == 16 * 4 * 4 // 4   # one block each: perfectly balanced
+
+
+def test_partial_source_is_reduced_on_the_source_mesh_first():
+    b = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
+    p = _run(A, b, (8, 16), "b s | sum(tp)", "(tp b) s")
+    kinds = [s.kind for s in p.collectives]
+    assert kinds == ["reduce_scatter", "send_recv"]
+    assert p.bound_ratio == 1.0
+    assert p.steps[0].mesh == A and p.steps[-1].dst_mesh == b
+
+
+def test_partial_destination_is_marked_on_the_destination_mesh():
+    b = mc.Mesh("x=2 y=2", ranks=[2, 3, 4, 5])
+    p = _run(A, b, (8, 16), "(dp b) s", "(x b) s | sum(y)")
+    assert (p.steps[-1].kind, p.steps[-1].action) == ("local", "mark_partial")
+
+
+def test_cross_plans_explain_both_meshes():
+    b = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
+    text = mc.plan(A, (8, 16), "(dp b) (tp s)", "b (tp s)", dst_mesh=b).explain()
+    assert "on Mesh(tp=4, ranks=[4, 5, 6, 7])" in text and "send_recv" in text
+
+
+def test_same_mesh_as_dst_mesh_is_a_plain_plan():
+    assert mc.plan(A, (8, 16), "(dp b) s", "b s", dst_mesh=A) is mc.plan(A, (8, 16), "(dp b) s", "b s")
+
+
+def test_bad_dst_mesh():
+    with pytest.raises(mc.PlanError, match="dst_mesh must be a meshcomm Mesh"):
+        mc.plan(A, (8, 16), "(dp b) s", "b s", dst_mesh="tp=4")
+    with pytest.raises(mc.MeshAxisError, match='"dp" is not a mesh axis'):
+        mc.plan(A, (8, 16), "(dp b) s", "(dp b) s", dst_mesh=mc.Mesh("tp=4", ranks=[4, 5, 6, 7]))
+
+
+@st.composite
+def cases(draw):
+    src_mesh, dst_mesh = draw(st.sampled_from(PAIRS))
+    if draw(st.booleans()):
+        src_mesh, dst_mesh = dst_mesh, src_mesh
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.sampled_from([4, 6, 8, 5, 7, 12])) for _ in range(ndim))
+
+    def layout(mesh: mc.Mesh, partial_ok: bool) -> str:
+        dims: list[list[str]] = [[] for _ in range(ndim)]
+        partial = []
+        for axis in mesh.axis_names:
+            where = draw(st.sampled_from(["rep", "partial"] + list(range(ndim))))
+            if where == "partial" and partial_ok:
+                partial.append(axis)
+            elif isinstance(where, int):
+                dims[where].append(axis)
+        text = " ".join(f"({' '.join(a + ['d' + str(i)])})" if a else f"d{i}"
+                        for i, a in enumerate(dims))
+        return text + (f" | sum({', '.join(partial)})" if partial else "")
+
+    src, dst = layout(src_mesh, True), layout(dst_mesh, True)
+    try:
+        mc.Layout(src).placements(src_mesh, shape)
+        mc.Layout(dst).placements(dst_mesh, shape)
+    except mc.ShapeError:
+        assume(False)
+    return src_mesh, dst_mesh, shape, src, dst
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(cases())
+def test_every_cross_plan_is_exact(case):
+    src_mesh, dst_mesh, shape, src, dst = case
+    p = _run(src_mesh, dst_mesh, shape, src, dst)
+    transfer = next(s for s in p.steps if s.dst_mesh is not None)
+    # Every destination element arrives exactly once.
+    counts = torch.zeros(shape, dtype=torch.long)
+    for r in dst_mesh.ranks:
+        got = torch.zeros(transfer.after.local_shape(dst_mesh, shape, r), dtype=torch.long)
+        for t in transfer.transfers:
+            if t.dst == r and t.dst_index:
+                got[torch.meshgrid(*[torch.tensor(ix) for ix in t.dst_index], indexing="ij")] += 1
+            elif t.dst == r:
+                got += 1
+        assert bool((got == 1).all()), f"rank {r} gets some elements twice or never"
+    if mc.Layout(src).reduce_op is None:
+        assert p.recv_bytes == p.lower_bound_bytes
+    assert math.isfinite(p.bound_ratio)
