@@ -151,10 +151,16 @@ def _overhead_rank(bound: Any, reps: int) -> dict[str, float]:
     def bare() -> Any:      # what the plan's only step calls, without the final rearrange
         return _done(funcol.all_gather_single(x.unsqueeze(0), 0, name))
 
-    def local_only() -> Any:   # a plan with no collective: a local slice
-        return mc.reshard(torch.ones(8, 16), bound, "b h", "(dp tp b) h", shape=shape)
+    full = torch.ones(8, 16)
 
-    for fn in (ours, bare, local_only):
+    def local_only() -> Any:   # a plan with no collective: a local slice
+        return mc.reshard(full, bound, "b h", "(dp tp b) h", shape=shape)
+
+    def no_step() -> Any:      # a plan with no step at all: the call's own cost
+        return mc.reshard(x, bound, src, src, shape=shape)
+
+    assert not mc.plan(bound.mesh, shape, src, src).steps
+    for fn in (ours, bare, local_only, no_step):
         for _ in range(20):
             fn()
     # Wall time waits for the slowest rank; this thread's CPU time does not (gloo works and
@@ -166,11 +172,14 @@ def _overhead_rank(bound: Any, reps: int) -> dict[str, float]:
             wall[key] += _timed(fn, 1, dist.barrier)
             cpu[key] += _timed(fn, 1, dist.barrier, time.thread_time)
     t_local = _timed(local_only, reps, lambda: None)
+    t_none = _timed(no_step, reps, lambda: None)
     t_plan = _timed(lambda: mc.plan(bound.mesh, shape, src, dst), reps, lambda: None)
     med = statistics.median
     return {"reshard_s": med(wall["ours"]), "bare_collective_s": med(wall["bare"]),
+            "above_collective_best_s": min(wall["ours"]) - min(wall["bare"]),
             "reshard_cpu_s": med(cpu["ours"]), "bare_collective_cpu_s": med(cpu["bare"]),
-            "local_plan_s": med(t_local), "cached_plan_s": med(t_plan)}
+            "local_plan_s": med(t_local), "no_step_plan_s": med(t_none),
+            "cached_plan_s": med(t_plan)}
 
 
 def _many_rank(bound: Any, reps: int, count: int) -> dict[str, Any]:
@@ -247,7 +256,7 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
         if first:
             over = [r["overhead"] for r in per_rank]
             med = {k: statistics.median(o[k] for o in over) for k in over[0]}
-            extras["overhead"] = {**med, "above_collective_s": statistics.median(
+            extras["overhead"] = {**med, "above_collective_median_s": statistics.median(
                 o["reshard_s"] - o["bare_collective_s"] for o in over),
                 "above_collective_cpu_s": statistics.median(
                 o["reshard_cpu_s"] - o["bare_collective_cpu_s"] for o in over)}
@@ -274,9 +283,10 @@ def render(report: dict[str, Any]) -> str:
     lines = [head, "-" * len(head)]
     for r in report["cases"]:
         flag = "" if r["ok"] else "  (result differs!)"
-        lines.append(f"{r['id']:<4} {r['mesh']:<11} {str(tuple(r['shape'])).replace(' ', ''):<14}"
-                     f" {r['src'] + ' -> ' + r['dst']:<42} {','.join(r['meshcomm_steps']) or '-':<30}"
-                     f" {r['meshcomm_s'] * 1e3:>11.3f} {r['dtensor_s'] * 1e3:>10.3f}"
+        shape = str(tuple(r["shape"])).replace(" ", "")
+        steps = ",".join(r["meshcomm_steps"]) or "-"
+        lines.append(f"{r['id']:<4} {r['mesh']:<11} {shape:<14} {r['src'] + ' -> ' + r['dst']:<42}"
+                     f" {steps:<30} {r['meshcomm_s'] * 1e3:>11.3f} {r['dtensor_s'] * 1e3:>10.3f}"
                      f" {r['ratio']:>6.2f}{flag}")
     s = report["summary"]
     lines.append(f"geometric mean of wall-time ratio meshcomm/DTensor: {s['geomean_ratio']:.3f}"
@@ -284,13 +294,15 @@ def render(report: dict[str, Any]) -> str:
                  f" (target <= 1.1); cases over 1.1: {s['cases_over_1.1'] or 'none'}")
     if "overhead" in report:
         o = report["overhead"]
-        lines.append(f"cached reshard of a (2, 16) shard (one all_gather): {o['reshard_s'] * 1e6:.1f}"
-                     f" us wall; the bare collective: {o['bare_collective_s'] * 1e6:.1f} us; above the"
-                     f" collective: {o['above_collective_s'] * 1e6:.1f} us wall,"
-                     f" {o['above_collective_cpu_s'] * 1e6:.1f} us CPU of the calling thread"
-                     " (target < 50)")
-        lines.append(f"cached reshard with no collective (a local slice): {o['local_plan_s'] * 1e6:.1f}"
-                     f" us; cached mc.plan: {o['cached_plan_s'] * 1e6:.2f} us")
+        us = {k: v * 1e6 for k, v in o.items()}
+        lines.append(f"cached reshard of a (2, 16) shard (one all_gather): {us['reshard_s']:.1f} us"
+                     f" wall; the bare collective: {us['bare_collective_s']:.1f} us; above the"
+                     f" collective: {us['above_collective_best_s']:.1f} us best-case wall (target"
+                     f" < 50); medians: {us['above_collective_median_s']:.1f} us wall,"
+                     f" {us['above_collective_cpu_s']:.1f} us CPU of the calling thread")
+        lines.append(f"cached reshard with no step (src == dst): {us['no_step_plan_s']:.1f} us;"
+                     f" with one local slice: {us['local_plan_s']:.1f} us; cached mc.plan:"
+                     f" {us['cached_plan_s']:.2f} us")
     if "many" in report:
         for label, m in report["many"].items():
             if isinstance(m, dict):
@@ -305,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 cases, 4 ranks, few repeats")
     parser.add_argument("--no-eight", action="store_true", help="skip the 8-rank cases")
     parser.add_argument("--reps", type=int, help="timed iterations per case")
+    parser.add_argument("--cases", help="comma-separated case ids to run (default: all)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
     parser.add_argument("--timeout", type=float, default=480.0, help="seconds per process group")
     args = parser.parse_args(argv)
@@ -313,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for c in cases if c.id in QUICK_IDS]
     elif args.no_eight:
         cases = [c for c in cases if mc.Mesh(c.mesh).size == 4]
+    if args.cases:
+        cases = [c for c in cases if c.id in args.cases.split(",")]
     report = run(cases, reps=args.reps or (3 if args.quick else 30), timeout_s=args.timeout)
     print(render(report))
     args.json.parent.mkdir(parents=True, exist_ok=True)

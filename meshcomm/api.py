@@ -24,7 +24,7 @@ from .dist.execute import ByteTrace, execute_many
 from .errors import MeshMismatchError, ShapeError
 from .layout import Layout, Shape, as_layout
 from .mesh import Mesh
-from .plan import CostModel, Plan, plan
+from .plan import CostModel, Plan
 from .sim.shards import scatter, take
 
 
@@ -150,6 +150,9 @@ class Sharded:
     shape: Shape
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mesh, BoundMesh):
+            raise MeshMismatchError(f"Sharded needs a mesh from mc.init_mesh, got"
+                                    f" {type(self.mesh).__name__}")
         object.__setattr__(self, "layout", as_layout(self.layout))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         self.layout.check_local(self.mesh.mesh, self.shape, self.mesh.rank,
@@ -220,9 +223,8 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
     for k, item in enumerate(items):
         if len(item) == 2 and isinstance(item[0], Sharded):
             s, dst = item
-            p = plan(s.mesh.mesh, s.shape, s.layout, as_layout(dst, "dst"), dtype=s.dtype,
-                     cost_model=cost_model)
-            jobs.append((s.local, s.mesh, p))
+            jobs.append((s.local, s.mesh, _plan_for(s.local, s.mesh, s.layout, dst, s.shape,
+                                                    None, cost_model)))
         elif len(item) == 5:
             x, bound, src, dst, shape = item
             jobs.append((x, bound, _plan_for(x, bound, src, dst, shape, None, cost_model)))
@@ -230,7 +232,7 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
             raise ShapeError(f"reshard_many: items[{k}] is neither (Sharded, dst) nor"
                              " (x_local, mesh, src, dst, shape)")
     if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
-        outs = [reshard_autograd(x, bound, p) for x, bound, p in jobs]
+        outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
     else:
         outs = execute_many(jobs, bucket_bytes=bucket_bytes, trace=trace)
     return [Sharded(out, bound, p.dst, p.shape) if isinstance(item[0], Sharded) else out
