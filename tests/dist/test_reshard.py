@@ -1,0 +1,326 @@
+"""mc.reshard and the torch.distributed executor on gloo, 4 and 8 ranks.
+
+A broad seeded sample of transitions (even and uneven shapes, partial sources, every op)
+runs on 2x2 (4 processes), 2x4 and 2x2x2 (8 processes): each rank's output must equal
+`mc.sim.execute` bit for bit, and the bytes counted at each collective call must equal the
+plan's figures for that step and rank. Data is integer-valued, so every reduction order
+gives the same bits. Each spawn costs seconds, so one run per world size checks every
+case and the tests read its report. Input errors are checked in this process on a
+BoundMesh with no process groups: they must fire before any communication.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import meshcomm as mc
+from meshcomm.api import infer_shape
+from meshcomm.dist.bind import BoundMesh
+from meshcomm.dist.execute import ByteTrace, execute
+from meshcomm.errors import MeshMismatchError, ShapeError
+from meshcomm.sim import execute as sim_execute
+from meshcomm.testing import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = "ijk"
+SIZES = (4, 6, 8, 12, 5, 7, 1)
+OPS = ("sum", "max", "min", "avg")
+SAMPLE_4 = 150           # transitions on 2x2
+SAMPLE_8 = 40            # transitions on each 8-rank mesh
+# Cases the sample may miss: uneven collectives, permutes, send_recv, dtypes.
+NAMED = [
+    ("dp=2 tp=2", (7, 4), "(dp tp b) h", "(dp b) h", torch.float32),        # all_gather_v
+    ("dp=2 tp=2", (7, 4), "b h | sum(tp)", "(tp b) h", torch.float32),      # reduce_scatter_v
+    ("dp=2 tp=2", (7, 4), "b h | max(tp)", "(tp b) h", torch.float32),
+    ("dp=2 tp=2", (8, 4), "(dp tp b) h", "(tp dp b) h", torch.float32),     # permute
+    ("dp=2 tp=2", (8, 4), "(dp b) (tp h)", "(tp b) (dp h)", torch.float64),
+    ("dp=2 tp=2", (12,), "(tp b)", "(b tp)", torch.float32),
+    ("dp=2 tp=2", (8, 6), "(dp b) (tp h)", "b (dp tp h)", torch.bfloat16),
+    ("dp=2 tp=2", (8, 6), "b h | sum(dp, tp)", "(dp b) (tp h)", torch.int64),
+    ("dp=2 tp=2", (8, 6), "b h | min(tp)", "b h", torch.int32),
+    ("dp=2 tp=2", (8, 6), "(dp b) h | sum(tp)", "b (tp h)", torch.complex64),
+    ("dp=2 tp=2", (8, 6), "(dp b) (tp h)", "(b dp) h | avg(tp)", torch.float64),
+    ("dp=2 tp=2", (), "| sum(dp, tp)", "", torch.float32),
+    ("dp=2 tp=4", (12,), "(tp b)", "(b tp)", torch.float32),                # send_recv
+    ("dp=2 tp=4", (8, 16), "(dp tp b) s", "(tp dp b) s", torch.float32),
+    ("dp=2 tp=4", (7, 10), "(dp b) (tp s)", "(tp b) (dp s)", torch.float32),
+    ("a=2 b=2 c=2", (8, 8), "(a b c w) x", "(c b a w) x", torch.float32),
+    ("a=2 b=2 c=2", (5, 6, 7), "(a w) (b x) (c y)", "(c w) (a x) (b y)", torch.float32),
+]
+KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
+         "all_reduce", "all_to_all", "collective_permute", "send_recv"}
+
+
+# -- the sample -------------------------------------------------------------------------
+def layout_text(rng: random.Random, mesh: mc.Mesh, ndim: int, ops: tuple[str, ...]) -> str:
+    """A random layout: each axis shards a dim (either side of its name), is partial, or not."""
+    dims: list[list[str]] = [[] for _ in range(ndim)]
+    partial = []
+    axes = list(mesh.axis_names)
+    rng.shuffle(axes)
+    for axis in axes:
+        where = rng.choice(["rep", "partial"] + [f"d{i}" for i in range(ndim)])
+        if where == "partial":
+            partial.append(axis)
+        elif where != "rep":
+            dims[int(where[1:])].append(axis)
+    parts = []
+    for i, group in enumerate(dims):
+        at = rng.randint(0, len(group)) if rng.random() < 0.5 else len(group)
+        factors = group[:at] + [NAMES[i]] + group[at:]
+        parts.append(f"({' '.join(factors)})" if group else NAMES[i])
+    text = " ".join(parts)
+    return text + (f" | {rng.choice(ops)}({', '.join(partial)})" if partial else "")
+
+
+def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...], str, str,
+                                                           torch.dtype]]:
+    """`n` transitions that fit their shapes, the same on every rank."""
+    mesh, rng, out = mc.Mesh(mesh_spec), random.Random(seed), []
+    while len(out) < n:
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice(SIZES) for _ in range(ndim))
+        src = layout_text(rng, mesh, ndim, OPS)
+        op = mc.Layout(src).reduce_op
+        dst = layout_text(rng, mesh, ndim, (op,) if op else OPS)
+        try:
+            mc.Layout(src).placements(mesh, shape)
+            mc.Layout(dst).placements(mesh, shape)
+        except mc.ShapeError:
+            continue
+        out.append((mesh_spec, shape, src, dst, torch.float32))
+    return out
+
+
+def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
+    """Integer-valued data, so every reduction order gives the same bits."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-9, 10, shape, generator=gen).to(dtype)
+
+
+# -- what every rank runs ----------------------------------------------------------------
+def step_kind(step: mc.Step) -> str:
+    return step.kind + ("_v" if step.dim is not None and step.kind != "local" else "")
+
+
+def check_cases(bounds: dict[str, BoundMesh], cases: list[Any]) -> dict[str, Any]:
+    """Run every case on this rank; report mismatches as text, and the step kinds seen."""
+    problems, kinds = [], set()
+    for i, (spec, shape, src, dst, dtype) in enumerate(cases):
+        bound = bounds[spec]
+        mesh, rank = bound.mesh, bound.rank
+        pos = mesh.position(rank)
+        p = mc.plan(mesh, shape, src, dst, dtype=dtype)
+        kinds |= {step_kind(s) for s in p.steps}
+        locs = mc.sim.scatter(ints(shape, i, dtype), mesh, src)
+        want = sim_execute(p, locs).outputs[pos]
+        trace = ByteTrace()
+        if i % 2:   # the public API, with the shape inferred when every rank can infer it
+            even = all(infer_shape(mesh, p.src, tuple(x.shape), r) == shape
+                       for r, x in zip(mesh.ranks, locs) if all(x.shape))
+            got = mc.reshard(locs[pos], bound, src, dst, shape=None if even else shape,
+                             trace=trace)
+        else:
+            got = execute(p, locs[pos], bound, trace=trace)
+        where = f"case {i} {spec} {shape} {dtype} \"{src}\" -> \"{dst}\" on rank {rank}"
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            problems.append(f"{where}: output differs from sim\n{p}")
+        counted = [(c.kind, c.send_bytes, c.recv_bytes) for c in trace.calls]
+        planned = [(s.kind, s.send_bytes[pos], s.recv_bytes[pos]) for s in p.collectives]
+        if counted != planned:
+            problems.append(f"{where}: calls {counted} but the plan has {planned}")
+        if (trace.send_bytes, trace.recv_bytes) != (p.send_bytes[pos], p.recv_bytes[pos]):
+            problems.append(f"{where}: bytes differ from the plan's totals")
+    return {"problems": problems, "kinds": sorted(kinds), "cases": len(cases)}
+
+
+def check_values(bound: BoundMesh) -> list[str]:
+    """Sharded, distribute and full() on real ranks."""
+    problems = []
+    x = ints((8, 6), 7, torch.float32)
+    for layout in ("(dp b) (tp h)", "(b dp) h | sum(tp)", "(dp tp b) h", "b h | max(dp)"):
+        s = mc.distribute(x, bound, layout)
+        for dst in ("b (dp tp h)", "(tp b) h | sum(dp)", "b h"):
+            ops = {mc.Layout(layout).reduce_op, mc.Layout(dst).reduce_op} - {None}
+            if len(ops) > 1:
+                continue  # one axis cannot mix two reductions
+            t = s.reshard(dst)
+            if t.layout != mc.Layout(dst) or not torch.equal(t.full(), x):
+                problems.append(f"distribute({layout}).reshard({dst}).full() != x")
+        if not torch.equal(s.full(), x):
+            problems.append(f"distribute({layout}).full() != x")
+    uneven = mc.distribute(ints((7, 3), 8, torch.float32), bound, "(dp tp b) h")
+    if not torch.equal(uneven.reshard("(tp b) h").full(), ints((7, 3), 8, torch.float32)):
+        problems.append("uneven Sharded round trip differs")
+    return problems
+
+
+def four_ranks(rank: int, world: int) -> dict[str, Any]:
+    bound = mc.init_mesh("dp=2 tp=2")
+    cases = sample("dp=2 tp=2", SAMPLE_4, 4) + [c for c in NAMED if c[0] == "dp=2 tp=2"]
+    report = check_cases({"dp=2 tp=2": bound}, cases)
+    report["values"] = check_values(bound)
+    return report
+
+
+def eight_ranks(rank: int, world: int) -> dict[str, Any]:
+    specs = ("dp=2 tp=4", "a=2 b=2 c=2")
+    bounds = {spec: mc.init_mesh(spec) for spec in specs}
+    cases = [c for k, spec in enumerate(specs) for c in sample(spec, SAMPLE_8, 8 + k)]
+    return check_cases(bounds, cases + [c for c in NAMED if c[0] in specs])
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_ranks(four_ranks, 4, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def eight() -> list[dict[str, Any]]:
+    return run_ranks(eight_ranks, 8, timeout_s=150)
+
+
+def test_reshard_equals_sim_and_counts_bytes_on_2x2(four: list[dict[str, Any]]) -> None:
+    problems = [p for rep in four for p in rep["problems"]]
+    assert not problems, "\n".join(problems[:5])
+    assert four[0]["cases"] == SAMPLE_4 + sum(c[0] == "dp=2 tp=2" for c in NAMED)
+
+
+def test_reshard_equals_sim_and_counts_bytes_on_2x4_and_2x2x2(
+        eight: list[dict[str, Any]]) -> None:
+    problems = [p for rep in eight for p in rep["problems"]]
+    assert not problems, "\n".join(problems[:5])
+
+
+def test_the_sample_covers_every_step_kind(four: list[dict[str, Any]],
+                                           eight: list[dict[str, Any]]) -> None:
+    assert set(four[0]["kinds"]) | set(eight[0]["kinds"]) == KINDS
+
+
+def test_sharded_distribute_and_full_on_4_ranks(four: list[dict[str, Any]]) -> None:
+    problems = [p for rep in four for p in rep["values"]]
+    assert not problems, "\n".join(problems)
+
+
+# -- structure and input errors, in this process (nothing communicates) -------------------
+def fake_bound(spec: str = "dp=2 tp=2", rank: int = 1) -> BoundMesh:
+    """A BoundMesh with no process groups: any collective would fail, checks must not."""
+    return BoundMesh(mc.Mesh(spec), "gloo", torch.device("cpu"), rank, {})
+
+
+def test_handlers_mirror_the_simulator() -> None:
+    # `meshcomm.dist.execute` the attribute is the function; the modules are in sys.modules.
+    dist_module = importlib.import_module("meshcomm.dist.execute")
+    sim_module = importlib.import_module("meshcomm.sim.execute")
+    assert set(dist_module._RUN) == set(sim_module._RUN) | set(sim_module._SHAPED)
+
+
+def test_wrong_local_shape_fails_before_communication() -> None:
+    p = mc.plan(mc.Mesh("dp=2 tp=2"), (8, 6), "(dp b) (tp h)", "b h")
+    msg = ('local tensor on rank 1 has shape (4, 6), but layout "(dp b) (tp h)" of global shape'
+           " (8, 6) on Mesh(dp=2, tp=2) gives it shape (4, 3). fix: pass the shard this rank"
+           " holds, or the right global shape/layout")
+    with pytest.raises(ShapeError, match=re.escape(msg)):
+        execute(p, torch.zeros(4, 6), fake_bound())
+    with pytest.raises(ShapeError, match=re.escape(msg)):
+        mc.reshard(torch.zeros(4, 6), fake_bound(), "(dp b) (tp h)", "b h", shape=(8, 6))
+
+
+def test_wrong_dtype_and_mesh_fail_before_communication() -> None:
+    p = mc.plan(mc.Mesh("dp=2 tp=2"), (8, 6), "(dp b) (tp h)", "b h")
+    with pytest.raises(ShapeError, match=re.escape(
+            "local tensor of rank 1 has dtype torch.float64 but the plan was made for"
+            " torch.float32; fix: mc.plan(..., dtype=torch.float64)")):
+        execute(p, torch.zeros(4, 3, dtype=torch.float64), fake_bound())
+    with pytest.raises(MeshMismatchError, match=re.escape(
+            "plan was made for Mesh(dp=2, tp=2) but is run on Mesh(tp=2, dp=2). fix: plan"
+            " with the bound mesh, mc.plan(bound.mesh, ...)")):
+        execute(p, torch.zeros(4, 3), fake_bound("tp=2 dp=2"))
+    with pytest.raises(MeshMismatchError, match=re.escape(
+            "reshard needs a mesh bound to torch.distributed, got the Mesh Mesh(dp=2, tp=2);"
+            " fix: bound = mc.init_mesh('dp=2 tp=2') on every rank, then pass bound")):
+        mc.reshard(torch.zeros(4, 3), mc.Mesh("dp=2 tp=2"), "(dp b) (tp h)", "b h")
+
+
+def test_global_shape_is_inferred_locally_for_even_layouts() -> None:
+    mesh = mc.Mesh("dp=2 tp=2")
+    assert infer_shape(mesh, mc.Layout("(dp b) s | sum(tp)"), (4, 6), 0) == (8, 6)
+    assert infer_shape(mesh, mc.Layout("(b dp) (x=3 tp s)"), (4, 6), 3) == (8, 12)
+    assert infer_shape(mesh, mc.Layout("b s"), (4, 6), 2) == (4, 6)
+    msg = ('cannot infer the global shape of layout "(dp tp b) s" on Mesh(dp=2, tp=2): rank 3'
+           " holds 0 elements of dim 0, so its shards are uneven. fix: pass shape=(...) (the"
+           " global shape) on every rank")
+    with pytest.raises(ShapeError, match=re.escape(msg)):
+        mc.reshard(torch.zeros(0, 6), fake_bound(rank=3), "(dp tp b) s", "b s")
+
+
+@pytest.mark.parametrize("layout", ["(dp b) (tp h)", "(b tp) h | sum(dp)", "(dp tp b) h",
+                                    "b h | max(dp, tp)", "(tp b) h | avg(dp)", "b h"])
+def test_distribute_slices_like_sim_scatter(layout: str) -> None:
+    x = ints((6, 4), 3, torch.float32)
+    for rank in range(4):
+        s = mc.distribute(x, fake_bound(rank=rank), layout)
+        assert torch.equal(s.local, mc.sim.scatter(x, mc.Mesh("dp=2 tp=2"), layout)[rank])
+        assert s.shape == (6, 4) and s.layout == mc.Layout(layout)
+
+
+def test_sharded_checks_its_shard_and_shows_its_layout(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    s = mc.Sharded(torch.zeros(4, 3), fake_bound(), "(dp b) (tp h)", (8, 6))
+    assert repr(s) == ("Sharded(layout='(dp b) (tp h)', shape=(8, 6), mesh=Mesh(dp=2, tp=2),"
+                       " rank=1, local=(4, 3) torch.float32)")
+    s.show(width=80)
+    assert 'layout "(dp b) (tp h)" of shape (8, 6) on Mesh(dp=2, tp=2)' in capsys.readouterr().out
+    with pytest.raises(ShapeError, match=re.escape("Sharded.local on rank 1 has shape (4, 6)")):
+        mc.Sharded(torch.zeros(4, 6), fake_bound(), "(dp b) (tp h)", (8, 6))
+
+
+# -- the command line: `meshcomm demo` and `meshcomm launch` -------------------------------
+def _cli(*argv: str, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "meshcomm", *argv], capture_output=True,
+                          text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def test_demo_runs_on_4_processes_and_exits_0() -> None:
+    done = _cli("demo", "--width", "100", timeout=150)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "on 4 local processes (torch.distributed, gloo)" in done.stdout
+    assert done.stdout.count("OK: ") == 3 and "FAIL" not in done.stdout
+
+
+TINY = """
+import sys, torch
+import meshcomm as mc
+bound = mc.init_mesh("tp=2")
+y = mc.reshard(torch.arange(3.0) + 3 * bound.rank, bound, "(tp b)", "b")
+print(f"rank {bound.rank} {bound.backend} {y.tolist()} {sys.argv[1:]}")
+"""
+
+
+def test_launch_runs_a_script_on_2_processes(tmp_path: Path) -> None:
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    done = _cli("launch", "-n", "2", str(script), "hello", timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for rank in (0, 1):
+        assert f"rank {rank} gloo [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] ['hello']" in done.stdout
+
+
+def test_launch_reports_a_failing_script(tmp_path: Path) -> None:
+    script = tmp_path / "bad.py"
+    script.write_text("raise SystemExit(3)\n")
+    done = _cli("launch", "-n", "2", str(script), timeout=120, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "meshcomm launch:" in done.stderr
