@@ -10,16 +10,22 @@ gloo share every line here: only the backend name differs.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import itertools
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..errors import MeshAxisError, MeshMismatchError
 from ..mesh import AxisName, Mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +64,12 @@ class BoundMesh:
                     f"rank {self.rank} is not in {self.mesh!r}; only its ranks"
                     f" {list(self.mesh.ranks)} run its collectives") from None
             in_order = tuple(a for a in self.mesh.axis_names if a in key)
+            if in_order == key:   # a mesh bound from a DeviceMesh holds only existing groups
+                raise MeshAxisError(
+                    f"no process group over {list(key)} is bound on rank {self.rank} for"
+                    f" {self.mesh!r}; fix: bind with mc.init_mesh(...) (it creates every group),"
+                    f" or flatten those DeviceMesh dims on every rank first:"
+                    f" dm[{key!r}]._flatten()") from None
             raise MeshAxisError(
                 f"axes {list(key)} are not in mesh order or name an axis twice; groups over"
                 f" several axes follow {self.mesh!r}: fix: use {list(in_order)}") from None
@@ -66,6 +78,27 @@ class BoundMesh:
         """Global ranks of this rank's group over `axes`, in group order."""
         key = (axes,) if isinstance(axes, str) else tuple(axes)
         return next(g for g in self.mesh.groups(*key) if self.rank in g)
+
+    @functools.cached_property
+    def device_mesh(self) -> DeviceMesh:
+        """A torch DeviceMesh over this mesh's own process groups (built once, on first use).
+
+        >>> dt = DTensor.from_local(x, bound.device_mesh, [Shard(0), Replicate()])  # doctest: +SKIP
+
+        `DeviceMesh.from_group` wraps the groups `init_mesh` made, one per axis: no process
+        group is created and nothing is communicated, so any rank may ask at any time.
+        DTensor sees no flattened (multi-axis) group on it.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        if not self.in_mesh:
+            raise MeshMismatchError(f"rank {self.rank} is not in {self.mesh!r}, so it has no"
+                                    " DeviceMesh over it")
+        groups = [_resolve_process_group(self.group_name(a)) for a in self.mesh.axis_names]
+        grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
+        return DeviceMesh.from_group(groups, self.device.type, mesh=grid,
+                                     mesh_dim_names=self.mesh.axis_names)
 
 
 def default_backend() -> str:
@@ -84,6 +117,14 @@ def _ensure_world(backend: str, timeout_s: float | None) -> None:
             " torch.distributed.init_process_group first")
     kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     dist.init_process_group(backend, **kwargs)
+    # We opened the default group, so we close it: a gloo group left open at interpreter
+    # exit can abort the process ("terminate called without an active exception").
+    atexit.register(_close_world)
+
+
+def _close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_mesh(mesh: Mesh | str, *, backend: str | None = None,
