@@ -13,6 +13,7 @@ import functools
 import heapq
 import itertools
 import math
+import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ class CostModel:
     native: Any = STEP_KINDS
     _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "latency_s", _pairs(self.latency_s))
@@ -74,8 +76,13 @@ class CostModel:
             raise PlanError(f"CostModel(native=...) names unknown step kinds {sorted(unknown)};"
                             f" kinds are {', '.join(STEP_KINDS)}")
         object.__setattr__(self, "native", tuple(k for k in STEP_KINDS if k in set(self.native)))
+        object.__setattr__(self, "_hash", hash((self.latency_s, self.bandwidth, self.backend,
+                                                self.native)))
         object.__setattr__(self, "_lat", self.latency_s)
         object.__setattr__(self, "_bw", self.bandwidth)
+
+    def __hash__(self) -> int:  # computed once: plans are cached on the cost model
+        return self._hash
 
     def _get(self, table: tuple[tuple[str, float], ...], axis: str, default: float) -> float:
         found = dict(table)
@@ -388,3 +395,45 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
 
 def _dominates(a: Key, b: Key) -> bool:
     return all(x <= y for x, y in zip(a, b))
+
+
+# -- the plan caches: bounded, and the bound is configurable ----------------------------
+DEFAULT_PLAN_CACHE_SIZE = 4096
+
+
+def set_plan_cache_size(size: int) -> None:
+    """Bound each of the two plan caches at `size` entries (default 4096), emptying them.
+
+    `plan()` caches its results twice: keyed on the arguments as given (`_plan_args`) and
+    on the normalized layouts (`_plan`); each drops its least recently used plan beyond
+    `size`. `size=0` turns caching off (every call plans again). Process-wide: call it
+    once at start-up, on every rank.
+
+    >>> set_plan_cache_size(256); plan_cache_info()["maxsize"]
+    256
+    >>> set_plan_cache_size(DEFAULT_PLAN_CACHE_SIZE)
+    """
+    global _plan_args, _plan
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise PlanError(f"plan cache size must be an int >= 0, got {size!r};"
+                        f" fix: e.g. set_plan_cache_size({DEFAULT_PLAN_CACHE_SIZE})")
+    _plan_args = functools.lru_cache(maxsize=size)(_plan_args.__wrapped__)
+    _plan = functools.lru_cache(maxsize=size)(_plan.__wrapped__)
+    # crossmesh imported `_plan` by name: point it at the new cache too.
+    crossmesh = sys.modules.get(f"{__package__}.crossmesh")
+    if crossmesh is not None:
+        crossmesh._plan = _plan  # type: ignore[attr-defined]
+
+
+def plan_cache_info() -> dict[str, int]:
+    """The plan caches' bound and fill, as plain data.
+
+    `maxsize` bounds each cache; `plans` counts distinct plans held (`_plan`), `calls` the
+    distinct argument spellings (`_plan_args`); `hits` and `misses` count `plan()` calls.
+
+    >>> sorted(plan_cache_info())
+    ['calls', 'hits', 'maxsize', 'misses', 'plans']
+    """
+    calls, plans = _plan_args.cache_info(), _plan.cache_info()
+    return {"maxsize": int(calls.maxsize or 0), "plans": plans.currsize,
+            "calls": calls.currsize, "hits": calls.hits, "misses": calls.misses}
