@@ -28,3 +28,17 @@ __all__ += ["BoundMesh", "ByteTrace", "Sharded", "distribute", "init_mesh", "res
 from .recipes import Recipe, logical, recipe
 
 __all__ += ["Recipe", "logical", "recipe"]
+from .errors import InteropError
+from .interop import bind_device_mesh, from_dtensor, from_placements, to_dtensor, to_placements
+
+__all__ += ["InteropError", "bind_device_mesh", "from_dtensor", "from_placements", "to_dtensor",
+            "to_placements"]
+from . import nn  # noqa: E402  (blocks built on everything above)
+
+__all__ += ["nn"]
+from .dist.checks import checks
+from .errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout, RankFailure
+from .plan import plan_cache_info, set_plan_cache_size
+
+__all__ += ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeout", "RankFailure",
+            "checks", "plan_cache_info", "set_plan_cache_size"]

@@ -1,0 +1,16 @@
+"""Building blocks for parallel models: plain torch.nn.Modules whose communication is meshcomm
+plans chosen by a layout recipe (`import meshcomm as mc; mc.nn.ColumnParallelLinear`).
+
+Every block has `explain(shape)`: the plans it runs in forward and backward, one line each.
+See docs/tutorial.md.
+"""
+from .comms import Comm, format_comms
+from .experts import MoE, Routing, combine, dispatch
+from .params import (FullyShard, ParamSpec, ShardedModule, gather_params, logical_axes,
+                     param_spec, planning_mesh)
+from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPEntry,
+                              VocabParallelEmbedding)
+
+__all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MoE", "ParamSpec", "Routing",
+           "RowParallelLinear", "ShardedModule", "TPEntry", "VocabParallelEmbedding", "combine",
+           "dispatch", "format_comms", "gather_params", "logical_axes", "param_spec", "planning_mesh"]
