@@ -25,11 +25,12 @@ Peak memory, both sides: the source is held throughout; a step holds its input a
 (for DTensor: each collective's input and output buffers, padding included, and each local
 chunk); the first step's input is the source itself. Peak = max over steps, per rank.
 
-Layouts map to DTensor placements by `dtensor_placements`: a group "(a1 a2 ... name)"
-becomes Shard(dim) on each axis, in shard order a1, a2, ... (non-default orders as
-`_StridedShard`, the encoding DTensor 2.13 decodes into `shard_order`); "| op(axes)"
-becomes Partial(op). Groups DTensor cannot write (e.g. "(name axis)", sized factors) are
-"n/a" for DTensor and still compared with the lower bound.
+Layouts map to DTensor placements by `dtensor_placements`, i.e. `mc.to_placements`
+(meshcomm/interop.py): a group "(a1 a2 ... name)" becomes Shard(dim) on each axis, in shard
+order a1, a2, ... (non-default orders as `_StridedShard`, the encoding DTensor 2.13 decodes
+into `shard_order`); "| op(axes)" becomes Partial(op). Cyclic groups "(name axis)" and sized
+factors map to a lone `_StridedShard`, which torch 2.13 redistributes wrongly in some
+transitions, so they are "n/a" for DTensor here and still compared with the lower bound.
 """
 
 from __future__ import annotations
@@ -124,25 +125,35 @@ TIMING_MESH = "a=2 b=2 c=2"
 
 
 # -- layouts as DTensor placements ---------------------------------------------------
-def dtensor_placements(mesh: mc.Mesh, layout: str) -> tuple[tuple[Any, ...], ...] | str:
-    """Per mesh axis ("shard", dim, split_factor) | ("replicate",) | ("partial", op), or why not."""
+def dtensor_placements(mesh: mc.Mesh, layout: str, shape: tuple[int, ...] | None = None
+                       ) -> tuple[tuple[Any, ...], ...] | str:
+    """Per mesh axis ("shard", dim, split_factor) | ("replicate",) | ("partial", op), or why not.
+
+    The exact mapping `mc.to_placements` (meshcomm/interop.py), for layouts whose every dim
+    is blocks "(axes... name)". Cyclic and sized groups map too (a lone _StridedShard), but
+    torch 2.13 redistributes those wrongly in some transitions (docs/dtensor.md): "n/a" here.
+    Without `shape`, an even shape stands in (block placements do not depend on it).
+    """
     parsed = mc.Layout(layout)
     names = mesh.axis_names
-    out: list[tuple[Any, ...]] = [("replicate",)] * len(names)
     for d, dim in enumerate(parsed.dims):
-        axes = [f.name for f in dim.factors if f.name in names]
         rest = [f for f in dim.factors if f.name not in names]
         if any(f.size is not None for f in rest) or len(rest) > 1:
             return f"n/a: dim {d} {dim} has sized or several local factors"
         if rest and dim.factors[-1] != rest[0]:
             return f"n/a: dim {d} {dim} puts a mesh axis inside the local name (cyclic)"
-        order = [names.index(a) for a in axes]
-        for k, md in enumerate(order):
-            # DTensor's shard-order encoding: split by the earlier-applied, later mesh dims.
-            split = math.prod(mesh.axis_size(names[i]) for i in order[:k] if i > md)
-            out[md] = ("shard", d, split)
-    for a in parsed.partial_axes:
-        out[names.index(a)] = ("partial", parsed.reduce_op)
+    if shape is None:
+        shape = tuple(math.prod(mesh.axis_size(f.name) for f in dim.factors if f.name in names)
+                      for dim in parsed.dims)
+    try:
+        placements = mc.to_placements(mesh, shape, parsed)
+    except mc.InteropError as exc:
+        return f"n/a: {str(exc).splitlines()[0]}"
+    out: list[tuple[Any, ...]] = []
+    for p in placements:
+        kind = type(p).__name__
+        out.append(("replicate",) if kind == "Replicate" else ("partial", p.reduce_op)
+                   if kind == "Partial" else ("shard", p.dim, getattr(p, "split_factor", 1)))
     return tuple(out)
 
 
@@ -502,7 +513,8 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
     jobs: dict[int, list[tuple[Case, Any, Any]]] = {}
     for case in cases:
         mesh = mc.Mesh(case.mesh)
-        src, dst = dtensor_placements(mesh, case.src), dtensor_placements(mesh, case.dst)
+        src = dtensor_placements(mesh, case.src, case.shape)
+        dst = dtensor_placements(mesh, case.dst, case.shape)
         rows.append({**asdict(case), "meshcomm": meshcomm_row(case),
                      "dtensor_placements": {"src": _placement_text(src), "dst": _placement_text(dst)},
                      "dtensor": {}})

@@ -40,8 +40,25 @@ class PlanError(MeshcommError, ValueError):
     """A layout change that cannot be planned (e.g. mixing two reductions on one axis)."""
 
 
+class InteropError(MeshcommError, ValueError):
+    """A layout, placement or mesh with no exact counterpart in torch DTensor (or back)."""
+
+
 class RankFailure(MeshcommError, RuntimeError):
     """A rank of a multi-process run raised, crashed or did not finish in time."""
+
+
+class CollectiveError(MeshcommError, RuntimeError):
+    """A collective that failed on this rank: a member of its group died or broke off."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective that did not complete within the process-group timeout (a member of its
+    group died, hangs, or never called it)."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Check mode: the ranks of a group asked for different operations (see `mc.checks`)."""
 
 
 def caret(text: str, start: int, end: int | None = None, note: str = "") -> str:

@@ -113,6 +113,30 @@ class Mesh:
             raise ShapeError(f"ranks= must hold distinct non-negative ranks, got {flat}")
         return tuple(flat)
 
+    @classmethod
+    def from_device_mesh(cls, device_mesh: Any) -> Mesh:
+        """The Mesh of a torch DeviceMesh: its dim names, sizes and rank grid (read, never bound).
+
+        >>> dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # doctest: +SKIP
+        >>> Mesh.from_device_mesh(dm)                                            # doctest: +SKIP
+        Mesh(dp=2, tp=2)
+
+        Duck-typed: anything with `.mesh` (a tensor or nested list of global ranks) and
+        `.mesh_dim_names` works. A slice such as `dm["tp"]` gives the mesh of this rank's
+        slice only (its `.mesh`), so it can differ between ranks.
+        """
+        grid = device_mesh.mesh
+        grid = grid.tolist() if hasattr(grid, "tolist") else grid
+        shape = _nested_shape(grid, [])
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        if not names:
+            guess = {1: ("dp",), 2: ("dp", "tp"), 3: ("pp", "dp", "tp")}.get(
+                len(shape), tuple(f"a{i}" for i in range(len(shape))))
+            raise MeshAxisError(
+                f"DeviceMesh of shape {shape} has no mesh_dim_names; meshcomm names every axis."
+                f" fix: init_device_mesh(..., mesh_dim_names={guess!r})")
+        return cls(dict(zip(names, shape)), ranks=grid)
+
     # -- value behaviour -------------------------------------------------
     def __eq__(self, other: object) -> bool:
         return (

@@ -1,0 +1,332 @@
+"""DTensor interop on real gloo processes: 4 ranks (dp=2 tp=2) and 8 ranks (a=2 b=2 c=2).
+
+Every DTensor here is built by DTensor itself (`distribute_tensor(..., src_data_rank=None)`
+splits locally, its own definition of each rank's shard; partial ones by `from_local` of
+exact per-rank values), then checked against meshcomm: `from_dtensor` gives the expected
+layout, reuses the local tensor and `full()` equals DTensor's `full_tensor()`;
+`to_dtensor` gives back the same placements and local tensor; `mc.reshard(dt, dst)` gives
+the exact shards of `dst` and equals `dt.redistribute` bit for bit wherever DTensor itself
+is right (integer-valued data, so every reduction order gives the same bits). Torch 2.13
+redistributes wrongly from and to a lone `_StridedShard` (cyclic "(b dp)", "(x=2 dp b)")
+in some transitions; those pairs are checked against the exact shards only. Each spawn
+costs seconds, so one run per world size checks everything and the tests read its report.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import meshcomm as mc
+from meshcomm.sim import scatter
+from meshcomm.testing import run_ranks
+
+# (placements, global shape, expected layout with dims named "b h" / "x y z").
+# Blocks in any axis order: Shard, or the _StridedShard that encodes DTensor's shard order.
+BLOCKS_4 = [
+    ("R R", (8, 6), "b h"), ("S0 R", (8, 6), "(dp b) h"), ("R S0", (8, 6), "(tp b) h"),
+    ("S1 R", (8, 6), "b (dp h)"), ("S0 S1", (8, 6), "(dp b) (tp h)"),
+    ("S1 S0", (8, 6), "(tp b) (dp h)"), ("S0 S0", (8, 6), "(dp tp b) h"),
+    ("SS0.2 S0", (8, 6), "(tp dp b) h"), ("S1 S1", (8, 6), "b (dp tp h)"),
+    ("SS1.2 S1", (8, 6), "b (tp dp h)"),
+    ("S0 R", (7, 5), "(dp b) h"), ("S0 S0", (7, 5), "(dp tp b) h"),
+    ("SS0.2 S0", (7, 5), "(tp dp b) h"), ("S0 S1", (7, 5), "(dp b) (tp h)"),
+    ("SS1.2 S1", (7, 5), "b (tp dp h)"), ("S0 S0", (3, 2), "(dp tp b) h"),   # empty shard
+]
+# One axis after local or sized factors: one _StridedShard that is no shard order.
+STRIDED_4 = [
+    ("SS0.4 R", (8, 6), "(b dp) h"), ("SS0.2 R", (8, 6), "(x=2 dp b) h"),
+    ("S1 SS0.2", (8, 6), "(x=2 tp b) (dp h)"), ("SS0.4 S1", (8, 6), "(b dp) (tp h)"),
+]
+PARTIAL_4 = [
+    ("S0 Psum", (8, 6), "(dp b) h | sum(tp)"), ("Pavg Pavg", (4, 3), "b h | avg(dp, tp)"),
+    ("R Pmax", (4, 3), "b h | max(tp)"), ("Pmin S1", (4, 6), "b (tp h) | min(dp)"),
+    ("SS0.4 Psum", (8, 6), "(b dp) h | sum(tp)"),
+]
+# Placements whose shards a layout describes but DTensor 2.13 mishandles: from_dtensor only.
+FROM_ONLY_4 = [("S0 SS0.2", (8, 6), "(dp b tp) h"), ("SS0.2 SS0.2", (16, 2), "(x=2 dp tp b) h")]
+DST_4 = ["b h", "(dp b) (tp h)", "(tp dp b) h", "b (dp tp h)", "(b dp) h", "(dp b) h | sum(tp)"]
+
+BLOCKS_8 = [
+    ("S0 S0 S0", (8, 4, 6), "(a b c x) y z"), ("SS0.4 SS0.2 S0", (8, 4, 6), "(c b a x) y z"),
+    ("S2 S1 S0", (8, 4, 6), "(c x) (b y) (a z)"), ("SS1.2 S0 S1", (8, 4, 6), "(b x) (c a y) z"),
+    ("SS0.4 S0 S0", (7, 5, 3), "(b c a x) y z"), ("S0 S1 S2", (7, 5, 3), "(a x) (b y) (c z)"),
+    ("SS0.2 S0 S1", (7, 5, 3), "(b a x) (c y) z"),
+]
+STRIDED_8 = [("SS0.4 S2 S1", (8, 4, 6), "(x a) (c y) (b z)")]
+PARTIAL_8 = [("Psum S0 Psum", (4, 2, 3), "(b x) y z | sum(a, c)")]
+DST_8 = ["x y z", "(a b c x) y z", "(c x) (a y) (b z)", "(x a) (c y) (b z)"]
+
+
+def placements(text: str) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[Any] = []
+    for word in text.split():
+        if word == "R":
+            out.append(Replicate())
+        elif word.startswith("P"):
+            out.append(Partial(word[1:]))
+        elif word.startswith("SS"):
+            dim, split = word[2:].split(".")
+            out.append(_StridedShard(int(dim), split_factor=int(split)))
+        else:
+            out.append(Shard(int(word[1:])))
+    return out
+
+
+def ints(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-9, 10, shape, generator=gen).to(torch.float32)
+
+
+def make_dtensor(x: torch.Tensor, dm: Any, mesh: mc.Mesh, text: str, layout: str) -> Any:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if "P" not in text:
+        return distribute_tensor(x, dm, placements(text), src_data_rank=None)
+    local = scatter(x, mesh, layout)[mesh.position(torch.distributed.get_rank())]
+    stride = tuple(math.prod(x.shape[i + 1:]) for i in range(x.ndim))
+    return DTensor.from_local(local, dm, placements(text), run_check=False, shape=x.shape,
+                              stride=stride)
+
+
+# -- what every rank runs ----------------------------------------------------------------
+def check_table(dm: Any, mesh: mc.Mesh, rows: list[tuple[str, tuple[int, ...], str]],
+                names: str, convertible: bool) -> list[str]:
+    """from_dtensor / full / to_dtensor on each row: problems as text."""
+    problems = []
+    pos = mesh.position(torch.distributed.get_rank())
+    for i, (text, shape, want) in enumerate(rows):
+        x = ints(shape, i)
+        dt = make_dtensor(x, dm, mesh, text, want)
+        where = f"[{text}] {shape} \"{want}\""
+        s = mc.from_dtensor(dt, names=names)
+        if str(s.layout) != want:
+            problems.append(f"{where}: from_dtensor gave \"{s.layout}\"")
+        if s.local.data_ptr() != dt.to_local().data_ptr() or s.shape != shape:
+            problems.append(f"{where}: local tensor copied or shape {s.shape}")
+        if not torch.equal(dt.to_local(), scatter(x, mesh, want)[pos]):
+            problems.append(f"{where}: DTensor's shard is not the layout's shard")
+        if not torch.equal(s.full(), x):
+            problems.append(f"{where}: full() differs from the global tensor")
+        if not convertible:
+            try:
+                s.to_dtensor()
+                problems.append(f"{where}: to_dtensor did not raise")
+            except mc.InteropError:
+                pass
+            continue
+        if not torch.equal(dt.full_tensor(), s.full()):
+            problems.append(f"{where}: full() differs from DTensor's full_tensor()")
+        back = s.to_dtensor()
+        if tuple(back.placements) != tuple(dt.placements) or back.device_mesh is not dm:
+            problems.append(f"{where}: to_dtensor gave {back.placements}")
+        if back.to_local().data_ptr() != dt.to_local().data_ptr():
+            problems.append(f"{where}: to_dtensor copied the local tensor")
+    return problems
+
+
+def check_reshards(dm: Any, mesh: mc.Mesh, rows: list[tuple[str, tuple[int, ...], str]],
+                   dsts: list[str], blocks: set[str]) -> tuple[list[str], int]:
+    """mc.reshard(dt, dst) against the exact shards, and against dt.redistribute where the
+    source and destination are blocks (where DTensor 2.13 is right)."""
+    problems, compared = [], 0
+    pos = mesh.position(torch.distributed.get_rank())
+    for (text, shape, src), dst in itertools.product(rows, dsts):
+        x = ints(shape, 99)
+        dt = make_dtensor(x, dm, mesh, text, src)
+        try:
+            want_pl = mc.to_placements(mesh, shape, dst)
+        except mc.ShapeError:
+            continue    # dst does not fit this shape
+        where = f"\"{src}\" {shape} -> \"{dst}\""
+        y = mc.reshard(dt, dst)
+        if tuple(y.placements) != want_pl or y.device_mesh is not dm or tuple(y.shape) != shape:
+            problems.append(f"{where}: result DTensor has {y.placements} {tuple(y.shape)}")
+        if mc.Layout(dst).reduce_op is None:
+            if not torch.equal(y.to_local(), scatter(x, mesh, dst)[pos]):
+                problems.append(f"{where}: shard differs from the exact one")
+        elif not torch.equal(y.full_tensor(), x):
+            problems.append(f"{where}: partial result does not reduce to the tensor")
+        if src in blocks and dst in blocks and "|" not in src + dst:
+            compared += 1
+            z = dt.redistribute(dm, want_pl)
+            if not torch.equal(z.to_local(), y.to_local()):
+                problems.append(f"{where}: differs from dt.redistribute")
+    return problems, compared
+
+
+def check_shard_order(dm: Any, mesh: mc.Mesh) -> list[str]:
+    """A DTensor whose spec holds an explicit shard order (plain Shard placements)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _dtensor_spec as ds
+
+    x = ints((7, 6), 4)
+    local = scatter(x, mesh, "(tp dp b) h")[mesh.position(torch.distributed.get_rank())]
+    spec = ds.DTensorSpec(dm, tuple(placements("S0 S0")),
+                          shard_order=(ds.ShardOrderEntry(0, (1, 0)),),
+                          tensor_meta=ds.TensorMeta(x.shape, x.stride(), x.dtype))
+    dt = DTensor(local, spec, requires_grad=False)
+    s = mc.from_dtensor(dt, names="b h")
+    problems = [] if str(s.layout) == "(tp dp b) h" else [f"shard order read as {s.layout}"]
+    if not (torch.equal(s.full(), x) and torch.equal(dt.full_tensor(), x)):
+        problems.append("explicit shard order: full() or full_tensor() differs")
+    return problems
+
+
+def check_submesh(dm: Any) -> list[str]:
+    """A DTensor on the slice dm["tp"]: each rank's Mesh is its own tp row."""
+    from torch.distributed.tensor import distribute_tensor
+
+    x = ints((6, 4), 8)
+    dt = distribute_tensor(x, dm["tp"], placements("S1"), src_data_rank=None)
+    s = mc.from_dtensor(dt, names="b h")
+    y = mc.reshard(dt, "(tp b) h")
+    if str(s.layout) != "b (tp h)" or s.mesh.mesh.ranks != tuple(dm["tp"].mesh.tolist()):
+        return [f"slice read as {s.layout} on {s.mesh.mesh!r}"]
+    if not torch.equal(y.full_tensor(), x) or not torch.equal(s.full(), x):
+        return ["reshard on a DeviceMesh slice differs"]
+    return []
+
+
+def check_errors(dm: Any, mesh: mc.Mesh) -> list[str]:
+    """Interop errors fire on every rank, before any communication."""
+    problems = []
+    dt = make_dtensor(ints((8, 6), 1), dm, mesh, "S0 S1", "(dp b) (tp h)")
+    for dst in ("(dp b tp) h", [placements("Psum R")[0], placements("R Pmax")[1]]):
+        try:
+            mc.reshard(dt, dst)
+            problems.append(f"mc.reshard(dt, {dst}) did not raise")
+        except mc.InteropError:
+            pass
+    return problems
+
+
+def check_autograd(dm: Any, mesh: mc.Mesh) -> list[str]:
+    """Gradients flow through mc.reshard(dt, dst) as through dt.redistribute."""
+    x = ints((8, 6), 5)
+    grads = []
+    for use_mc in (True, False):
+        dt = make_dtensor(x, dm, mesh, "SS0.2 S1", "(x=2 dp b) (tp h)").requires_grad_(True)
+        weight = ints((8, 6), 6)
+        y = mc.reshard(dt, "b h") if use_mc else dt.redistribute(dm, placements("R R"))
+        (y.to_local() * weight).sum().backward()
+        grads.append(dt.grad.to_local())
+    return [] if torch.equal(grads[0], grads[1]) else ["gradients differ from DTensor's"]
+
+
+def check_binding(mesh: mc.Mesh) -> list[str]:
+    """init_mesh's BoundMesh gives a DeviceMesh without new groups (2x2 mesh); DTensors on it
+    convert back to a Sharded that finds init_mesh's multi-axis group."""
+    from torch.distributed import distributed_c10d as c10d
+
+    problems = []
+    bound = mc.init_mesh(mesh)
+    before = len(c10d._world.pg_group_ranks)
+    dm = bound.device_mesh
+    if len(c10d._world.pg_group_ranks) != before or bound.device_mesh is not dm:
+        problems.append("device_mesh created groups or was built twice")
+    if mc.Mesh.from_device_mesh(dm) != mesh or dm.mesh_dim_names != mesh.axis_names:
+        problems.append(f"device_mesh is over {mc.Mesh.from_device_mesh(dm)!r}")
+    x = ints((8, 6), 3)
+    s = mc.distribute(x, bound, "(tp b) h | sum(dp)")
+    dt = s.to_dtensor()
+    if not torch.equal(dt.full_tensor(), x):
+        problems.append("to_dtensor on init_mesh's device_mesh: full_tensor differs")
+    back = mc.from_dtensor(dt, names="b h")
+    axes = tuple(mesh.axis_names)
+    if back.mesh.group_name(axes) != bound.group_name(axes) or back.layout != s.layout:
+        problems.append("from_dtensor did not find init_mesh's groups")
+    if not torch.equal(back.reshard("b (dp tp h)").full(), x):
+        problems.append("reshard after from_dtensor differs")
+    return problems
+
+
+def four_ranks(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    mesh = mc.Mesh("dp=2 tp=2")
+    dm = init_device_mesh("cpu", mesh.shape, mesh_dim_names=mesh.axis_names)
+    report: dict[str, Any] = {"mesh": mc.Mesh.from_device_mesh(dm) == mesh}
+    report["table"] = (check_table(dm, mesh, BLOCKS_4 + STRIDED_4 + PARTIAL_4, "b h", True)
+                       + check_table(dm, mesh, FROM_ONLY_4, "b h", False))
+    blocks = {row[2] for row in BLOCKS_4} | set(DST_4[:4])
+    report["reshard"], report["compared"] = check_reshards(
+        dm, mesh, BLOCKS_4 + STRIDED_4 + PARTIAL_4[:1], DST_4, blocks)
+    report["errors"] = (check_errors(dm, mesh) + check_shard_order(dm, mesh)
+                        + check_submesh(dm))
+    report["autograd"] = check_autograd(dm, mesh)
+    report["binding"] = check_binding(mesh)
+    return report
+
+
+def eight_ranks(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    mesh = mc.Mesh("a=2 b=2 c=2")
+    dm = init_device_mesh("cpu", mesh.shape, mesh_dim_names=mesh.axis_names)
+    report: dict[str, Any] = {}
+    # Without flattened groups, a plan over (a, c) stops on every rank before communicating.
+    dt = make_dtensor(ints((8, 4, 6), 0), dm, mesh, "S0 S0 S0", "(a b c x) y z")
+    try:
+        mc.reshard(dt, "(c b a x) y z")
+        report["missing_group"] = "no error"
+    except mc.MeshAxisError as exc:
+        report["missing_group"] = str(exc)
+    for k in (2,):
+        for axes in itertools.combinations(mesh.axis_names, k):
+            dm[axes]._flatten()
+    report["table"] = check_table(dm, mesh, BLOCKS_8 + STRIDED_8 + PARTIAL_8, "x y z", True)
+    blocks = {row[2] for row in BLOCKS_8} | set(DST_8[:3])
+    report["reshard"], report["compared"] = check_reshards(
+        dm, mesh, BLOCKS_8[:5] + STRIDED_8, DST_8, blocks)
+    return report
+
+
+@pytest.fixture(scope="module")
+def four() -> list[dict[str, Any]]:
+    return run_ranks(four_ranks, 4, timeout_s=150)
+
+
+@pytest.fixture(scope="module")
+def eight() -> list[dict[str, Any]]:
+    return run_ranks(eight_ranks, 8, timeout_s=200)
+
+
+def test_from_dtensor_full_and_back_on_2x2(four: list[dict[str, Any]]) -> None:
+    assert all(r["mesh"] for r in four)
+    problems = [p for r in four for p in r["table"]]
+    assert not problems, "\n".join(problems[:10])
+
+
+def test_reshard_dtensor_equals_exact_shards_and_redistribute_on_2x2(
+        four: list[dict[str, Any]]) -> None:
+    problems = [p for r in four for p in r["reshard"]]
+    assert not problems, "\n".join(problems[:10])
+    assert four[0]["compared"] >= 40
+
+
+def test_interop_errors_autograd_and_binding_on_2x2(four: list[dict[str, Any]]) -> None:
+    problems = [p for r in four for key in ("errors", "autograd", "binding") for p in r[key]]
+    assert not problems, "\n".join(problems[:10])
+
+
+def test_missing_flattened_group_raises_on_every_rank(eight: list[dict[str, Any]]) -> None:
+    for r in eight:
+        assert "no process group over ['a', 'c']" in r["missing_group"]
+        assert "dm[('a', 'c')]._flatten()" in r["missing_group"]
+
+
+def test_from_dtensor_and_reshard_on_2x2x2(eight: list[dict[str, Any]]) -> None:
+    problems = [p for r in eight for key in ("table", "reshard") for p in r[key]]
+    assert not problems, "\n".join(problems[:10])
+    assert eight[0]["compared"] >= 10
