@@ -86,7 +86,7 @@ def even_dim(size: int, shards: tuple[Shard, ...]) -> DimState:
 def chunk_dim(size: int, chunks: tuple[AxisName, ...], mesh: Mesh) -> DimState:
     """The canonical DimState of a chunk chain (even intervals when the sizes divide)."""
     total = math.prod(mesh.axis_size(a) for a in chunks)
-    if size % total:
+    if size % total or (size == 0 and chunks):  # an empty dim has no stride intervals
         return DimState(size, (), chunks)
     shards = []
     hi = size
@@ -110,7 +110,7 @@ def as_chunks(dim: DimState) -> tuple[AxisName, ...] | None:
 
 
 def _dim_from_placement(p: DimPlacement, mesh: Mesh) -> DimState:
-    if p.uneven:
+    if p.uneven or p.size == 0:
         return chunk_dim(p.size, p.axes, mesh)
     shards = []
     stride = 1

@@ -148,7 +148,7 @@ def layouts(draw, mesh: mc.Mesh, ndim: int, ops=("sum", "max", "min", "avg")) ->
 def transitions(draw):
     mesh = draw(st.sampled_from(MESHES))
     ndim = draw(st.integers(1, 4))
-    sizes = [4, 6, 8, 12, 5, 7, 1] if ndim < 4 else [2, 4, 3, 8, 1]
+    sizes = [4, 6, 8, 12, 5, 7, 1, 0] if ndim < 4 else [2, 4, 3, 8, 1]
     shape = tuple(draw(st.sampled_from(sizes)) for _ in range(ndim))
     src = draw(layouts(mesh, ndim))
     op = mc.Layout(src).reduce_op
