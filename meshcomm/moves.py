@@ -76,7 +76,7 @@ def _rearrange(before: State, after: State, lead_in: tuple[Shard, ...],
     per_dim_in: list[list[Piece] | None] = []
     per_dim_out: list[list[Piece] | None] = []
     for d, (b, a) in enumerate(zip(before.dims, after.dims)):
-        if b.chunks or a.chunks:
+        if b.chunks or a.chunks or b.size == 0:  # runtime size: uneven or empty
             per_dim_in.append(None)
             per_dim_out.append(None)
             continue
