@@ -9,8 +9,9 @@ This module never communicates. A plan between meshes has up to three phases:
    destination element arrives exactly once, from one holder, nothing a rank
    already holds is sent to it, and when several source ranks hold a replica
    of a block the sending is spread over them (least-loaded first);
-3. on the destination mesh, the destination's own pending reduction, if any, is
-   marked locally.
+3. a pending sum/max/min in the destination is delivered to the first rank of
+   each reduction group only (the others hold the op's identity, so nothing is
+   sent twice); a pending avg is delivered to all and marked locally.
 
 Meshes may be disjoint, overlapping or nested. Byte tuples are per rank of
 both meshes, ascending (`Plan.ranks`). Partial sources are always reduced on
@@ -40,7 +41,9 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
     src.placements(mesh, shape)
     ranks = tuple(sorted(set(mesh.ranks) | set(dst_mesh.ranks)))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    landing = _strip(dst)
+    # sum/max/min: only the first member of each reduction group receives the values, the
+    # others hold the identity; avg: all receive, and a local step marks the reduction.
+    landing = _strip(dst) if dst.reduce_op in (None, "avg") else dst
     best: tuple[tuple[float, int, int], tuple[Step, ...]] | None = None
     for staged in _resolved_candidates(mesh, shape, src):
         first = _plan(mesh, shape, dtype, src, staged, cost_model)
@@ -52,7 +55,7 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
             best = (key, steps)
     assert best is not None, f"no candidate layout to resolve {src} on {mesh!r}"
     steps = best[1]
-    if dst.reduce_op is not None:
+    if dst.reduce_op == "avg":  # every member holds the value: delivered to all, then marked
         steps += (_mark_step(dst_mesh, ranks, shape, landing, dst, itemsize),)
     send = tuple(sum(s.send_bytes[i] for s in steps) for i in range(len(ranks)))
     recv = tuple(sum(s.recv_bytes[i] for s in steps) for i in range(len(ranks)))
@@ -105,6 +108,8 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
                    before: Layout, after: Layout, itemsize: int, cost_model: CostModel) -> Step:
     start, goal = from_layout(before, mesh, shape), from_layout(after, dst_mesh, shape)
     have, need, atoms = _blocks(start, goal, mesh, dst_mesh)
+    for r in _contributors_only(dst_mesh, after):
+        need[r] = tuple(() for _ in shape)   # holds the identity of the pending op
     found = assign(have, need, atoms, lambda s, r: True)
     if found is None:
         raise PlanError(f"cannot move {before} on {mesh!r} to {after} on {dst_mesh!r}: some"
@@ -120,9 +125,18 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
     outs = dict(zip(dst_mesh.ranks, local_numels(goal, dst_mesh)))
     peak = tuple((ins.get(r, 0) + outs.get(r, 0)) * itemsize for r in ranks)
     time = cost_model.time(("*",), max(max(send), max(recv))) if any(send) else 0.0
-    return Step("send_recv", (), before, after, transfers=transfers, send_bytes=tuple(send),
+    return Step("send_recv", (), before, after, op=after.reduce_op, transfers=transfers,
+                send_bytes=tuple(send),
                 recv_bytes=tuple(recv), time_s=time, peak_bytes=peak, mesh=mesh,
                 dst_mesh=dst_mesh)
+
+
+def _contributors_only(mesh: Mesh, layout: Layout) -> list[int]:
+    """Ranks past the first of each pending-reduction group of `layout` (none without one)."""
+    axes = tuple(a for a in mesh.axis_names if a in layout.partial_axes)
+    if not axes:
+        return []
+    return [r for group in mesh.groups(*axes) for r in group[1:]]
 
 
 def _mark_step(dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, before: Layout,
@@ -144,10 +158,11 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
     complete = src.reduce_op is None
     g = math.prod(mesh.axis_size(a) for a in src.partial_axes)
     reduce_share = -(-math.prod(shape) * (g - 1) // mesh.size) if not complete else 0
+    idle = set(_contributors_only(dst_mesh, landing))
     out = []
     for r in ranks:
         need_count = 0
-        if r in dst_mesh.ranks:
+        if r in dst_mesh.ranks and r not in idle:
             need = [set(ix) for ix in landing.indices(dst_mesh, shape, r)]
             have = ([set(ix) for ix in src.indices(mesh, shape, r)]
                     if complete and r in mesh.ranks else [set() for _ in shape])

@@ -369,6 +369,8 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
     rows = plan.rows()
     parts.append(_plan_table(rows) if rows else Text(explain.NO_STEPS))
     parts.append(Text("\n".join(explain.total_lines(plan))))
+    if plan.dst_mesh is not None:
+        parts.append(Text("\n".join(explain.transfer_lines(plan))))
     if pictures:
         for word, layout, mesh in (("before", plan.src, plan.mesh),
                                    ("after", plan.dst, plan.dst_mesh or plan.mesh)):

@@ -63,6 +63,8 @@ def title_lines(plan: Plan, width: int = 100) -> tuple[str, ...]:
     (the shape on the second) when one would be wider than `width`."""
     head = f'plan "{plan.src}" -> "{plan.dst}"'
     tail = f"shape {tuple(plan.shape)} {dtype_name(plan)} on {plan.mesh!r}"
+    if plan.dst_mesh is not None:
+        tail += f" -> {plan.dst_mesh!r}"
     one = f"{head}: {tail}"
     return (one,) if len(one) <= width else (f"{head}:", f"  {tail}")
 
@@ -158,6 +160,90 @@ def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
+# -- steps between two meshes: who sends what to whom, and how evenly ---------------
+def index_text(indices: Sequence[int]) -> str:
+    """Global indices as slice text: "0:4", "1:8:2", "0:2,4:6" (runs), "∅" when empty.
+
+    >>> index_text((0, 1, 2, 3)), index_text((1, 3, 5)), index_text((0, 1, 4, 5)), index_text(())
+    ('0:4', '1:7:2', '0:2,4:6', '∅')
+    """
+    ix = tuple(indices)
+    if not ix:
+        return "∅"
+    step = ix[1] - ix[0] if len(ix) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(ix, ix[1:])):
+        return f"{ix[0]}:{ix[-1] + 1}" if step == 1 else f"{ix[0]}:{ix[-1] + step}:{step}"
+    runs, start = [], 0
+    for k in range(1, len(ix) + 1):
+        if k == len(ix) or ix[k] != ix[k - 1] + 1:
+            runs.append(f"{ix[start]}:{ix[k - 1] + 1}")
+            start = k
+    return ",".join(runs)
+
+
+def transfer_rows(plan: Plan) -> tuple[dict[str, Any], ...]:
+    """One plain row per (sender, receiver) pair of each step between two meshes: the step
+    number, the ranks, the blocks sent (global index ranges per dim, e.g. "[0:4, 0:8]") and
+    their bytes. What a rank keeps for itself moves nothing and has no row."""
+    out = []
+    for i, step in enumerate(plan.steps, 1):
+        if step.dst_mesh is None:
+            continue
+        pairs: dict[tuple[int, int], list[str]] = {}
+        sizes: dict[tuple[int, int], int] = {}
+        for t in step.transfers:
+            if t.src == t.dst:
+                continue
+            where = step.after.indices(step.dst_mesh, plan.shape, t.dst)
+            block = [index_text([w[k] for k in ix]) for w, ix in zip(where, t.dst_index)]
+            pairs.setdefault((t.src, t.dst), []).append(f"[{', '.join(block)}]")
+            sizes[t.src, t.dst] = sizes.get((t.src, t.dst), 0) + t.numel * plan.dtype.itemsize
+        out += [{"step": i, "src": s, "dst": r, "blocks": blocks, "bytes": sizes[s, r]}
+                for (s, r), blocks in pairs.items()]
+    return tuple(out)
+
+
+def balance(plan: Plan) -> tuple[dict[str, Any], ...]:
+    """Per step between two meshes: the busiest sender's bytes against the ideal, the total
+    sent spread evenly over the source mesh's ranks (`ideal_bytes` = total / senders)."""
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    out = []
+    for i, step in enumerate(plan.steps, 1):
+        if step.dst_mesh is None:
+            continue
+        senders = (step.mesh or plan.mesh).ranks
+        sends = [step.send_bytes[pos[r]] for r in senders]
+        out.append({"step": i, "send_bytes_max": max(sends), "send_bytes_total": sum(sends),
+                    "senders": len(senders), "ideal_bytes": sum(sends) / len(senders)})
+    return tuple(out)
+
+
+def transfer_lines(plan: Plan, max_blocks: int = 3) -> tuple[str, ...]:
+    """Per step between two meshes: one line per (sender, receiver) pair with its blocks and
+    bytes, then the balance line. Empty for a plan on one mesh."""
+    rows = transfer_rows(plan)
+    lines: list[str] = []
+    for b in balance(plan):
+        mine = [row for row in rows if row["step"] == b["step"]]
+        lines.append(f"step {b['step']}, sender -> receiver: block (global index ranges), bytes")
+        pairs = [f"r{row['src']} -> r{row['dst']}" for row in mine]
+        blocks = [" + ".join(row["blocks"][:max_blocks])
+                  + (f" + … ({len(row['blocks'])} blocks)" if len(row["blocks"]) > max_blocks
+                     else "") for row in mine]
+        sizes = [format_bytes(row["bytes"]) for row in mine]
+        widths = [max(map(len, col), default=0) for col in (pairs, blocks, sizes)]
+        lines += [f"  {p:<{widths[0]}}  {k:<{widths[1]}}  {n:>{widths[2]}}"
+                  for p, k, n in zip(pairs, blocks, sizes)]
+        if not mine:
+            lines.append("  (nothing to send: every receiver already holds its block)")
+        ideal, busiest = b["ideal_bytes"], b["send_bytes_max"]
+        ratio = f"{busiest / ideal:.2f}x" if ideal else "1.00x"
+        lines.append(f"  balance: busiest sender sends {format_bytes(busiest)}, ideal"
+                     f" {format_bytes(math.ceil(ideal))} ({format_bytes(b['send_bytes_total'])}"
+                     f" over {_count(b['senders'], 'source rank')}): {ratio}")
+    return tuple(lines)
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as fixed-width text: title, one row per step, totals, layouts before and after.
 
@@ -169,5 +255,5 @@ def format_plan(plan: Plan) -> str:
     rows = plan.rows()
     lines = list(title_lines(plan))
     lines += _table(rows) if rows else [NO_STEPS]
-    lines += [*total_lines(plan), *layout_lines(plan)]
+    lines += [*total_lines(plan), *transfer_lines(plan), *layout_lines(plan)]
     return "\n".join(lines)

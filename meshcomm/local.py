@@ -10,21 +10,9 @@ import torch
 from torch import Tensor
 
 from . import p2p
+from .identity import identity_like
 from .layout import chunk_range
 from .plan import Step
-
-
-def identity_like(x: Tensor, op: str) -> Tensor:
-    """What a rank holds where it does not own the value: the identity of `op`."""
-    if op in ("sum", "avg"):
-        return torch.zeros_like(x)
-    if x.dtype.is_floating_point:
-        return torch.full_like(x, float("-inf") if op == "max" else float("inf"))
-    if x.dtype == torch.bool:
-        return torch.full_like(x, op == "min")
-    info = torch.iinfo(x.dtype)
-    return torch.full_like(x, info.min if op == "max" else info.max)
-
 
 
 def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...],

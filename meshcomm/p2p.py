@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .identity import identity_like
 from .mesh import Mesh
 from .moves import Move, block_indices
 from .states import State
@@ -225,9 +226,13 @@ def recv_splits(transfers: Iterable[Transfer], mesh: Order, rank: int) -> list[i
 
 
 def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
-           out_shape: tuple[int, ...]) -> Tensor:
-    """`rank`'s output tensor from the flat buffer it received (blocks in source order)."""
-    out = flat.new_empty(out_shape)
+           out_shape: tuple[int, ...], fill_op: str | None = None) -> Tensor:
+    """`rank`'s output tensor from the flat buffer it received (blocks in source order).
+
+    With `fill_op`, elements no transfer writes hold that reduction's identity (a rank
+    that only contributes part of a pending reduction)."""
+    out = flat.new_empty(out_shape) if fill_op is None else identity_like(
+        flat.new_empty(out_shape), fill_op)
     offset = 0
     for t in transfers:
         if t.dst == rank:

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import meshcomm as mc
+from meshcomm.crossmesh import _contributors_only
 from meshcomm.sim import execute, gather, scatter
 
 A = mc.Mesh("dp=2 tp=2")                              # ranks 0-3
@@ -79,9 +80,19 @@ def test_partial_source_is_reduced_on_the_source_mesh_first():
     assert p.steps[0].mesh == A and p.steps[-1].dst_mesh == b
 
 
-def test_partial_destination_is_marked_on_the_destination_mesh():
+def test_a_pending_sum_destination_is_sent_once_per_group():
     b = mc.Mesh("x=2 y=2", ranks=[2, 3, 4, 5])
     p = _run(A, b, (8, 16), "(dp b) s", "(x b) s | sum(y)")
+    assert [s.kind for s in p.steps] == ["send_recv"]
+    # ranks 3 and 5 (y=1) hold zeros: only the y=0 rank of each group receives its rows
+    got = dict(zip(p.ranks, p.recv_bytes))
+    assert got[3] == got[5] == 0 and got[4] == 4 * 16 * 4
+    assert p.recv_bytes == p.lower_bound_bytes
+
+
+def test_a_pending_avg_destination_is_delivered_to_all_then_marked():
+    b = mc.Mesh("x=2 y=2", ranks=[2, 3, 4, 5])
+    p = _run(A, b, (8, 16), "(dp b) s", "(x b) s | avg(y)")
     assert (p.steps[-1].kind, p.steps[-1].action) == ("local", "mark_partial")
 
 
@@ -121,7 +132,8 @@ def cases(draw):
                 dims[where].append(axis)
         text = " ".join(f"({' '.join(a + ['d' + str(i)])})" if a else f"d{i}"
                         for i, a in enumerate(dims))
-        return text + (f" | sum({', '.join(partial)})" if partial else "")
+        op = draw(st.sampled_from(["sum", "max", "min"]))
+        return text + (f" | {op}({', '.join(partial)})" if partial else "")
 
     src, dst = layout(src_mesh, True), layout(dst_mesh, True)
     try:
@@ -139,7 +151,7 @@ def test_every_cross_plan_is_exact(case):
     p = _run(src_mesh, dst_mesh, shape, src, dst)
     transfer = next(s for s in p.steps if s.dst_mesh is not None)
     # Every destination element arrives exactly once.
-    counts = torch.zeros(shape, dtype=torch.long)
+    idle = set(_contributors_only(dst_mesh, transfer.after))
     for r in dst_mesh.ranks:
         got = torch.zeros(transfer.after.local_shape(dst_mesh, shape, r), dtype=torch.long)
         for t in transfer.transfers:
@@ -147,7 +159,9 @@ def test_every_cross_plan_is_exact(case):
                 got[torch.meshgrid(*[torch.tensor(ix) for ix in t.dst_index], indexing="ij")] += 1
             elif t.dst == r:
                 got += 1
-        assert bool((got == 1).all()), f"rank {r} gets some elements twice or never"
+        # ranks past the first of a pending sum/max/min group hold the identity: no data
+        want = 0 if r in idle else 1
+        assert bool((got == want).all()), f"rank {r} gets some elements twice or never"
     if mc.Layout(src).reduce_op is None:
         assert p.recv_bytes == p.lower_bound_bytes
     assert math.isfinite(p.bound_ratio)

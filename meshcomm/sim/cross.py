@@ -58,6 +58,6 @@ def _transfer(step: Step, plan: Plan, held: dict[int, Tensor]) -> tuple[dict[int
     dst_mesh = step.dst_mesh
     assert dst_mesh is not None, f"a transfer step needs dst_mesh: {step}"
     out = {r: p2p.unpack(step.transfers, ranks, r, res.outputs[ranks.index(r)],
-                         step.after.local_shape(dst_mesh, plan.shape, r))
+                         step.after.local_shape(dst_mesh, plan.shape, r), step.op)
            for r in dst_mesh.ranks}
     return out, res

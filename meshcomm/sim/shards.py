@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ShapeError
-from ..local import identity_like
+from ..identity import identity_like
 from ..layout import Layout, Shape, as_layout
 from ..mesh import Mesh
 
