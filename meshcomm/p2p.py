@@ -75,24 +75,53 @@ def assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
            same_group: Callable[[int, int], bool]) -> tuple[Transfer, ...] | None:
     """Transfers giving every receiver in `need` its block: what it holds itself is a local
     copy, the rest comes from the least-loaded holder `s` with `same_group(s, receiver)`.
+    Whole blocks first; if a sender then does more than an even share, replicated blocks
+    are split over their holders.
 
     Returns None when some block has no such holder.
     """
+    whole = _assign(have, need, atoms, same_group, split=False)
+    if whole is None:
+        return None
+    transfers, load = whole
+    total = sum(load.values())
+    if max(load.values(), default=0) * len(have) > total:
+        # Some sender does more than its share: split replicated blocks over their holders.
+        split = _assign(have, need, atoms, same_group, split=True)
+        assert split is not None, "splitting cannot lose a holder"
+        if max(split[1].values()) < max(load.values()):
+            transfers = split[0]
+    return tuple(transfers)
+
+
+def _assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
+            same_group: Callable[[int, int], bool],
+            split: bool) -> tuple[list[Transfer], dict[int, int]] | None:
     load = dict.fromkeys(have, 0)
     transfers = []
     for r in need:
         for cell in _cells_of(need[r], atoms):
             if r in have and _holds(have[r], cell):
-                src: int | None = r
-            else:
-                holders = [s for s in have if same_group(s, r) and _holds(have[s], cell)]
-                src = min(holders, key=lambda s: load[s]) if holders else None
-            if src is None:
+                transfers.append(_transfer(r, r, cell, have, need))
+                continue
+            holders = [s for s in have if same_group(s, r) and _holds(have[s], cell)]
+            if not holders:
                 return None
-            transfers.append(_transfer(src, r, cell, have, need))
-            if src != r:
+            for piece in _split(cell, len(holders)) if split else [cell]:
+                src = min(holders, key=lambda s: load[s])   # least loaded, then mesh order
+                transfers.append(_transfer(src, r, piece, have, need))
                 load[src] += transfers[-1].numel
-    return tuple(transfers)
+    return transfers, load
+
+
+def _split(cell: Cell, parts: int) -> list[Cell]:
+    """`cell` cut into up to `parts` pieces along its longest atom (one piece if it is 1 long)."""
+    if parts == 1 or not cell:
+        return [cell]
+    d = max(range(len(cell)), key=lambda i: len(cell[i]))
+    atom = cell[d]
+    step = -(-len(atom) // parts)
+    return [cell[:d] + (atom[i:i + step],) + cell[d + 1:] for i in range(0, len(atom), step)]
 
 
 @functools.lru_cache(maxsize=4096)

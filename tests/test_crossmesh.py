@@ -165,3 +165,11 @@ def test_every_cross_plan_is_exact(case):
     if mc.Layout(src).reduce_op is None:
         assert p.recv_bytes == p.lower_bound_bytes
     assert math.isfinite(p.bound_ratio)
+
+
+def test_a_replicated_block_is_split_over_its_holders():
+    # Every source rank holds the whole tensor; each of the 2 receivers needs half of it.
+    p = _run(mc.Mesh("dp=4"), mc.Mesh("q=2", ranks=[4, 5]), (8, 4), "b s", "(q b) s")
+    sends = p.send_bytes[:4]
+    total = sum(p.recv_bytes)
+    assert max(sends) == total // 4 == min(sends)      # the ideal: total / number of senders

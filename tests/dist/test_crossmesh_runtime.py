@@ -204,7 +204,7 @@ REPLICATED = [k for k, c in enumerate(NAMED) if c[0] == "replicated"]
 @pytest.mark.parametrize(("k", "sent_max", "ideal"), [
     (REPLICATED[0], 64, 64),     # 4 blocks, 4 holders of each: one block per sender
     (REPLICATED[1], 48, 48),     # each block held twice: the two holders take turns
-    (REPLICATED[2], 64, 32),     # 2 blocks over 4 holders: blocks are not split (yet)
+    (REPLICATED[2], 32, 32),     # 2 blocks over 4 holders: each block split over two senders
 ])
 def test_replicated_sources_share_the_sending(eight: list[list[dict[str, Any]]], k: int,
                                               sent_max: int, ideal: int) -> None:
