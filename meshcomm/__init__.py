@@ -5,40 +5,32 @@
 >>> [step.kind for step in mc.plan(mesh, (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)").steps]
 ['all_to_all']
 """
+# Layers, bottom up: values and the planner (pure), simulated ranks, the torch.distributed
+# runtime, the thin public API, interop and building blocks, printouts.
+from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeout, InteropError,
+                     LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
+                     PlanError, RankFailure, RecipeError, ShapeError)
+from .mesh import Mesh
+from .layout import Layout, as_layout
+from .plan import CostModel, Plan, Step, plan, plan_cache_info, set_plan_cache_size
+from .recipes import Recipe, logical, recipe
 from . import sim
-from .display import show, show_plan
+from .dist import BoundMesh, ByteTrace, init_mesh
+from .dist.checks import checks
 from .dist.collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
                                recv, reduce_scatter, send, sendrecv)
-from .errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
-                     PlanError, RecipeError, ShapeError)
-from .layout import Layout, as_layout
-from .mesh import Mesh
-from .plan import CostModel, Plan, Step, plan
-
-__all__ = ["CostModel", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
-           "MeshMismatchError", "MeshcommError", "Plan", "PlanError", "RecipeError", "ShapeError",
-           "Step", "as_layout", "plan", "show", "show_plan", "sim"]
-__all__ += ["all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute", "recv",
-            "reduce_scatter", "send", "sendrecv"]
 from .api import Sharded, distribute, reshard, reshard_many
-from .dist import BoundMesh, ByteTrace, init_mesh
-
-__all__ += ["BoundMesh", "ByteTrace", "Sharded", "distribute", "init_mesh", "reshard",
-            "reshard_many"]
-from .recipes import Recipe, logical, recipe
-
-__all__ += ["Recipe", "logical", "recipe"]
-from .errors import InteropError
 from .interop import bind_device_mesh, from_dtensor, from_placements, to_dtensor, to_placements
+from .display import show, show_plan
+from . import nn
 
-__all__ += ["InteropError", "bind_device_mesh", "from_dtensor", "from_placements", "to_dtensor",
-            "to_placements"]
-from . import nn  # noqa: E402  (blocks built on everything above)
-
-__all__ += ["nn"]
-from .dist.checks import checks
-from .errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout, RankFailure
-from .plan import plan_cache_info, set_plan_cache_size
-
-__all__ += ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeout", "RankFailure",
-            "checks", "plan_cache_info", "set_plan_cache_size"]
+__all__ = [
+    "BoundMesh", "ByteTrace", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
+    "CostModel", "InteropError", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
+    "MeshMismatchError", "MeshcommError", "Plan", "PlanError", "RankFailure", "Recipe",
+    "RecipeError", "ShapeError", "Sharded", "Step", "all_gather", "all_reduce", "all_to_all",
+    "as_layout", "bind_device_mesh", "broadcast", "checks", "collective_permute", "distribute",
+    "from_dtensor", "from_placements", "init_mesh", "logical", "nn", "plan", "plan_cache_info",
+    "recipe", "recv", "reduce_scatter", "reshard", "reshard_many", "send", "sendrecv",
+    "set_plan_cache_size", "show", "show_plan", "sim", "to_dtensor", "to_placements",
+]

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union, overload
 
 import torch
 from torch import Tensor
@@ -20,17 +21,38 @@ from torch import Tensor
 from . import display
 from .dist.autograd import plan_untraced, reshard_autograd
 from .dist.bind import BoundMesh
+from .dist.checks import SWITCH as CHECKS
+from .dist.checks import agree_many, agree_reshard
+from .dist.cross import execute_cross
 from .dist.execute import ByteTrace, execute_many
-from .errors import MeshMismatchError, ShapeError
+from .errors import MeshMismatchError, PlanError, ShapeError
 from .layout import Layout, Shape, as_layout
 from .mesh import Mesh
 from .plan import CostModel, Plan
 from .sim.shards import scatter, take
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
+
+@overload
 def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> Tensor:
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> Tensor: ...
+@overload
+def reshard(x_local: Tensor | None, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
+            dst_mesh: BoundMesh, shape: Sequence[int] | None = None,
+            dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
+            trace: ByteTrace | None = None) -> Tensor | None: ...
+@overload
+def reshard(x_local: DTensor, dst: str | Layout | Sequence[Placement], /, *,
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> DTensor: ...
+def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
+            dst: str | Layout | None = None, *,
+            dst_mesh: BoundMesh | None = None, shape: Sequence[int] | None = None,
+            dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
+            trace: ByteTrace | None = None) -> Tensor | None:
     """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
     `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
 
@@ -41,14 +63,66 @@ def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layo
     local size times the sizes of the dim's mesh axes), so pass it for uneven layouts.
     `dtype` defaults to `x_local.dtype`. `trace` records the bytes of each collective call
     (eager only).
+
+    `dst_mesh` (another BoundMesh) puts `dst` on that mesh: call it on every rank of the
+    world. Ranks only in `mesh` return None; ranks only in `dst_mesh` pass None as
+    `x_local` and must pass `shape=` and `dtype=`; ranks in neither do nothing and return
+    None. Not differentiable: send gradients back with a second reshard (docs/crossmesh.md).
+
+    `mc.reshard(dtensor, dst)` takes a DTensor and `dst` (a layout or placements) and
+    returns a DTensor (`meshcomm.interop.reshard_dtensor`, docs/dtensor.md).
     """
+    if is_dtensor(x_local):
+        if (src, dst, dst_mesh, shape, dtype) != (None,) * 5:
+            raise ShapeError("mc.reshard(dtensor, dst) takes the destination only (a layout or"
+                             " placements): the DTensor carries its mesh, layout and shape")
+        from .interop import reshard_dtensor
+        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace)
+    if src is None or dst is None:
+        raise ShapeError("mc.reshard(x_local, mesh, src, dst): give both layouts, src and dst")
+    if dst_mesh is not None and not (isinstance(mesh, BoundMesh) and
+                                     isinstance(dst_mesh, BoundMesh) and dst_mesh.mesh == mesh.mesh):
+        return _reshard_cross(x_local, mesh, src, dst, dst_mesh, shape, dtype, cost_model, trace)
     if torch.compiler.is_compiling():
         if trace is not None:
             raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
                              " leave it out (the plan's send_bytes/recv_bytes are the same)")
         return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
     p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+    if CHECKS.on:
+        agree_reshard(x_local, mesh, p)   # check mode: the ranks agree on the call first
     return reshard_autograd(x_local, mesh, p, trace)
+
+
+def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+                   dst_bound: BoundMesh, shape: Sequence[int] | None, dtype: torch.dtype | None,
+                   cost_model: CostModel | None, trace: ByteTrace | None) -> Tensor | None:
+    """`reshard` onto another mesh (see `meshcomm.dist.cross`)."""
+    for name, b in (("mesh", bound), ("dst_mesh", dst_bound)):
+        if not isinstance(b, BoundMesh):
+            what = f"the Mesh {b!r}" if isinstance(b, Mesh) else f"a {type(b).__name__}"
+            raise MeshMismatchError(
+                f"reshard(..., dst_mesh=...) needs both meshes bound to torch.distributed, got"
+                f" {what} as {name}; fix: mc.init_mesh(...) both meshes on every rank")
+    rank = bound.rank
+    if not bound.in_mesh and not dst_bound.in_mesh:
+        return None
+    if bound.in_mesh:
+        p = _plan_for(x, bound, src, dst, shape, dtype, cost_model, dst_bound.mesh)
+    elif shape is None or dtype is None:
+        raise ShapeError(
+            f"rank {rank} is only in the destination mesh {dst_bound.mesh!r}: it has no shard"
+            " to read the global shape and dtype from. fix: pass shape=(...) and dtype=..."
+            " (those of the source) on every rank")
+    else:
+        p = plan_untraced(bound.mesh, tuple(shape), as_layout(src, "src"), as_layout(dst, "dst"),
+                          dtype=dtype, cost_model=cost_model, dst_mesh=dst_bound.mesh)
+    if x is not None and torch.is_grad_enabled() and x.requires_grad:
+        raise PlanError(
+            "reshard(..., dst_mesh=...) is not differentiable: ranks outside the destination"
+            " mesh get no output to call backward on. fix: pass x.detach(), and send the"
+            " gradient back with mc.reshard(grad, dst_mesh, dst, src, dst_mesh=mesh)")
+    return execute_cross(p, x, bound, dst_bound, trace=trace)
 
 
 # Under torch.compile, Dynamo never traces the planner: `_static_args` only reads plain values
@@ -83,21 +157,34 @@ def _reshard_traced(x: Tensor, static: tuple[Any, ...]) -> Tensor:
     return reshard_autograd(x, bound, p)
 
 
-def _plan_for(x: Tensor, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+def _plan_for(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
               shape: Sequence[int] | None, dtype: torch.dtype | None,
-              cost_model: CostModel | None) -> Plan:
+              cost_model: CostModel | None, dst_mesh: Mesh | None = None) -> Plan:
     if not isinstance(bound, BoundMesh):
         what = f"the Mesh {bound!r}" if isinstance(bound, Mesh) else f"a {type(bound).__name__}"
         raise MeshMismatchError(
             f"reshard needs a mesh bound to torch.distributed, got {what};"
             f" fix: bound = mc.init_mesh({str(bound)!r}) on every rank, then pass bound")
+    if not bound.in_mesh:
+        raise MeshMismatchError(
+            f"reshard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
+            f" {list(bound.mesh.ranks)}), so it holds no shard of a tensor on it."
+            " fix: call reshard on the mesh's ranks only (if mesh.in_mesh: ...)")
     if not isinstance(x, Tensor):
-        raise ShapeError(f"reshard needs a local torch.Tensor, got {type(x).__name__}")
+        hint = "; fix: s.reshard(dst) for a Sharded s" if isinstance(x, Sharded) else ""
+        raise ShapeError(f"reshard needs a local torch.Tensor, got {type(x).__name__}{hint}")
     src_layout = as_layout(src, "src")
     if shape is None:
         shape = infer_shape(bound.mesh, src_layout, tuple(x.shape), bound.rank)
     return plan_untraced(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
-                         dtype=x.dtype if dtype is None else dtype, cost_model=cost_model)
+                         dtype=x.dtype if dtype is None else dtype, cost_model=cost_model,
+                         dst_mesh=dst_mesh)
+
+
+def is_dtensor(x: object) -> bool:
+    """True for a torch DTensor (imports nothing: no DTensor exists before its module loads)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
 
 
 def infer_shape(mesh: Mesh, layout: Layout, local_shape: Shape, rank: int) -> Shape:
@@ -152,7 +239,8 @@ class Sharded:
     def __post_init__(self) -> None:
         if not isinstance(self.mesh, BoundMesh):
             raise MeshMismatchError(f"Sharded needs a mesh from mc.init_mesh, got"
-                                    f" {type(self.mesh).__name__}")
+                                    f" {type(self.mesh).__name__}; fix: bound ="
+                                    f" mc.init_mesh({str(self.mesh)!r}) on every rank")
         object.__setattr__(self, "layout", as_layout(self.layout))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         self.layout.check_local(self.mesh.mesh, self.shape, self.mesh.rank,
@@ -171,6 +259,12 @@ class Sharded:
     def full(self) -> Tensor:
         """The global tensor, on every rank (a reshard to the replicated layout)."""
         return self.reshard(replicated(self.layout, self.mesh.mesh)).local
+
+    def to_dtensor(self, *, device_mesh: Any = None) -> DTensor:
+        """A DTensor with this local tensor (no copy) and the placements of this layout;
+        raises InteropError for a layout DTensor cannot express (docs/dtensor.md)."""
+        from .interop import to_dtensor
+        return to_dtensor(self, device_mesh=device_mesh)
 
     def show(self, **kwargs: Any) -> None:
         """Print which rank holds which part (`mc.show` of the layout)."""
@@ -231,6 +325,8 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
         else:
             raise ShapeError(f"reshard_many: items[{k}] is neither (Sharded, dst) nor"
                              " (x_local, mesh, src, dst, shape)")
+    if CHECKS.on:
+        agree_many(jobs)
     if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
         outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
     else:

@@ -260,8 +260,15 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
     ['all_to_all']
     """
     if type(shape) is not tuple:
-        shape = tuple(shape)
+        shape = _as_shape(shape)
     return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST, dst_mesh)
+
+
+def _as_shape(shape: object) -> Shape:
+    try:
+        return tuple(shape)  # type: ignore[call-overload, no-any-return]
+    except TypeError:
+        raise PlanError(f"shape must be a sequence of ints such as (8, 16), got {shape!r}") from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -276,6 +283,13 @@ def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
         raise PlanError('mesh must be a meshcomm Mesh, got None; fix: mc.Mesh("dp=2 tp=4")')
     if not isinstance(dtype, torch.dtype):
         raise PlanError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if not isinstance(cost_model, CostModel):
+        raise PlanError(f"cost_model must be a meshcomm CostModel, got {cost_model!r};"
+                        " fix: mc.CostModel(latency_s=..., bandwidth=...)")
+    bad = [s for s in shape if isinstance(s, bool) or not isinstance(s, int)]
+    if bad and not all(hasattr(s, "__index__") and not isinstance(s, bool) for s in bad):
+        raise PlanError(f"shape must hold ints, got {tuple(shape)!r} ({bad[0]!r} is a"
+                        f" {type(bad[0]).__name__}); fix: pass sizes such as (8, 16)")
     shape = tuple(int(s) for s in shape)
     src_l, dst_l = as_layout(src, "src"), as_layout(dst, "dst")
     if dst_mesh is not None and dst_mesh != mesh:

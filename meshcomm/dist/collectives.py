@@ -28,6 +28,8 @@ from ..errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
 from ..mesh import AxisName, Mesh
 from ..sim.collectives import REDUCE_OPS, chunk_sizes, op_reduce
 from .bind import BoundMesh
+from .checks import SWITCH as CHECKS
+from .checks import agree_collective
 
 Axes = AxisName | int | Sequence[AxisName]
 GroupLike = (BoundMesh | DeviceMesh | tuple[DeviceMesh, int | str] | dist.ProcessGroup
@@ -258,6 +260,13 @@ def _a2a(rows: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], g: _
     return out
 
 
+def _check(fn: str, g: _Group, x: Tensor, *args: tuple[str, object]) -> None:
+    """Check mode: the members agree on this call (and on `args`) before it runs."""
+    if not torch.compiler.is_compiling():
+        agree_collective(fn, g.name, [g.ranks[g.inv[q]] for q in range(g.size)], _where(g), x,
+                         tuple((k, str(v)) for k, v in args))
+
+
 # ---- collectives -------------------------------------------------------------------------------
 
 def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int = 0,
@@ -280,6 +289,9 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
         if sizes[g.pos] != n:
             raise ShapeError(f"{fn} {_where(g)}: sizes={list(sizes)} says position {g.pos} (this"
                              f" rank) has {sizes[g.pos]} along dim {d}, but x has {n}")
+    if CHECKS.on:
+        shape = tuple(x.shape) if sizes is None else (*x.shape[:d], "*", *x.shape[d + 1:])
+        _check(fn, g, x, ("dim", d), ("shape", shape), ("sizes", sizes))
     if sizes is None or len(set(sizes)) == 1:
         out: Tensor = funcol.all_gather_single(x.contiguous(), d, g.name)
         return _reorder(out, d, [n] * g.size, g.order)
@@ -309,6 +321,8 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
     chunks = (chunk_sizes(n, g.size) if splits is None
               else _sizes(fn, g, "splits", splits, n, f"dim {d} of x"))
     wire_op = "sum" if op == "avg" else op
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("dim", d), ("op", op), ("splits", splits))
     if len(set(chunks)) == 1:
         moved = _reorder(x, d, chunks, g.inv)
         out: Tensor = funcol.reduce_scatter_single(moved.contiguous(), wire_op, d, g.name)
@@ -333,6 +347,8 @@ def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str 
     x = _tensor(fn, x)
     g = _group(fn, mesh, axes)
     op = _op(fn, g, op, x.dtype)
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("op", op))
     out: Tensor = funcol.all_reduce(x, "sum" if op == "avg" else op, g.name)
     return out / g.size if op == "avg" else out
 
@@ -378,6 +394,9 @@ def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_di
             raise ShapeError(f"{fn} {_where(g)}: output_splits={list(outs)} differ, so the"
                              f" received blocks differ along split_dim={split} and cannot be"
                              f" joined along concat_dim={concat}; fix: concat_dim={split}")
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape) if input_splits is None else "uneven"),
+               ("split_dim", split), ("concat_dim", concat))
     rows = _reorder(x.movedim(split, 0), 0, ins, g.inv)
     outs_pg = [outs[p] for p in g.inv]
     got = _a2a(rows, outs_pg, [ins[p] for p in g.inv], g)
@@ -423,6 +442,8 @@ def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
     x = _tensor(fn, x)
     g = _group(fn, mesh, axes)
     plan = _permute_pairs(fn, g, pairs, shift)
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("pairs", plan))
     to = tuple(sorted(d for s, d in plan if s == g.pos))
     frm = tuple(s for s, d in plan if d == g.pos)
     if torch.is_grad_enabled() and x.requires_grad:
@@ -491,6 +512,8 @@ def broadcast(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int 
     x = _tensor(fn, x)
     g = _group(fn, mesh, axes)
     src = _position(fn, g, "src", src)
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("src", src))
     if torch.is_grad_enabled() and x.requires_grad:
         return cast(Tensor, _Broadcast.apply(x, g, src))  # type: ignore[no-untyped-call]
     return cast(Tensor, funcol.broadcast(x.contiguous(), g.order[src], g.name))

@@ -22,7 +22,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from .. import p2p
-from ..errors import MeshMismatchError, ShapeError
+from ..errors import (CollectiveError, CollectiveTimeout, MeshcommError, MeshMismatchError,
+                      ShapeError)
 from ..local import local_move
 from ..mesh import Mesh
 from ..plan import Plan, Step
@@ -100,15 +101,22 @@ def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
     if bound.mesh != plan.mesh:
         raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {bound.mesh!r}."
                                 " fix: plan with the bound mesh, mc.plan(bound.mesh, ...)")
+    if plan.dst_mesh is not None and plan.dst_mesh != plan.mesh:
+        raise MeshMismatchError(
+            f"plan goes from {plan.mesh!r} to dst_mesh={plan.dst_mesh!r}, so it runs on the ranks"
+            " of both meshes; fix: mc.reshard(x, mesh, src, dst, dst_mesh=bound_dst), which"
+            " runs it with meshcomm.dist.cross.execute_cross")
     if not bound.in_mesh:
         raise MeshMismatchError(f"rank {bound.rank} is not in {bound.mesh!r}; only its ranks"
-                                f" {list(bound.mesh.ranks)} run its plans")
+                                f" {list(bound.mesh.ranks)} run its plans. fix: execute it on"
+                                " those ranks only (if bound.in_mesh: ...)")
     rank = bound.rank
     if not isinstance(local, Tensor):
         raise ShapeError(f"local tensor of rank {rank} is a {type(local).__name__}, not a Tensor")
     if local.dtype != plan.dtype:
         raise ShapeError(f"local tensor of rank {rank} has dtype {local.dtype} but the plan was"
-                         f" made for {plan.dtype}; fix: mc.plan(..., dtype={local.dtype})")
+                         f" made for {plan.dtype}; fix: mc.plan(..., dtype={local.dtype})"
+                         f" (reshard: dtype={local.dtype} or none), or pass x.to({plan.dtype})")
     plan.src.check_local(plan.mesh, plan.shape, rank, tuple(local.shape), "local tensor")
 
 
@@ -122,9 +130,38 @@ def execute(plan: Plan, local: Tensor, bound: BoundMesh, *, trace: ByteTrace | N
     """
     check_local(plan, local, bound)
     run = _Run(bound, plan.shape, trace)
-    for step in plan.steps:
-        local = _RUN[step.kind](step, local, run)
+    for k, step in enumerate(plan.steps):
+        try:
+            local = _RUN[step.kind](step, local, run)
+        except RuntimeError as err:
+            raise_step_failure(err, plan, k, bound)
+            raise
     return local
+
+
+def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: BoundMesh,
+                       items: list[int] | None = None) -> None:
+    """Raise the meshcomm error for step `k` of `plan` failing with `err` on this rank: which
+    step (index, kind, axes, layouts), its group's ranks, and the backend's own message.
+    Returns (the caller re-raises `err`) for meshcomm errors, local steps and tracing."""
+    step = plan.steps[k]
+    if (isinstance(err, MeshcommError) or step.kind == "local" or torch.compiler.is_compiling()
+            or type(err).__module__.startswith("torch._dynamo")):
+        return
+    mesh = bound.mesh
+    ranks = mesh.ranks if step.kind == "send_recv" else group_of(mesh, bound.rank, step.axes)[0]
+    timeout = "timed out" in str(err).lower() or "timeout" in type(err).__name__.lower()
+    what = "reshard_many items " + str(items) if items is not None else "reshard"
+    over = f" over {', '.join(step.axes)}" if step.axes else ""
+    raise (CollectiveTimeout if timeout else CollectiveError)(
+        f'{what} "{plan.src}" -> "{plan.dst}" of shape {plan.shape} {plan.dtype} on {mesh!r},'
+        f" rank {bound.rank}: step {k + 1} of {len(plan.steps)}, {step.kind}{over} (group ranks"
+        f' {list(ranks)}), "{step.before}" -> "{step.after}",'
+        f" {'did not complete in time' if timeout else 'failed'}:"
+        f" {type(err).__name__}: {str(err).strip()}\n  fix: a rank of the group died, hangs,"
+        " or never reached this step (look for its own error or exit first)"
+        + ("; if the step is only slow, raise init_mesh(timeout_s=...)" if timeout else "")
+    ) from err
 
 
 # -- handlers: (step, this rank's tensor, run) -> this rank's next tensor ---------------
@@ -294,10 +331,14 @@ def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
         for k, step in enumerate(first.steps):
             steps = [jobs[i][2].steps[k] for i in bucket]
             xs = [outs[i] for i in bucket]
-            if len(bucket) > 1 and step.kind in _BUCKETED and step.dim is None:
-                ys = _RUN_MANY[step.kind](steps, xs, runs[0])
-            else:
-                ys = [_RUN[s.kind](s, x, run) for s, x, run in zip(steps, xs, runs)]
+            try:
+                if len(bucket) > 1 and step.kind in _BUCKETED and step.dim is None:
+                    ys = _RUN_MANY[step.kind](steps, xs, runs[0])
+                else:
+                    ys = [_RUN[s.kind](s, x, run) for s, x, run in zip(steps, xs, runs)]
+            except RuntimeError as err:
+                raise_step_failure(err, first, k, bound, bucket)
+                raise
             for i, y in zip(bucket, ys):
                 outs[i] = y
     return outs

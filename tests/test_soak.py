@@ -1,0 +1,47 @@
+"""benchmarks/soak.py in quick mode: 200 random reshards on 4 gloo processes, each equal to
+the simulator, with the plan caches bounded (16, below the pool of 50) and memory flat."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def report(pytestconfig: pytest.Config) -> dict[str, Any]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))   # spawned ranks import `soak` by name too
+        soak = importlib.import_module("soak")
+        return soak.run(count=200, pool=50, plan_cache=16, seed=0, cost_reps=20,  # type: ignore[no-any-return]
+                        timeout_s=120)
+
+
+def test_every_reshard_equals_the_simulator(report: dict[str, Any]) -> None:
+    summary = report["summary"]
+    assert summary["mismatches"] == 0, report["problems"]
+    assert summary["reshards_per_rank"] == 200
+    assert {"all_gather", "all_to_all", "reduce_scatter", "all_reduce"} <= set(
+        summary["step_kinds"])
+
+
+def test_plan_caches_stay_within_their_bound(report: dict[str, Any]) -> None:
+    assert report["summary"]["plan_cache_max_fill"] == 16
+    for checkpoints in report["checkpoints"].values():
+        assert len(checkpoints) == 20
+        assert all(cp["plans"] <= 16 and cp["calls"] <= 16 for cp in checkpoints)
+        assert checkpoints[-1]["misses"] > 50        # evicted plans were made again
+
+
+def test_memory_is_flat_once_caches_are_warm(report: dict[str, Any]) -> None:
+    assert max(report["summary"]["rss_growth_second_half_mb"]) < 4.0, report["summary"]
+
+
+def test_check_cost_is_measured(report: dict[str, Any]) -> None:
+    cost = report["check_cost"]["0"]
+    assert set(cost) == {"reshard_all_gather", "reshard_no_step", "all_reduce_1_elem"}
+    assert all(c["on_us"] > 0 and c["off_us"] > 0 for c in cost.values())
