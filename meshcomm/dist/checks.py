@@ -147,10 +147,13 @@ def agree_reshard(x: Tensor, bound: BoundMesh, plan: Plan) -> None:
     """Raise on every rank of `bound`'s mesh unless all of them asked for this reshard
     (after this rank's own input checks, which come before any communication)."""
     check_local(plan, x, bound)
-    mine = _reshard_fingerprint(plan, bound.device)
-    mesh = bound.mesh
-    axes = mesh.axis_names
-    agree(bound.group_name(axes), mesh.groups(*axes)[0], mine, f"reshard on {mesh!r}")
+    _agree_on_mesh(bound, _reshard_fingerprint(plan, bound.device), f"reshard on {bound.mesh!r}")
+
+
+def _agree_on_mesh(bound: BoundMesh, mine: Fingerprint, what: str) -> None:
+    """`agree` over the group of the whole mesh."""
+    axes = bound.mesh.axis_names
+    agree(bound.group_name(axes), bound.mesh.groups(*axes)[0], mine, what)
 
 
 def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
@@ -164,9 +167,8 @@ def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
         fields += tuple((f"item{k}", f'"{p.src}" -> "{p.dst}" {p.shape}'
                          f" {str(p.dtype).replace('torch.', '')}") for k, p in enumerate(plans))
         detail = "".join(_steps_detail(p) for p in plans)
-        mesh = bound.mesh
-        agree(bound.group_name(mesh.axis_names), mesh.groups(*mesh.axis_names)[0],
-              encode(fields, detail, bound.device), f"reshard_many on {mesh!r}")
+        _agree_on_mesh(bound, encode(fields, detail, bound.device),
+                       f"reshard_many on {bound.mesh!r}")
 
 
 def agree_collective(fn: str, name: str, pg_ranks: Sequence[int], where: str, x: Tensor,
