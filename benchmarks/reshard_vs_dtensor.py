@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +40,7 @@ from meshcomm.testing import run_ranks  # noqa: E402
 DEFAULT_JSON = Path(__file__).parent / "results" / "reshard_vs_dtensor.json"
 
 
-@dataclass(frozen=True)
-class Case:
-    id: str
-    mesh: str
-    shape: tuple[int, ...]
-    src: str
-    dst: str
+Case = pvd.Case  # one case type for both benchmarks
 
 
 def suite(scale: int) -> list[Case]:
