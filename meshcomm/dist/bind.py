@@ -153,6 +153,8 @@ def init_mesh(mesh: Mesh | str, *, backend: str | None = None,
             for group in mesh.groups(*subset):
                 if list(group) == list(range(world)):
                     pg = dist.group.WORLD
+                    if timeout is not None:  # the reused default group gets our timeout too
+                        dist.distributed_c10d._set_pg_timeout(timeout, pg)
                 else:
                     pg = dist.new_group(list(group), timeout=timeout, sort_ranks=False,
                                         backend=backend)
