@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 import meshcomm as mc
-from meshcomm.testing import run_ranks
+from meshcomm.testing import random_layout, run_ranks
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "soak.json"
 MESH = "dp=2 tp=2"
@@ -47,27 +47,6 @@ Case = tuple[tuple[int, ...], str, str, torch.dtype]
 
 
 # -- the cases: the same on every rank ---------------------------------------------------
-def layout_text(rng: random.Random, mesh: mc.Mesh, ndim: int, ops: tuple[str, ...]) -> str:
-    """A random layout: each axis shards a dim (either side of its name), is partial, or not."""
-    dims: list[list[str]] = [[] for _ in range(ndim)]
-    partial = []
-    axes = list(mesh.axis_names)
-    rng.shuffle(axes)
-    for axis in axes:
-        where = rng.choice(["rep", "partial"] + [f"d{i}" for i in range(ndim)])
-        if where == "partial":
-            partial.append(axis)
-        elif where != "rep":
-            dims[int(where[1:])].append(axis)
-    parts = []
-    for i, group in enumerate(dims):
-        at = rng.randint(0, len(group)) if rng.random() < 0.5 else len(group)
-        factors = group[:at] + ["ijk"[i]] + group[at:]
-        parts.append(f"({' '.join(factors)})" if group else "ijk"[i])
-    text = " ".join(parts)
-    return text + (f" | {rng.choice(ops)}({', '.join(sorted(partial))})" if partial else "")
-
-
 def cases(pool: int, seed: int) -> list[Case]:
     """`pool` transitions that plan, drawn with `seed` (so every rank draws the same)."""
     mesh, rng, out = mc.Mesh(MESH), random.Random(seed), []
@@ -76,9 +55,9 @@ def cases(pool: int, seed: int) -> list[Case]:
         shape = tuple(rng.choice(SIZES) for _ in range(ndim))
         dtype = rng.choice(DTYPES)
         ops = OPS if dtype.is_floating_point else OPS[:3]
-        src = layout_text(rng, mesh, ndim, ops)
+        src = random_layout(rng, mesh, ndim, ops, "ijk")
         op = mc.Layout(src).reduce_op
-        dst = layout_text(rng, mesh, ndim, (op,) if op else ops)
+        dst = random_layout(rng, mesh, ndim, (op,) if op else ops, "ijk")
         try:
             mc.plan(mesh, shape, src, dst, dtype=dtype)
         except mc.MeshcommError:

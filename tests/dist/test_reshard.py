@@ -30,7 +30,7 @@ from meshcomm.dist.bind import BoundMesh
 from meshcomm.dist.execute import ByteTrace, execute
 from meshcomm.errors import MeshMismatchError, ShapeError
 from meshcomm.sim import execute as sim_execute
-from meshcomm.testing import run_ranks
+from meshcomm.testing import random_layout, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = "ijk"
@@ -63,27 +63,6 @@ KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatte
 
 
 # -- the sample -------------------------------------------------------------------------
-def layout_text(rng: random.Random, mesh: mc.Mesh, ndim: int, ops: tuple[str, ...]) -> str:
-    """A random layout: each axis shards a dim (either side of its name), is partial, or not."""
-    dims: list[list[str]] = [[] for _ in range(ndim)]
-    partial = []
-    axes = list(mesh.axis_names)
-    rng.shuffle(axes)
-    for axis in axes:
-        where = rng.choice(["rep", "partial"] + [f"d{i}" for i in range(ndim)])
-        if where == "partial":
-            partial.append(axis)
-        elif where != "rep":
-            dims[int(where[1:])].append(axis)
-    parts = []
-    for i, group in enumerate(dims):
-        at = rng.randint(0, len(group)) if rng.random() < 0.5 else len(group)
-        factors = group[:at] + [NAMES[i]] + group[at:]
-        parts.append(f"({' '.join(factors)})" if group else NAMES[i])
-    text = " ".join(parts)
-    return text + (f" | {rng.choice(ops)}({', '.join(partial)})" if partial else "")
-
-
 def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...], str, str,
                                                            torch.dtype]]:
     """`n` transitions that fit their shapes, the same on every rank."""
@@ -91,9 +70,9 @@ def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...]
     while len(out) < n:
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice(SIZES) for _ in range(ndim))
-        src = layout_text(rng, mesh, ndim, OPS)
+        src = random_layout(rng, mesh, ndim, OPS, NAMES)
         op = mc.Layout(src).reduce_op
-        dst = layout_text(rng, mesh, ndim, (op,) if op else OPS)
+        dst = random_layout(rng, mesh, ndim, (op,) if op else OPS, NAMES)
         try:
             mc.Layout(src).placements(mesh, shape)
             mc.Layout(dst).placements(mesh, shape)
