@@ -1,16 +1,17 @@
-"""Lower bounds on the bytes any correct plan must receive, from index sets alone.
+"""Lower bounds on the bytes any correct plan must receive, from the layouts alone.
 
 This module never communicates and never looks at the planner's search: the
-bound depends only on which global elements each rank holds before and after.
+bound depends only on which global elements each rank holds before and after,
+counted from the layouts' blocks (`meshcomm.blocks`) without listing elements.
 For P ranks, rank r holding `have_r` before and `need_r` after:
 
 - No reduction to resolve, no pending reduction after: r must receive every
   element it needs and lacks: `LB_r = |need_r - have_r|`.
 - A new pending reduction after (`| sum(tp)`): in r's group G of g ranks over
-  the new pending axes, an element some member needs must
-  be received by one of them unless a member both holds and needs it, so G
-  receives at least that many elements and its busiest member a g-th of them:
-  `LB_r = ceil(|{e needed in G, kept by no member}| / g)`.
+  the new pending axes (every member needs the same block), an element the
+  group needs must be received by one of them unless a member both holds and
+  needs it, so G receives at least that many elements and its busiest member a
+  g-th of them: `LB_r = ceil(|need_G - (have_1 | ... | have_g)| / g)`.
 - A pending reduction over g > 1 ranks to resolve (the reduce-scatter bound):
   every element e needs at least g - 1 messages to combine its g partial
   values, plus one delivery to each of the n_e places that need it but did not
@@ -23,82 +24,74 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
 
 The first bound holds for every rank. The other two are shared out evenly,
 so they bound the busiest rank of the group (the max over ranks), which is
-what the modelled time of a collective depends on.
+what the modelled time of a collective depends on. Axes of size 1 take no
+part: a reduction over one rank is already resolved.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
-import torch
-
+from .blocks import block, coords_grid, in_mesh_order, numel, overlap, spread
 from .layout import Layout, Shape
-from .mesh import Mesh
-
-
-def _count(sets: list[set[int]]) -> int:
-    return math.prod(len(s) for s in sets)
-
-
-def _grid(index: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
-    if not index:
-        return ()
-    return torch.meshgrid(*[torch.tensor(ix, dtype=torch.long) for ix in index], indexing="ij")
+from .mesh import AxisName, Mesh
+from .states import State, from_layout, local_numels
 
 
 def lower_bound_elements(mesh: Mesh, shape: Shape, src: Layout, dst: Layout) -> tuple[int, ...]:
     """Per rank (mesh order), elements any correct plan must receive."""
-    resolve = [a for a in src.partial_axes if a not in dst.partial_axes]
+    shape = tuple(shape)
+    return state_bound(from_layout(src, mesh, shape), from_layout(dst, mesh, shape), mesh)
+
+
+def sharding_axes(state: State) -> frozenset[AxisName]:
+    return frozenset(a for dim in state.dims for a in dim.axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def state_bound(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
+    """`lower_bound_elements` between two planner states."""
+    resolve = [a for a in start.partial if a not in goal.partial]
     g = math.prod(mesh.axis_size(a) for a in resolve)
     if g > 1:
-        return _reduction(mesh, shape, dst, g)
-    new = [a for a in mesh.axis_names if a in dst.partial_axes and a not in src.partial_axes]
+        return _reduction(start, goal, mesh, g)
+    new = [a for a in goal.partial if a not in start.partial]
     if new:
-        return _partial_destination(mesh, shape, src, dst, new)
-    out = []
-    for rank in mesh.ranks:
-        have = [set(ix) for ix in src.indices(mesh, shape, rank)]
-        need = [set(ix) for ix in dst.indices(mesh, shape, rank)]
-        out.append(_count(need) - _count([h & n for h, n in zip(have, need)]))
-    return tuple(out)
+        return _partial_destination(start, goal, mesh, tuple(new))
+    return missing(start, goal, mesh)
 
 
-def _dst_groups(mesh: Mesh, dst: Layout) -> tuple[tuple[int, ...], ...]:
-    axes = [a for a in mesh.axis_names if a in dst.partial_axes]
-    return mesh.groups(*axes) if axes else tuple((r,) for r in mesh.ranks)
+def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
+    """Per rank, the elements it needs in `goal` and does not hold in `start`."""
+    axes = in_mesh_order(mesh, sharding_axes(start) | sharding_axes(goal))
+    values = []
+    for coords in coords_grid(mesh, axes):
+        need = block(goal, mesh, coords)
+        values.append(numel(need) - overlap(need, block(start, mesh, coords)))
+    return spread(mesh, axes, values)
 
 
-def _reduction(mesh: Mesh, shape: Shape, dst: Layout, g: int) -> tuple[int, ...]:
-    numel = math.prod(shape)
-    groups = _dst_groups(mesh, dst)
-    if all(len(group) == 1 for group in groups):
-        needers = sum(_count([set(ix) for ix in dst.indices(mesh, shape, r)]) for r in mesh.ranks)
-    else:
-        counts = torch.zeros(shape, dtype=torch.long)
-        for group in groups:
-            covered = torch.zeros(shape, dtype=torch.bool)
-            for rank in group:
-                covered[_grid(dst.indices(mesh, shape, rank))] = True
-            counts += covered.long()
-        needers = int(counts.sum())
-    total = numel * (g - 2) + needers
-    return (-(-total // mesh.size),) * mesh.size
+def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]:
+    total = math.prod(d.size for d in start.dims)
+    # Members of a pending group of the goal all need the same block: count it once.
+    groups = math.prod(mesh.axis_size(a) for a in goal.partial)
+    needers = sum(local_numels(goal, mesh)) // groups
+    return (-(-(total * (g - 2) + needers) // mesh.size),) * mesh.size
 
 
-def _partial_destination(mesh: Mesh, shape: Shape, src: Layout, dst: Layout,
-                         new: list[str]) -> tuple[int, ...]:
-    out = {}
-    for group in mesh.groups(*new):
-        needed = torch.zeros(shape, dtype=torch.bool)
-        kept = torch.zeros(shape, dtype=torch.bool)
-        for rank in group:
-            need = torch.zeros(shape, dtype=torch.bool)
-            need[_grid(dst.indices(mesh, shape, rank))] = True
-            have = torch.zeros(shape, dtype=torch.bool)
-            have[_grid(src.indices(mesh, shape, rank))] = True
-            needed |= need
-            kept |= need & have
-        lacking = int((needed & ~kept).sum())
-        for rank in group:
-            out[rank] = -(-lacking // len(group))
-    return tuple(out[r] for r in mesh.ranks)
+def _partial_destination(start: State, goal: State, mesh: Mesh,
+                         new: tuple[AxisName, ...]) -> tuple[int, ...]:
+    g = math.prod(mesh.axis_size(a) for a in new)
+    held = sharding_axes(start)
+    # Members differ only on the new axes; those that differ on an axis sharding `start`
+    # hold disjoint blocks, the others the same one.
+    classes = in_mesh_order(mesh, set(new) & held)
+    axes = in_mesh_order(mesh, (held | sharding_axes(goal)) - set(new))
+    values = []
+    for coords in coords_grid(mesh, axes):
+        need = block(goal, mesh, {**coords, **dict.fromkeys(new, 0)})
+        kept = sum(overlap(need, block(start, mesh, {**coords, **dict.fromkeys(new, 0), **c}))
+                   for c in coords_grid(mesh, classes))
+        values.append(-(-(numel(need) - kept) // g))
+    return spread(mesh, axes, values)

@@ -151,8 +151,9 @@ class Layout:
         return _indices(placed, tuple(sorted(mesh.coords(rank).items())))
 
     def local_shape(self, mesh: Mesh, shape: Shape, rank: int) -> Shape:
-        """Shape of the local tensor of `rank`."""
-        return tuple(len(ix) for ix in self.indices(mesh, shape, rank))
+        """Shape of the local tensor of `rank` (counted, never enumerated)."""
+        placed = self.placements(mesh, shape)
+        return _local_shape(placed, tuple(sorted(mesh.coords(rank).items())))
 
     def check_local(self, mesh: Mesh, shape: Shape, rank: int, local_shape: Shape,
                     argument: str = "local tensor") -> None:
@@ -285,6 +286,23 @@ def _indices(placed: tuple[DimPlacement, ...],
             out.append(tuple(range(start, start + length)))
             continue
         out.append(_even_indices(dim.parts, where))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_shape(placed: tuple[DimPlacement, ...],
+                 coords: tuple[tuple[str, int], ...]) -> Shape:
+    where = dict(coords)
+    out = []
+    for dim in placed:
+        if dim.uneven:
+            start, length = 0, dim.size
+            for part in dim.parts:
+                if part.axis:
+                    start, length = chunk_range(start, length, part.size, where[part.name])
+            out.append(length)
+        else:
+            out.append(math.prod(p.size for p in dim.parts if not p.axis))
     return tuple(out)
 
 

@@ -12,14 +12,16 @@ from torch import Tensor
 from . import p2p
 from .identity import identity_like
 from .layout import chunk_range
+from .mesh import Mesh
 from .plan import Step
 
 
 def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...],
-               rank: int) -> Tensor:
+               rank: int, mesh: Mesh, shape: tuple[int, ...]) -> Tensor:
     """A local step on one rank at group position `pos` of a group of `g` (shared with dist).
 
-    `out_shape` is the rank's local shape after the step (from the step's layout).
+    `out_shape` is the rank's local shape after the step (from the step's layout); `mesh`
+    and `shape` (the global shape) locate the blocks of a select or reindex.
     """
     if step.action == "slice":
         if step.dim is not None:
@@ -33,8 +35,9 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
     if step.action == "relabel":
         return x.clone()
     if step.action == "select":
-        return p2p.fill_reindexed(step.transfers, rank, x, x.new_empty(out_shape))
+        return p2p.fill_reindexed(p2p.step_transfers(step, mesh, shape, rank), rank, x,
+                                  x.new_empty(out_shape))
     if step.action == "reindex":
         out = identity_like(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
-        return p2p.fill_reindexed(step.transfers, rank, x, out)
+        return p2p.fill_reindexed(p2p.step_transfers(step, mesh, shape, rank), rank, x, out)
     raise AssertionError(f"unknown local action {step.action!r} in {step}")

@@ -24,16 +24,11 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from .layout import chunk_range
 from .mesh import AxisName, Mesh
 from .rearrange import Rearrange
 from .states import (DimState, Shard, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels,
                      to_layout)
-
-if TYPE_CHECKING:
-    from .plan import Transfer
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +44,7 @@ class Move:
     pre: Rearrange | None = None   # local rearrange before the collective
     post: Rearrange | None = None  # local rearrange after it
     pairs: tuple[tuple[int, int], ...] = ()
-    transfers: tuple[Transfer, ...] = ()  # plan.Transfer values of a send_recv move
+    indexed: bool = False          # driven by per-rank index blocks (send_recv, select, reindex)
     send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
     recv: tuple[int, ...] = ()
 

@@ -19,13 +19,16 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .blocks import block, coords_grid, dim_block, in_mesh_order, spread
+from .bounds import sharding_axes, state_bound
 from .identity import identity_like
-from .mesh import Mesh
+from .layout import Layout
+from .mesh import AxisName, Mesh
 from .moves import Move, block_indices
-from .states import State
+from .states import State, from_layout
 
 if TYPE_CHECKING:
-    from .plan import Transfer
+    from .plan import Step, Transfer
 
 Index = tuple[tuple[int, ...], ...]
 
@@ -140,32 +143,78 @@ def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Tra
     return Transfer(src, dst, positions(have[src]), positions(need[dst]))
 
 
+# -- send_recv and reindex on one mesh: planned from block counts -------------------------
+def _index(mesh: Mesh, shape: list[int], place: dict[AxisName, int],
+           axes: tuple[AxisName, ...]) -> Tensor:
+    """Flat index over `axes` coordinates, broadcast over a tensor whose dim `place[a]`
+    runs over axis a's coordinates."""
+    out = torch.zeros([1] * len(shape), dtype=torch.long)
+    stride = 1
+    for a in reversed(axes):
+        view = [1] * len(shape)
+        view[place[a]] = mesh.axis_size(a)
+        out = out + torch.arange(mesh.axis_size(a)).view(view) * stride
+        stride *= mesh.axis_size(a)
+    return out
+
+
+def _table(state: State, dst: State, d: int, mesh: Mesh) -> Tensor:
+    """|have ∩ need| of dim d for every (holder coords, needer coords) pair."""
+    have_axes = in_mesh_order(mesh, state.dims[d].axes)
+    need_axes = in_mesh_order(mesh, dst.dims[d].axes)
+    needs = [dim_block(dst.dims[d], mesh, c) for c in coords_grid(mesh, need_axes)]
+    return torch.tensor([[(dim_block(state.dims[d], mesh, c) & n).count() for n in needs]
+                         for c in coords_grid(mesh, have_axes)], dtype=torch.long)
+
+
+def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, the elements it sends and receives when every rank r gets each element it
+    needs and lacks from its twin: the holder that agrees with r on every axis that does
+    not shard `state` (so a step runs over the axes sharding `state` only).
+
+    Holders that differ on an axis sharding `state` hold disjoint blocks, so the twins of r
+    cover the tensor exactly once and r receives exactly what it lacks (the lower bound).
+    Counted from per-dim tables of block intersections, never from index lists.
+    """
+    held = in_mesh_order(mesh, sharding_axes(state))
+    axes = in_mesh_order(mesh, sharding_axes(state) | sharding_axes(dst))
+    # Dims of the pair tensor: sender coords on `axes`, then receiver coords on `held`
+    # (a receiver agrees with its sender everywhere else).
+    shape = [mesh.axis_size(a) for a in axes] + [mesh.axis_size(a) for a in held]
+    sender = {a: i for i, a in enumerate(axes)}
+    receiver = {**sender, **{a: len(axes) + i for i, a in enumerate(held)}}
+    pairs = torch.ones(shape, dtype=torch.long)
+    own = torch.ones([1] * len(shape), dtype=torch.long)
+    need = torch.ones([1] * len(shape), dtype=torch.long)
+    for d in range(len(state.dims)):
+        table = _table(state, dst, d, mesh)
+        have_axes = in_mesh_order(mesh, state.dims[d].axes)
+        need_axes = in_mesh_order(mesh, dst.dims[d].axes)
+        h = _index(mesh, shape, sender, have_axes)
+        pairs = pairs * table[h, _index(mesh, shape, receiver, need_axes)]
+        own = own * table[h, _index(mesh, shape, sender, need_axes)]
+        need = need * table.sum(0)[_index(mesh, shape, sender, need_axes)]
+    keep = tuple(range(len(axes), len(shape)))
+    send = (pairs.sum(keep) if keep else pairs) - own.reshape(own.shape[:len(axes)])
+    recv = need.reshape(need.shape[:len(axes)]) - own.reshape(own.shape[:len(axes)])
+    full = [mesh.axis_size(a) for a in axes]
+    send = send.expand(full).reshape(-1).tolist()
+    recv = recv.expand(full).reshape(-1).tolist()
+    return spread(mesh, axes, send), spread(mesh, axes, recv)
+
+
 @functools.lru_cache(maxsize=1024)
 def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
-    """One send_recv step from `state` straight to `dst`, or None where it does not apply."""
+    """One send_recv step from `state` straight to `dst` over the axes sharding `state`
+    (each rank receives exactly what it lacks, from its twin: `pair_traffic`), or a local
+    select when no rank lacks anything; None where it does not apply."""
     if state.partial != dst.partial or state.op != dst.op or state == dst:
         return None
-    have, need, atoms = _blocks(state, dst, mesh)
-
-    def same_group(s: int, r: int) -> bool:  # partial values stay at their reduction coords
-        cs, cr = mesh.coords(s), mesh.coords(r)
-        return all(cs[a] == cr[a] for a in state.partial)
-
-    found = assign(have, need, atoms, same_group)
-    if found is None:
-        return None
-    transfers = list(found)
-    transfers.sort(key=lambda t: (mesh.position(t.src), mesh.position(t.dst)))
-    send, recv = [0] * mesh.size, [0] * mesh.size
-    for t in transfers:
-        if t.src != t.dst:
-            send[mesh.position(t.src)] += t.numel
-            recv[mesh.position(t.dst)] += t.numel
-    if not any(send):  # every rank already holds what it needs: pick it out locally
-        return Move("local", (), dst, action="select", transfers=tuple(transfers),
-                    send=tuple(send), recv=tuple(recv))
-    return Move("send_recv", mesh.axis_names, dst, transfers=tuple(transfers),
-                send=tuple(send), recv=tuple(recv))
+    send, recv = pair_traffic(state, dst, mesh)
+    if not any(recv):
+        return Move("local", (), dst, action="select", indexed=True, send=send, recv=recv)
+    axes = in_mesh_order(mesh, sharding_axes(state))
+    return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -173,31 +222,62 @@ def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
     """A free local step straight to a pending reduction in `dst`: each rank keeps the part of
     its block that it needs, and the other elements hold the op's identity, or None.
 
-    For every element a destination reduction group needs, one member that holds and needs
-    it keeps it (the first in group order), so the reduction gives the element back exactly.
+    It applies when every element a destination reduction group needs is held by one of
+    its members (the lower bound is 0); of members holding the same block, the first in
+    group order keeps it, so the reduction gives every element back exactly once.
     """
     new = tuple(a for a in dst.partial if a not in state.partial)
     if not new or dst.op == "avg" or (state.partial and state.op != dst.op):
         return None
     if any(a not in dst.partial for a in state.partial) or state == dst:
         return None
-    have, need, atoms = _blocks(state, dst, mesh)
-    transfers = []
-    for group in mesh.groups(*new):
-        kept: set[tuple[tuple[int, ...], ...]] = set()
-        wanted: set[tuple[tuple[int, ...], ...]] = set()
-        for r in group:
-            for cell in _cells_of(need[r], atoms):
-                wanted.add(cell)
-                if cell in kept or not _holds(have[r], cell):
-                    continue
-                kept.add(cell)
-                transfers.append(_transfer(r, r, cell, have, need))
-        if wanted - kept:
-            return None
+    if any(state_bound(state, dst, mesh)):
+        return None
     zeros = (0,) * mesh.size
-    return Move("local", new, dst, action="reindex", op=dst.op, transfers=tuple(transfers),
+    return Move("local", new, dst, action="reindex", op=dst.op, indexed=True,
                 send=zeros, recv=zeros)
+
+
+# -- a rank's own blocks, at execution time -----------------------------------------------
+def step_transfers(step: Step, mesh: Mesh, shape: tuple[int, ...],
+                   rank: int) -> tuple[Transfer, ...]:
+    """The transfers of `step` that `rank` sends or receives (a send_recv), or keeps (a
+    select or reindex). Between two meshes they are the plan's; on one mesh they are
+    computed here, for this rank only, from the step's layouts, and cached."""
+    if step.transfers or step.dst_mesh is not None:
+        return step.transfers
+    return _rank_transfers(step.kind, step.action, step.before, step.after, mesh, shape, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_transfers(kind: str, action: str, before: Layout, after: Layout, mesh: Mesh,
+                    shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
+    state, dst = from_layout(before, mesh, shape), from_layout(after, mesh, shape)
+    coords = mesh.coords(rank)
+    if action == "reindex":
+        new = [a for a in dst.partial if a not in state.partial]
+        first = all(coords[a] == 0 for a in new if a not in sharding_axes(state))
+        return (_cell(rank, rank, state, dst, mesh),) if first else ()
+    if kind != "send_recv":   # select: every rank holds what it needs
+        return (_cell(rank, rank, state, dst, mesh),)
+    group = next(g for g in mesh.groups(*in_mesh_order(mesh, sharding_axes(state))) if rank in g)
+    out = [_cell(rank, r, state, dst, mesh) for r in group]
+    out += [_cell(s, rank, state, dst, mesh) for s in group if s != rank]
+    return tuple(t for t in out if t.numel)
+
+
+def _cell(src: int, dst_rank: int, state: State, dst: State, mesh: Mesh) -> Transfer:
+    """The block `src` holds in `state` that `dst_rank` needs in `dst`, at local positions."""
+    from .plan import Transfer
+
+    have = block(state, mesh, mesh.coords(src))
+    need = block(dst, mesh, mesh.coords(dst_rank))
+    src_pos, dst_pos = [], []
+    for h, n in zip(have, need):
+        common = (h & n).indices()
+        src_pos.append(tuple(torch.searchsorted(h.indices(), common).tolist()))
+        dst_pos.append(tuple(torch.searchsorted(n.indices(), common).tolist()))
+    return Transfer(src, dst_rank, tuple(src_pos), tuple(dst_pos))
 
 
 def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Tensor) -> Tensor:
@@ -236,7 +316,7 @@ def pack(transfers: Iterable[Transfer], mesh: Order, rank: int,
     where = _positions(mesh)
     splits = [0] * len(where)
     parts = []
-    for t in transfers:
+    for t in sorted(transfers, key=lambda t: where[t.dst] if t.src == rank else -1):
         if t.src == rank:
             parts.append(x[_grid(t.src_index)].reshape(-1) if t.src_index else x.reshape(-1))
             splits[where[t.dst]] += t.numel
@@ -263,7 +343,8 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
     out = flat.new_empty(out_shape) if fill_op is None else identity_like(
         flat.new_empty(out_shape), fill_op)
     offset = 0
-    for t in transfers:
+    where = _positions(mesh)
+    for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1):
         if t.dst == rank:
             block = flat[offset:offset + t.numel]
             if t.dst_index:

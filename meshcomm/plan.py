@@ -345,7 +345,7 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
     time = 0.0 if move.kind == "local" else cost_model.time(
         move.axes, max(max(send), max(recv)))
     return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
-                move.post, move.pairs, move.transfers, send, recv, time, peak)
+                move.post, move.pairs, (), send, recv, time, peak)
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
@@ -404,7 +404,7 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
         time = cost_model.time(move.axes, busiest)
     # Last tie-break: fewer steps driven by index lists (send_recv, select, reindex).
     return (round(key[0] + time, 15), max(key[1], live), key[2] + 1,
-            key[3] + bool(move.transfers))
+            key[3] + move.indexed)
 
 
 def _dominates(a: Key, b: Key) -> bool:

@@ -110,22 +110,33 @@ def as_chunks(dim: DimState) -> tuple[AxisName, ...] | None:
 
 
 def _dim_from_placement(p: DimPlacement, mesh: Mesh) -> DimState:
+    # A size-1 axis shards nothing: it is left out, so that states stay canonical.
     if p.uneven or p.size == 0:
-        return chunk_dim(p.size, p.axes, mesh)
+        return chunk_dim(p.size, tuple(a for a in p.axes if mesh.axis_size(a) > 1), mesh)
     shards = []
     stride = 1
     for part in reversed(p.parts):
-        if part.axis:
+        if part.axis and part.size > 1:
             shards.append((stride, stride * part.size, part.name))
         stride *= part.size
     return even_dim(p.size, tuple(shards))
 
 
 def from_layout(layout: Layout, mesh: Mesh, shape: Shape) -> State:
-    """The planner state of `layout` (validates it on `mesh` and `shape`)."""
+    """The planner state of `layout` (validates it on `mesh` and `shape`).
+
+    Axes of size 1 are left out: sharding over one rank keeps everything, and a pending
+    reduction over one rank is already its result, so no step ever runs over them.
+    """
+    return _from_layout(layout, mesh, tuple(shape))
+
+
+@functools.lru_cache(maxsize=8192)
+def _from_layout(layout: Layout, mesh: Mesh, shape: Shape) -> State:
     dims = tuple(_dim_from_placement(p, mesh) for p in layout.placements(mesh, shape))
-    partial = tuple(a for a in mesh.axis_names if a in layout.partial_axes)
-    return State(dims, partial, layout.reduce_op)
+    partial = tuple(a for a in mesh.axis_names
+                    if a in layout.partial_axes and mesh.axis_size(a) > 1)
+    return State(dims, partial, layout.reduce_op if partial else None)
 
 
 def to_layout(state: State, names: tuple[str, ...], mesh: Mesh) -> Layout:

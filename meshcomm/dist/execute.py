@@ -169,7 +169,7 @@ def _local(step: Step, x: Tensor, run: _Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
     members, pos = group_of(mesh, rank, step.axes)
     return local_move(step, x, pos, len(members), step.after.local_shape(mesh, run.shape, rank),
-                      rank)
+                      rank, mesh, run.shape)
 
 
 def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
@@ -262,13 +262,14 @@ def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
 
 def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
-    flat, splits = p2p.pack(step.transfers, mesh, rank, x)
-    wanted = p2p.recv_splits(step.transfers, mesh, rank)
-    me = mesh.position(rank)
-    y = _a2a(flat.contiguous(), run.bound.group_name(mesh.axis_names), out_splits=wanted,
-             in_splits=splits)
+    transfers = p2p.step_transfers(step, mesh, run.shape, rank)
+    name, _, me = run.group(step)
+    members = run.members(step)
+    flat, splits = p2p.pack(transfers, members, rank, x)
+    wanted = p2p.recv_splits(transfers, members, rank)
+    y = _a2a(flat.contiguous(), name, out_splits=wanted, in_splits=splits)
     run.record(step, sum(splits) - splits[me], sum(wanted) - wanted[me], x.element_size())
-    return p2p.unpack(step.transfers, mesh, rank, y, step.after.local_shape(mesh, run.shape, rank))
+    return p2p.unpack(transfers, members, rank, y, step.after.local_shape(mesh, run.shape, rank))
 
 
 _RUN: dict[str, Callable[[Step, Tensor, _Run], Tensor]] = {

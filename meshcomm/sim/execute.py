@@ -86,7 +86,8 @@ def _local(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> 
     g = _size(mesh, step)
     for rank, x in zip(mesh.ranks, xs):
         pos = mesh.group_index(rank, *step.axes)[1]
-        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank))
+        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank,
+                               mesh, shape))
     return SimResult.noop(outs)
 
 
@@ -134,11 +135,12 @@ _RUN: dict[str, Callable[[Step, Mesh, list[Tensor]], SimResult]] = {
 
 
 def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
-    packed = [p2p.pack(step.transfers, mesh, r, x) for r, x in zip(mesh.ranks, xs)]
+    transfers = [p2p.step_transfers(step, mesh, shape, r) for r in mesh.ranks]
+    packed = [p2p.pack(ts, mesh, r, x) for r, ts, x in zip(mesh.ranks, transfers, xs)]
     group = (tuple(range(mesh.size)),)
     res = coll.all_to_all([p[0] for p in packed], group, input_splits=[p[1] for p in packed])
-    outs = [p2p.unpack(step.transfers, mesh, r, flat, step.after.local_shape(mesh, shape, r))
-            for r, flat in zip(mesh.ranks, res.outputs)]
+    outs = [p2p.unpack(ts, mesh, r, flat, step.after.local_shape(mesh, shape, r))
+            for r, ts, flat in zip(mesh.ranks, transfers, res.outputs)]
     return _with(res, outs)
 
 
