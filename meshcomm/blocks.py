@@ -44,6 +44,11 @@ class DimBlock:
         return DimBlock(self.size, max(self.start, other.start), min(self.stop, other.stop),
                         tuple(sorted(set(self.digits + other.digits), reverse=True)))
 
+    def key(self) -> tuple[int, ...]:
+        """A canonical form: equal for blocks that hold the same indices (where the stride
+        points chain; other blocks compare by their digits as written)."""
+        return _key(self)
+
     def count(self) -> int:
         """How many indices the block holds."""
         return _count(self)
@@ -127,6 +132,23 @@ def _below(radix: Radix, x: int) -> int:
 
 
 @functools.lru_cache(maxsize=65536)
+def _key(b: DimBlock) -> tuple[int, ...]:
+    radix = _radix(b.size, b.digits)
+    if radix is None or radix == _CONTRADICTION or b.stop <= b.start:
+        return (b.size, b.start, b.stop, *itertools.chain.from_iterable(b.digits))
+    merged: list[list[int]] = []   # runs of fixed digits as one (unit, base, value)
+    for unit, base, fixed in radix:
+        if fixed is None:
+            continue
+        if merged and merged[-1][0] == unit * base:
+            last = merged[-1]
+            last[0], last[1], last[2] = unit, last[1] * base, last[2] * base + fixed
+        else:
+            merged.append([unit, base, fixed])
+    return (b.size, b.start, b.stop, *itertools.chain.from_iterable(merged))
+
+
+@functools.lru_cache(maxsize=65536)
 def _count(b: DimBlock) -> int:
     if b.stop <= b.start or b.size == 0:
         return 0
@@ -157,26 +179,80 @@ def _indices(b: DimBlock) -> Tensor:
     return idx[(idx >= b.start) & (idx < b.stop)]
 
 
+# -- every pair of blocks of two dims at once ------------------------------------------
+def pair_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
+    """|block of `a` at x ∩ block of `b` at y| for every coordinate combination x of the
+    axes sharding `a` (rows, `coords_grid` order) and y of those sharding `b` (columns).
+
+    Even dims whose stride points chain are counted digit by digit for all pairs at once
+    (tensors of rows x columns x digits); other dims pair their blocks one by one.
+    """
+    a_axes, b_axes = in_mesh_order(mesh, a.axes), in_mesh_order(mesh, b.axes)
+    points = sorted(set(a.bounds()) | set(b.bounds()))
+    if a.chunks or b.chunks or a.size == 0 or any(y % x for x, y in zip(points, points[1:])):
+        cols = [dim_block(b, mesh, c) for c in coords_grid(mesh, b_axes)]
+        return torch.tensor([[(dim_block(a, mesh, c) & n).count() for n in cols]
+                             for c in coords_grid(mesh, a_axes)], dtype=torch.long)
+    digits = list(reversed(list(zip(points, points[1:]))))   # (unit, unit * base), major first
+    fa, fb = _fixed(a, a_axes, digits, mesh), _fixed(b, b_axes, digits, mesh)
+    bases = torch.tensor([hi // lo for lo, hi in digits], dtype=torch.long)
+    x, y = fa[:, None, :], fb[None, :, :]
+    agree = torch.where((x < 0) & (y < 0), bases, ((x < 0) | (y < 0) | (x == y)).long())
+    return agree.prod(-1) if digits else torch.ones(len(fa), len(fb), dtype=torch.long)
+
+
+def _fixed(dim: DimState, axes: tuple[AxisName, ...], digits: list[tuple[int, int]],
+           mesh: Mesh) -> Tensor:
+    """Per coordinate combination of `axes` and per elementary digit, the value the block
+    fixes there, or -1 where the digit is free."""
+    grid = combos(mesh, axes)
+    out = torch.full((grid.shape[0], len(digits)), -1, dtype=torch.long)
+    for lo, hi, axis in dim.shards:
+        coord = grid[:, axes.index(axis)]
+        for k, (unit, top) in enumerate(digits):
+            if lo <= unit and top <= hi:
+                out[:, k] = (coord // (unit // lo)) % (top // unit)
+    return out
+
+
+def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
+    """Per rank (mesh order), elements of its `dst` block that it holds in `state`, and
+    the size of its `dst` block."""
+    coords = coords_table(mesh)
+    own = torch.ones(mesh.size, dtype=torch.long)
+    need = torch.ones(mesh.size, dtype=torch.long)
+    for a, b in zip(state.dims, dst.dims):
+        table = pair_counts(a, b, mesh)
+        n = flat_index(coords, mesh, in_mesh_order(mesh, b.axes))
+        own = own * table[flat_index(coords, mesh, in_mesh_order(mesh, a.axes)), n]
+        need = need * table.sum(0)[n]
+    return own, need
+
+
 # -- per-rank values over the axes that matter ------------------------------------------
+def combos(mesh: Mesh, axes: tuple[AxisName, ...]) -> Tensor:
+    """Every combination of coordinates on `axes` as rows of a tensor (`coords_grid` order)."""
+    if not axes:
+        return torch.zeros(1, 0, dtype=torch.long)
+    sizes = [mesh.axis_size(a) for a in axes]
+    return torch.stack([g.reshape(-1) for g in torch.meshgrid(
+        *(torch.arange(n) for n in sizes), indexing="ij")], 1)
+
+
 def coords_grid(mesh: Mesh, axes: tuple[AxisName, ...]) -> Iterator[dict[AxisName, int]]:
     """Every combination of coordinates on `axes` (mesh order, last fastest)."""
     for values in itertools.product(*(range(mesh.axis_size(a)) for a in axes)):
         yield dict(zip(axes, values))
 
 
-@functools.lru_cache(maxsize=256)
 def grid_positions(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
     """For each rank in mesh order, its index in `coords_grid(mesh, axes)`."""
-    names, sizes = mesh.axis_names, mesh.shape
-    index = torch.zeros(sizes, dtype=torch.long)
-    stride = 1
-    for a in reversed(axes):
-        k = names.index(a)
-        view = [1] * len(sizes)
-        view[k] = sizes[k]
-        index = index + torch.arange(sizes[k]).view(view) * stride
-        stride *= sizes[k]
-    return tuple(index.reshape(-1).tolist())
+    return _grid_positions(mesh, tuple(axes))
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_positions(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
+    return tuple(flat_index(coords_table(mesh), mesh, axes).tolist())
 
 
 def spread(mesh: Mesh, axes: tuple[AxisName, ...], values: list[int]) -> tuple[int, ...]:
@@ -190,3 +266,28 @@ def in_mesh_order(mesh: Mesh, axes: object) -> tuple[AxisName, ...]:
     """The mesh axes among `axes`, in mesh order."""
     wanted = set(axes)  # type: ignore[call-overload]
     return tuple(a for a in mesh.axis_names if a in wanted)
+
+
+@functools.lru_cache(maxsize=1024)
+def group_positions(mesh: Mesh, axes: tuple[AxisName, ...]) -> torch.Tensor:
+    """Each rank's position in its group over `axes`, as a tensor of the mesh's shape."""
+    out = torch.zeros(mesh.shape, dtype=torch.long)
+    for a in axes:
+        view = [1] * len(mesh.shape)
+        view[mesh.axis_names.index(a)] = mesh.axis_size(a)
+        out = out * mesh.axis_size(a) + torch.arange(mesh.axis_size(a)).view(view)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def coords_table(mesh: Mesh) -> torch.Tensor:
+    """Every rank's coordinates, [ranks, axes] in mesh order."""
+    return torch.stack([group_positions(mesh, (a,)).reshape(-1) for a in mesh.axis_names], 1)
+
+
+def flat_index(coords: torch.Tensor, mesh: Mesh, axes: tuple[AxisName, ...]) -> torch.Tensor:
+    """Row-major index of each row of `coords` over `axes`."""
+    out = torch.zeros(coords.shape[0], dtype=torch.long)
+    for a in axes:
+        out = out * mesh.axis_size(a) + coords[:, mesh.axis_names.index(a)]
+    return out

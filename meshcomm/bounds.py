@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 
-from .blocks import block, coords_grid, in_mesh_order, numel, overlap, spread
+from .blocks import block, coords_grid, in_mesh_order, numel, overlap, own_and_need, spread
 from .layout import Layout, Shape
 from .mesh import AxisName, Mesh
 from .states import State, from_layout, local_numels
@@ -64,12 +64,8 @@ def state_bound(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
 
 def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     """Per rank, the elements it needs in `goal` and does not hold in `start`."""
-    axes = in_mesh_order(mesh, sharding_axes(start) | sharding_axes(goal))
-    values = []
-    for coords in coords_grid(mesh, axes):
-        need = block(goal, mesh, coords)
-        values.append(numel(need) - overlap(need, block(start, mesh, coords)))
-    return spread(mesh, axes, values)
+    own, need = own_and_need(start, goal, mesh)
+    return tuple((need - own).tolist())
 
 
 def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]:

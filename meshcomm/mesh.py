@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from .errors import MeshAxisError, ShapeError, caret
 
 AxisName = str
@@ -54,7 +56,7 @@ class Mesh:
     ((0, 1, 2, 3), (4, 5, 6, 7))
     """
 
-    __slots__ = ("_names", "_sizes", "_ranks", "_hash")
+    __slots__ = ("_names", "_sizes", "_ranks", "_where", "_hash")
 
     def __init__(
         self, spec: str | Mapping[str, int] | None = None, /, *, ranks: Any = None, **sizes: int
@@ -92,6 +94,7 @@ class Mesh:
         self._names = names
         self._sizes = tuple(size for _, size in items)
         self._ranks = self._rank_grid(ranks)
+        self._where = {r: i for i, r in enumerate(self._ranks)}
         self._hash = hash((self._names, self._sizes, self._ranks))
 
     def _rank_grid(self, ranks: Any) -> tuple[int, ...]:
@@ -206,7 +209,7 @@ class Mesh:
 
     def position(self, rank: int) -> int:
         """Index of global `rank` in row-major mesh order."""
-        pos = _positions(self._ranks).get(rank)
+        pos = self._where.get(rank)
         if pos is None:
             raise ShapeError(f"rank {rank} is not in {self!r} (its ranks are {list(self._ranks)})")
         return pos
@@ -272,33 +275,13 @@ def _unravel(pos: int, sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-@functools.lru_cache(maxsize=256)
-def _positions(ranks: tuple[int, ...]) -> dict[int, int]:
-    return {r: i for i, r in enumerate(ranks)}
-
-
 @functools.lru_cache(maxsize=1024)
 def _groups(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[tuple[int, ...], ...]:
     idx = [mesh._axis_index(a) for a in axes]
     if len(set(idx)) != len(idx):
         raise MeshAxisError(f"axes {list(axes)} name an axis twice")
-    names = mesh.axis_names
-    rest = [i for i in range(len(names)) if i not in idx]
-    sizes = mesh.shape
-    out = []
-    for outer in range(math.prod(sizes[i] for i in rest)):
-        oc = _unravel(outer, [sizes[i] for i in rest])
-        group = []
-        for inner in range(math.prod(sizes[i] for i in idx)):
-            ic = _unravel(inner, [sizes[i] for i in idx])
-            coord = [0] * len(sizes)
-            for i, c in zip(rest, oc):
-                coord[i] = c
-            for i, c in zip(idx, ic):
-                coord[i] = c
-            pos = 0
-            for c, s in zip(coord, sizes):
-                pos = pos * s + c
-            group.append(mesh.ranks[pos])
-        out.append(tuple(group))
-    return tuple(out)
+    rest = [i for i in range(len(mesh.shape)) if i not in idx]
+    grid = torch.arange(mesh.size).reshape(mesh.shape).permute(rest + idx)
+    ranks = mesh.ranks
+    return tuple(tuple(ranks[p] for p in row)
+                 for row in grid.reshape(-1, math.prod(mesh.shape[i] for i in idx)).tolist())

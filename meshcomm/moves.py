@@ -20,11 +20,15 @@ algorithm each collective is modelled with:
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from .layout import chunk_range
+
+import torch
+
+from .blocks import coords_table, flat_index, group_positions, in_mesh_order, pair_counts
 from .mesh import AxisName, Mesh
 from .rearrange import Rearrange
 from .states import (DimState, Shard, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels,
@@ -139,31 +143,34 @@ def _fits(dim: DimState, shard: Shard) -> bool:
     return is_chain(tuple(sorted(set(dim.bounds()) | {lo, hi})))
 
 
-def _group_pos(mesh: Mesh, rank: int, axes: tuple[AxisName, ...]) -> int:
-    coords = mesh.coords(rank)
-    pos = 0
-    for a in axes:
-        pos = pos * mesh.axis_size(a) + coords[a]
-    return pos
-
-
 def _group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
     return math.prod(mesh.axis_size(a) for a in axes)
 
 
 # -- traffic ---------------------------------------------------------------------------
+# Per-rank values are tuples in mesh order; where ranks differ (uneven shards) the
+# arithmetic runs on tensors of the mesh's shape, so it costs O(ranks) in C, not Python.
+def _uniform(sizes: tuple[int, ...]) -> bool:
+    return sizes.count(sizes[0]) == len(sizes)
+
+
+def _on_mesh(mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.long).reshape(mesh.shape)
+
+
+def _axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
+    return tuple(mesh.axis_names.index(a) for a in axes)
+
+
 def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                     sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    send: list[tuple[int, int]] = []
-    recv: list[tuple[int, int]] = []
     g = _group_size(mesh, axes)
-    for group in mesh.groups(*axes):
-        total = sum(sizes[mesh.position(r)] for r in group)
-        for r in group:
-            mine = sizes[mesh.position(r)]
-            send.append((mesh.position(r), (g - 1) * mine))
-            recv.append((mesh.position(r), total - mine))
-    return _ordered(send, mesh.size), _ordered(recv, mesh.size)
+    if _uniform(sizes):
+        return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
+    mine = _on_mesh(mesh, sizes)
+    total = mine.sum(_axis_dims(mesh, axes), keepdim=True)
+    return (tuple(((g - 1) * mine).reshape(-1).tolist()),
+            tuple((total - mine).reshape(-1).tolist()))
 
 
 def _scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
@@ -177,19 +184,15 @@ def _scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...
 def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = _group_size(mesh, axes)
-    out: list[int] = []
-    for r in mesh.ranks:
-        total = sizes[mesh.position(r)]
-        _, c = chunk_range(0, total, g, _group_pos(mesh, r, axes))
-        out.append((total - c) + (g - 1) * c)
-    return tuple(out), tuple(out)
-
-
-def _ordered(pairs: list[tuple[int, int]], n: int) -> tuple[int, ...]:
-    out = [0] * n
-    for pos, v in pairs:
-        out[pos] = v
-    return tuple(out)
+    if _uniform(sizes) and sizes[0] % g == 0:
+        c = sizes[0] // g
+        return ((sizes[0] - c) + (g - 1) * c,) * mesh.size, ((sizes[0] - c) + (g - 1) * c,) * mesh.size
+    total = _on_mesh(mesh, sizes)
+    pos = group_positions(mesh, axes)
+    step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`
+    c = torch.clamp(torch.minimum((pos + 1) * step, total) - torch.minimum(pos * step, total), min=0)
+    out = tuple(((total - c) + (g - 1) * c).reshape(-1).tolist())
+    return out, out
 
 
 # -- move generators --------------------------------------------------------------
@@ -317,7 +320,7 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """collective_permute swapping the factors of two equal axes (or handing one to a replicated axis)."""
     sizes = local_numels(state, mesh)
     placed = [(d, s) for d, dim in enumerate(state.dims) for s in dim.shards]
-    free = [a for a in mesh.axis_names if a not in state.used_axes()]
+    free = [a for a in mesh.axis_names if a not in state.used_axes() and mesh.axis_size(a) > 1]
     # Partners: each placed shard's (dim, axis), then each free axis with no dim.
     partners: list[tuple[int | None, AxisName]] = [(d, s[2]) for d, s in placed]
     partners += [(None, a) for a in free]
@@ -336,14 +339,15 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             continue
         g = mesh.axis_size(a)
         pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
-        moving = tuple(0 if _diag(mesh, r, a, b) else sizes[mesh.position(r)] for r in mesh.ranks)
+        moving = _off_diagonal(mesh, sizes, a, b)
         axes = tuple(x for x in mesh.axis_names if x in (a, b))  # symmetric pairs: any order
         yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
 
 
-def _diag(mesh: Mesh, rank: int, a: AxisName, b: AxisName) -> bool:
-    coords = mesh.coords(rank)
-    return coords[a] == coords[b]
+def _off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -> tuple[int, ...]:
+    """`sizes`, zero at ranks whose coordinates on `a` and `b` agree (they keep their block)."""
+    ca, cb = group_positions(mesh, (a,)), group_positions(mesh, (b,))
+    return tuple(torch.where(ca == cb, 0, _on_mesh(mesh, sizes)).reshape(-1).tolist())
 
 
 def _drop_partial(state: State, axes: tuple[AxisName, ...]) -> tuple[tuple[AxisName, ...], str | None]:
@@ -409,44 +413,73 @@ def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
 
 def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """One collective_permute straight to `dst` when every rank's destination block is
-    exactly some other rank's current block (e.g. shard orders of unequal axes)."""
-    if state.partial != dst.partial or state == dst:
+    exactly the current block of the rank that agrees with it on every axis not sharding
+    `state` (e.g. shard orders of unequal axes). Pending partial values thus stay at
+    their reduction coordinates."""
+    if state.partial != dst.partial or state == dst or not _same_block_shape(state, dst, mesh):
         return
-    have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
-    owners: dict[object, list[int]] = {}
-    for r in mesh.ranks:
-        owners.setdefault(have[r], []).append(r)
-    source: dict[int, int] = {}
-    for r in mesh.ranks:
-        want = block_indices(dst, mesh, r)
-        # Pending partial values only move between ranks at the same reduction coordinates.
-        free = [s for s in owners.get(want, []) if s not in source.values()
-                and all(mesh.coords(s)[a] == mesh.coords(r)[a] for a in state.partial)]
-        if not free:
-            return
-        source[r] = r if r in free else free[0]
-    axes = tuple(a for a in mesh.axis_names
-                 if any(mesh.coords(r)[a] != mesh.coords(s)[a] for r, s in source.items()))
+    source = _block_sources(state, dst, mesh)
+    if source is None:
+        return
+    coords = coords_table(mesh)
+    moved = (coords[source] != coords).any(0).tolist()
+    axes = tuple(a for a, m in zip(mesh.axis_names, moved) if m)
+    zeros = (0,) * mesh.size
     if not axes:  # every rank already holds its block: only the description changes
-        zeros = (0,) * mesh.size
         yield Move("local", (), dst, action="relabel", send=zeros, recv=zeros)
         return
-    pairs = None
-    for group in mesh.groups(*axes):
-        pos = {rank: i for i, rank in enumerate(group)}
-        these = tuple(sorted((pos[source[r]], pos[r]) for r in group if source[r] in pos))
-        if len(these) != len(group) or (pairs is not None and these != pairs):
-            return
-        pairs = these
+    pos = group_positions(mesh, axes).reshape(-1)
+    g = _group_size(mesh, axes)
+    rest = [k for k, a in enumerate(mesh.axis_names) if a not in axes]
+    dims = rest + [mesh.axis_names.index(a) for a in axes]
+    # Source position of each destination position, one row per group (group order).
+    by_group = pos[source].reshape(mesh.shape).permute(dims).reshape(-1, g)
+    if not bool((by_group == by_group[0]).all()):
+        return
+    pairs = tuple(sorted(zip(by_group[0].tolist(), range(g))))
     sizes = local_numels(state, mesh)
-    sent = {s for r, s in source.items() if s != r}
-    recv = tuple(0 if source[r] == r else sizes[mesh.position(source[r])] for r in mesh.ranks)
-    send = tuple(sizes[mesh.position(r)] if r in sent else 0 for r in mesh.ranks)
-    yield Move("collective_permute", axes, dst, pairs=pairs or (), send=send, recv=recv)
+    kept = (source == torch.arange(mesh.size)).tolist()
+    recv = tuple(0 if k else sizes[s] for k, s in zip(kept, source.tolist()))
+    send = tuple(0 if k else n for k, n in zip(kept, sizes))   # a permutation: senders = receivers
+    yield Move("collective_permute", axes, dst, pairs=pairs, send=send, recv=recv)
+
+
+def _same_block_shape(state: State, dst: State, mesh: Mesh) -> bool:
+    """Cheap necessary condition for a block permute: each dim is cut into as many blocks."""
+    for a, b in zip(state.dims, dst.dims):
+        if bool(a.chunks) != bool(b.chunks) or a.size == 0:
+            return False
+        if _group_size(mesh, a.axes) != _group_size(mesh, b.axes):
+            return False
+    return True
+
+
+def _block_sources(state: State, dst: State, mesh: Mesh) -> torch.Tensor | None:
+    """For each rank (mesh position), the position of the rank holding in `state` exactly
+    the block it needs in `dst` and agreeing with it on every axis not sharding `state`;
+    None unless that is a permutation of the ranks."""
+    coords = coords_table(mesh)
+    source = coords.clone()
+    for a, b in zip(state.dims, dst.dims):
+        table = pair_counts(a, b, mesh)
+        have, need = table.sum(1), table.sum(0)
+        same = (table == have[:, None]) & (table == need[None, :]) & (need[None, :] > 0)
+        if not bool(same.any(0).all()):
+            return None
+        match = same.long().argmax(0)              # the have block equal to each need block
+        h = match[flat_index(coords, mesh, in_mesh_order(mesh, b.axes))]
+        for axis in reversed(in_mesh_order(mesh, a.axes)):
+            k, n = mesh.axis_names.index(axis), mesh.axis_size(axis)
+            source[:, k] = h % n
+            h = h // n
+    flat = flat_index(source, mesh, mesh.axis_names)
+    if len(set(flat.tolist())) != mesh.size:
+        return None
+    return flat
 
 
 def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...], ...]:
-    """Per dim, the global indices `rank` holds in `state`, in local order."""
+    """Per dim, the global indices `rank` holds in `state`, in local order (cross-mesh)."""
     names = tuple(f"d{i}" for i in range(len(state.dims)))
     layout = to_layout(state, names, mesh)
     shape = tuple(d.size for d in state.dims)

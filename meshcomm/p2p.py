@@ -12,6 +12,7 @@ order.
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .blocks import block, coords_grid, dim_block, in_mesh_order, spread
+from .blocks import block, combos, coords_table, flat_index, in_mesh_order, own_and_need, pair_counts
 from .bounds import sharding_axes, state_bound
 from .identity import identity_like
 from .layout import Layout
@@ -144,29 +145,6 @@ def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Tra
 
 
 # -- send_recv and reindex on one mesh: planned from block counts -------------------------
-def _index(mesh: Mesh, shape: list[int], place: dict[AxisName, int],
-           axes: tuple[AxisName, ...]) -> Tensor:
-    """Flat index over `axes` coordinates, broadcast over a tensor whose dim `place[a]`
-    runs over axis a's coordinates."""
-    out = torch.zeros([1] * len(shape), dtype=torch.long)
-    stride = 1
-    for a in reversed(axes):
-        view = [1] * len(shape)
-        view[place[a]] = mesh.axis_size(a)
-        out = out + torch.arange(mesh.axis_size(a)).view(view) * stride
-        stride *= mesh.axis_size(a)
-    return out
-
-
-def _table(state: State, dst: State, d: int, mesh: Mesh) -> Tensor:
-    """|have ∩ need| of dim d for every (holder coords, needer coords) pair."""
-    have_axes = in_mesh_order(mesh, state.dims[d].axes)
-    need_axes = in_mesh_order(mesh, dst.dims[d].axes)
-    needs = [dim_block(dst.dims[d], mesh, c) for c in coords_grid(mesh, need_axes)]
-    return torch.tensor([[(dim_block(state.dims[d], mesh, c) & n).count() for n in needs]
-                         for c in coords_grid(mesh, have_axes)], dtype=torch.long)
-
-
 def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Per rank, the elements it sends and receives when every rank r gets each element it
     needs and lacks from its twin: the holder that agrees with r on every axis that does
@@ -174,33 +152,27 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
 
     Holders that differ on an axis sharding `state` hold disjoint blocks, so the twins of r
     cover the tensor exactly once and r receives exactly what it lacks (the lower bound).
-    Counted from per-dim tables of block intersections, never from index lists.
+    A sender s sends each twin r of its group what r needs of s's block: a sum over the
+    group of products of per-dim intersection tables, counted for all ranks at once.
     """
+    own, need = own_and_need(state, dst, mesh)
     held = in_mesh_order(mesh, sharding_axes(state))
-    axes = in_mesh_order(mesh, sharding_axes(state) | sharding_axes(dst))
-    # Dims of the pair tensor: sender coords on `axes`, then receiver coords on `held`
-    # (a receiver agrees with its sender everywhere else).
-    shape = [mesh.axis_size(a) for a in axes] + [mesh.axis_size(a) for a in held]
-    sender = {a: i for i, a in enumerate(axes)}
-    receiver = {**sender, **{a: len(axes) + i for i, a in enumerate(held)}}
-    pairs = torch.ones(shape, dtype=torch.long)
-    own = torch.ones([1] * len(shape), dtype=torch.long)
-    need = torch.ones([1] * len(shape), dtype=torch.long)
-    for d in range(len(state.dims)):
-        table = _table(state, dst, d, mesh)
-        have_axes = in_mesh_order(mesh, state.dims[d].axes)
-        need_axes = in_mesh_order(mesh, dst.dims[d].axes)
-        h = _index(mesh, shape, sender, have_axes)
-        pairs = pairs * table[h, _index(mesh, shape, receiver, need_axes)]
-        own = own * table[h, _index(mesh, shape, sender, need_axes)]
-        need = need * table.sum(0)[_index(mesh, shape, sender, need_axes)]
-    keep = tuple(range(len(axes), len(shape)))
-    send = (pairs.sum(keep) if keep else pairs) - own.reshape(own.shape[:len(axes)])
-    recv = need.reshape(need.shape[:len(axes)]) - own.reshape(own.shape[:len(axes)])
-    full = [mesh.axis_size(a) for a in axes]
-    send = send.expand(full).reshape(-1).tolist()
-    recv = recv.expand(full).reshape(-1).tolist()
-    return spread(mesh, axes, send), spread(mesh, axes, recv)
+    coords = coords_table(mesh)
+    g = math.prod(mesh.axis_size(a) for a in held)
+    # Receivers of sender p: p with its coordinates on `held` replaced by each of the g
+    # combinations (rows of `other`).
+    other = combos(mesh, held)
+    sent = torch.ones(mesh.size, g, dtype=torch.long)
+    for a, b in zip(state.dims, dst.dims):
+        table = pair_counts(a, b, mesh)
+        h = flat_index(coords, mesh, in_mesh_order(mesh, a.axes))
+        n = torch.zeros(mesh.size, g, dtype=torch.long)
+        for axis in in_mesh_order(mesh, b.axes):
+            c = other[:, held.index(axis)][None, :] if axis in held \
+                else coords[:, mesh.axis_names.index(axis)][:, None]
+            n = n * mesh.axis_size(axis) + c
+        sent = sent * table[h[:, None], n]
+    return tuple((sent.sum(1) - own).tolist()), tuple((need - own).tolist())
 
 
 @functools.lru_cache(maxsize=1024)
