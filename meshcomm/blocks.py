@@ -179,32 +179,28 @@ def _indices(b: DimBlock) -> Tensor:
     return idx[(idx >= b.start) & (idx < b.stop)]
 
 
-# -- every pair of blocks of two dims at once ------------------------------------------
-def pair_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
-    """|block of `a` at x ∩ block of `b` at y| for every coordinate combination x of the
-    axes sharding `a` (rows, `coords_grid` order) and y of those sharding `b` (columns).
+# -- many pairs of blocks of two dims at once ------------------------------------------
+# Blocks of dim `a` are indexed by the coordinate combinations of the axes sharding it
+# (`coords_grid` order), and likewise for dim `b`.
+Rows = tuple[Tensor, Tensor, Tensor]
 
-    Even dims whose stride points chain are counted digit by digit for all pairs at once
-    (tensors of rows x columns x digits); other dims pair their blocks one by one.
-    """
-    a_axes, b_axes = in_mesh_order(mesh, a.axes), in_mesh_order(mesh, b.axes)
+
+@functools.lru_cache(maxsize=4096)
+def digit_rows(a: DimState, b: DimState, mesh: Mesh) -> Rows | None:
+    """Both dims' blocks on one mixed radix: per block and per elementary digit the value
+    it fixes (-1 where free), and each digit's base; None unless both dims are even with
+    stride points that chain (then a block is exactly its row)."""
     points = sorted(set(a.bounds()) | set(b.bounds()))
     if a.chunks or b.chunks or a.size == 0 or any(y % x for x, y in zip(points, points[1:])):
-        cols = [dim_block(b, mesh, c) for c in coords_grid(mesh, b_axes)]
-        return torch.tensor([[(dim_block(a, mesh, c) & n).count() for n in cols]
-                             for c in coords_grid(mesh, a_axes)], dtype=torch.long)
+        return None
     digits = list(reversed(list(zip(points, points[1:]))))   # (unit, unit * base), major first
-    fa, fb = _fixed(a, a_axes, digits, mesh), _fixed(b, b_axes, digits, mesh)
     bases = torch.tensor([hi // lo for lo, hi in digits], dtype=torch.long)
-    x, y = fa[:, None, :], fb[None, :, :]
-    agree = torch.where((x < 0) & (y < 0), bases, ((x < 0) | (y < 0) | (x == y)).long())
-    return agree.prod(-1) if digits else torch.ones(len(fa), len(fb), dtype=torch.long)
+    return (_fixed(a, in_mesh_order(mesh, a.axes), digits, mesh),
+            _fixed(b, in_mesh_order(mesh, b.axes), digits, mesh), bases)
 
 
 def _fixed(dim: DimState, axes: tuple[AxisName, ...], digits: list[tuple[int, int]],
            mesh: Mesh) -> Tensor:
-    """Per coordinate combination of `axes` and per elementary digit, the value the block
-    fixes there, or -1 where the digit is free."""
     grid = combos(mesh, axes)
     out = torch.full((grid.shape[0], len(digits)), -1, dtype=torch.long)
     for lo, hi, axis in dim.shards:
@@ -215,17 +211,58 @@ def _fixed(dim: DimState, axes: tuple[AxisName, ...], digits: list[tuple[int, in
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def pair_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
+    """|block x of `a` ∩ block y of `b`| for every pair: a [blocks of a, blocks of b] table."""
+    rows = digit_rows(a, b, mesh)
+    if rows is not None:
+        return counts_at(a, b, mesh, torch.arange(len(rows[0]))[:, None],
+                         torch.arange(len(rows[1]))[None, :])
+    cols = [dim_block(b, mesh, c) for c in coords_grid(mesh, in_mesh_order(mesh, b.axes))]
+    return torch.tensor([[(dim_block(a, mesh, c) & n).count() for n in cols]
+                         for c in coords_grid(mesh, in_mesh_order(mesh, a.axes))],
+                        dtype=torch.long)
+
+
+def counts_at(a: DimState, b: DimState, mesh: Mesh, x: Tensor, y: Tensor) -> Tensor:
+    """|block x of `a` ∩ block y of `b`| for index tensors `x` and `y` (broadcast): digit
+    by digit, so a rank-by-rank question costs O(ranks x digits), never a full table."""
+    rows = digit_rows(a, b, mesh)
+    if rows is None:
+        return pair_counts(a, b, mesh)[x, y]
+    fa, fb, bases = rows
+    u, v = fa[x], fb[y]
+    both_free = (u < 0) & (v < 0)
+    agree = torch.where(both_free, bases, ((u < 0) | (v < 0) | (u == v)).long())
+    return agree.prod(-1)
+
+
+def block_sizes(dim: DimState, mesh: Mesh) -> Tensor:
+    """The size of each block of `dim`."""
+    if not dim.chunks:
+        parts = math.prod(hi // lo for lo, hi, _ in dim.shards)
+        count = math.prod(mesh.axis_size(a) for a in dim.axes)
+        return torch.full((count,), dim.size // parts if dim.size else 0, dtype=torch.long)
+    return torch.tensor([dim_block(dim, mesh, c).count()
+                         for c in coords_grid(mesh, in_mesh_order(mesh, dim.axes))],
+                        dtype=torch.long)
+
+
+def rank_blocks(dim: DimState, mesh: Mesh) -> Tensor:
+    """The index of the block each rank (mesh order) holds of `dim`."""
+    return flat_index(coords_table(mesh), mesh, in_mesh_order(mesh, dim.axes))
+
+
+@functools.lru_cache(maxsize=1024)
 def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
     """Per rank (mesh order), elements of its `dst` block that it holds in `state`, and
     the size of its `dst` block."""
-    coords = coords_table(mesh)
     own = torch.ones(mesh.size, dtype=torch.long)
     need = torch.ones(mesh.size, dtype=torch.long)
     for a, b in zip(state.dims, dst.dims):
-        table = pair_counts(a, b, mesh)
-        n = flat_index(coords, mesh, in_mesh_order(mesh, b.axes))
-        own = own * table[flat_index(coords, mesh, in_mesh_order(mesh, a.axes)), n]
-        need = need * table.sum(0)[n]
+        n = rank_blocks(b, mesh)
+        own = own * counts_at(a, b, mesh, rank_blocks(a, mesh), n)
+        need = need * block_sizes(b, mesh)[n]
     return own, need
 
 

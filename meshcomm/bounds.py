@@ -11,7 +11,9 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   the new pending axes (every member needs the same block), an element the
   group needs must be received by one of them unless a member both holds and
   needs it, so G receives at least that many elements and its busiest member a
-  g-th of them: `LB_r = ceil(|need_G - (have_1 | ... | have_g)| / g)`.
+  g-th of them: `LB_r = ceil(|need_G - (have_1 | ... | have_g)| / g)`. An
+  average is the exception: every member must hold the value itself, so the
+  first bound applies.
 - A pending reduction over g > 1 ranks to resolve (the reduce-scatter bound):
   every element e needs at least g - 1 messages to combine its g partial
   values, plus one delivery to each of the n_e places that need it but did not
@@ -57,7 +59,7 @@ def state_bound(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     if g > 1:
         return _reduction(start, goal, mesh, g)
     new = [a for a in goal.partial if a not in start.partial]
-    if new:
+    if new and goal.op != "avg":   # an average needs the value on every member
         return _partial_destination(start, goal, mesh, tuple(new))
     return missing(start, goal, mesh)
 

@@ -96,7 +96,7 @@ def step_layouts(row: dict[str, Any]) -> str:
 def bound_text(plan: Plan) -> str:
     """'1.00x of the lower bound (1024 B)', from the busiest rank's received bytes."""
     s = plan.summary()
-    ratio = s["bound_ratio"]
+    ratio = plan.bound_ratio
     if math.isinf(ratio):
         return f"receives {s['recv_bytes']} B where the lower bound is 0 B"
     return f"{ratio:.2f}x of the lower bound ({s['lower_bound_bytes']} B)"

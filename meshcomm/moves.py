@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import coords_table, flat_index, group_positions, in_mesh_order, pair_counts
+from .blocks import (block_sizes, coords_table, digit_rows, flat_index, group_positions,
+                     in_mesh_order, pair_counts, rank_blocks)
 from .mesh import AxisName, Mesh
 from .rearrange import Rearrange
 from .states import (DimState, Shard, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels,
@@ -49,6 +50,7 @@ class Move:
     post: Rearrange | None = None  # local rearrange after it
     pairs: tuple[tuple[int, int], ...] = ()
     indexed: bool = False          # driven by per-rank index blocks (send_recv, select, reindex)
+    estimate: bool = False         # `send` is a stand-in (the search prices it exactly if needed)
     send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
     recv: tuple[int, ...] = ()
 
@@ -290,6 +292,36 @@ def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         yield Move("local", axes, after_all, action="slice", pre=pre, send=zeros, recv=zeros)
 
 
+def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Free local moves while a reduction is pending: an axis that replicates both layouts
+    takes a factor of a local run, so that the coming reduce_scatter or all_reduce works on
+    1/n of the data on each of the n replicas (an all_gather over the axis follows).
+
+    This is how a plan meets the reduce-scatter bound when the destination is replicated:
+    the combining work is shared by every rank that will need the result.
+    """
+    if not [a for a in state.partial if a not in dst.partial]:
+        return
+    zeros = (0,) * mesh.size
+    used = state.used_axes() | dst.used_axes()
+    for axis in mesh.axis_names:
+        n = mesh.axis_size(axis)
+        if axis in used or n == 1:
+            continue
+        for d, dim in enumerate(state.dims):
+            if dim.chunks or dim.size == 0:
+                continue
+            for lo, hi in _refine(list(dim.local_runs()), set(dst.dims[d].bounds())):
+                for shard in {(hi // n, hi, axis), (lo, lo * n, axis)}:
+                    if (hi // lo) % n or not _fits(state.dims[d], shard) or \
+                            not _fits(dst.dims[d], shard):
+                        continue
+                    after = _set_dim(state, d, even_dim(dim.size, dim.shards + (shard,)))
+                    pre = _rearrange(state, after, (), (shard,), {axis: d})
+                    yield Move("local", (axis,), after, action="slice", pre=pre,
+                               send=zeros, recv=zeros)
+
+
 def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """all_to_all moving one even axis from its factor to its destination factor."""
     sizes = local_numels(state, mesh)
@@ -461,13 +493,10 @@ def _block_sources(state: State, dst: State, mesh: Mesh) -> torch.Tensor | None:
     coords = coords_table(mesh)
     source = coords.clone()
     for a, b in zip(state.dims, dst.dims):
-        table = pair_counts(a, b, mesh)
-        have, need = table.sum(1), table.sum(0)
-        same = (table == have[:, None]) & (table == need[None, :]) & (need[None, :] > 0)
-        if not bool(same.any(0).all()):
+        match = _equal_blocks(a, b, mesh)
+        if match is None:
             return None
-        match = same.long().argmax(0)              # the have block equal to each need block
-        h = match[flat_index(coords, mesh, in_mesh_order(mesh, b.axes))]
+        h = match[rank_blocks(b, mesh)]
         for axis in reversed(in_mesh_order(mesh, a.axes)):
             k, n = mesh.axis_names.index(axis), mesh.axis_size(axis)
             source[:, k] = h % n
@@ -478,6 +507,24 @@ def _block_sources(state: State, dst: State, mesh: Mesh) -> torch.Tensor | None:
     return flat
 
 
+def _equal_blocks(a: DimState, b: DimState, mesh: Mesh) -> torch.Tensor | None:
+    """For each block of `b`, the block of `a` holding the same (non-empty) indices, or
+    None if some block of `b` has no equal."""
+    rows = digit_rows(a, b, mesh)
+    if rows is not None:   # equal blocks have equal digit rows: match rows by value
+        where = {tuple(r): i for i, r in enumerate(rows[0].tolist())}
+        found = [where.get(tuple(r)) for r in rows[1].tolist()]
+        if any(f is None for f in found) or not int(block_sizes(b, mesh).min()):
+            return None
+        return torch.tensor(found, dtype=torch.long)
+    table = pair_counts(a, b, mesh)
+    have, need = table.sum(1), table.sum(0)
+    same = (table == have[:, None]) & (table == need[None, :]) & (need[None, :] > 0)
+    if not bool(same.any(0).all()):
+        return None
+    return same.long().argmax(0)
+
+
 def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...], ...]:
     """Per dim, the global indices `rank` holds in `state`, in local order (cross-mesh)."""
     names = tuple(f"d{i}" for i in range(len(state.dims)))
@@ -486,7 +533,7 @@ def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...],
     return layout.indices(mesh, shape, rank)
 
 
-GENERATORS = (gathers, slices, all_to_alls, permutes, reductions, partial_marks, block_permutes)
+GENERATORS = (gathers, slices, replica_slices, all_to_alls, permutes, reductions, partial_marks, block_permutes)
 
 
 def expand(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:

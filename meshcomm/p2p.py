@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .blocks import block, combos, coords_table, flat_index, in_mesh_order, own_and_need, pair_counts
-from .bounds import sharding_axes, state_bound
+from .blocks import block, combos, coords_table, counts_at, in_mesh_order, own_and_need, rank_blocks
+from .bounds import missing, sharding_axes, state_bound
 from .identity import identity_like
 from .layout import Layout
 from .mesh import AxisName, Mesh
@@ -164,28 +164,34 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     other = combos(mesh, held)
     sent = torch.ones(mesh.size, g, dtype=torch.long)
     for a, b in zip(state.dims, dst.dims):
-        table = pair_counts(a, b, mesh)
-        h = flat_index(coords, mesh, in_mesh_order(mesh, a.axes))
         n = torch.zeros(mesh.size, g, dtype=torch.long)
         for axis in in_mesh_order(mesh, b.axes):
             c = other[:, held.index(axis)][None, :] if axis in held \
                 else coords[:, mesh.axis_names.index(axis)][:, None]
             n = n * mesh.axis_size(axis) + c
-        sent = sent * table[h[:, None], n]
+        sent = sent * counts_at(a, b, mesh, rank_blocks(a, mesh)[:, None], n)
     return tuple((sent.sum(1) - own).tolist()), tuple((need - own).tolist())
 
 
 @functools.lru_cache(maxsize=1024)
-def send_recv_move(state: State, dst: State, mesh: Mesh) -> Move | None:
+def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> Move | None:
     """One send_recv step from `state` straight to `dst` over the axes sharding `state`
     (each rank receives exactly what it lacks, from its twin: `pair_traffic`), or a local
-    select when no rank lacks anything; None where it does not apply."""
+    select when no rank lacks anything; None where it does not apply.
+
+    With `exact=False` the sent counts are only estimated (as the received ones, which
+    are exact and cheap): the search prices a send_recv exactly only when it may win.
+    """
     if state.partial != dst.partial or state.op != dst.op or state == dst:
         return None
-    send, recv = pair_traffic(state, dst, mesh)
+    recv = missing(state, dst, mesh)
+    zeros = (0,) * mesh.size
     if not any(recv):
-        return Move("local", (), dst, action="select", indexed=True, send=send, recv=recv)
+        return Move("local", (), dst, action="select", indexed=True, send=zeros, recv=zeros)
     axes = in_mesh_order(mesh, sharding_axes(state))
+    if not exact:
+        return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
+    send, recv = pair_traffic(state, dst, mesh)
     return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
 
 

@@ -354,21 +354,35 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
     src_sizes = local_numels(start, mesh)
     first: Key = (0.0, max(src_sizes) * itemsize, 0, 0)
     counter = itertools.count()
-    heap: list[tuple[Key, int, State, tuple[Move, ...]]] = [(first, next(counter), start, ())]
+    heap: list[tuple[Key, int, State, tuple[Move, ...], Key | None]] = [
+        (first, next(counter), start, (), None)]
     labels: dict[State, list[Key]] = {start: [first]}
+
+    def relax(key: Key, state: State, move: Move, path: tuple[Move, ...]) -> None:
+        nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_sizes, bool(path))
+        if move.estimate:   # a lower bound of its key: price it when it is popped
+            heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,), key))
+            return
+        if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
+            return
+        kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
+        labels[move.after] = kept + [nkey]
+        heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,), None))
+
     while heap:
-        key, _, state, path = heapq.heappop(heap)
+        key, _, state, path, before = heapq.heappop(heap)
+        if before is not None:   # an estimated send_recv: price it exactly, then queue it
+            *head, last = path
+            exact = send_recv_move(head[-1].after if head else start, last.after, mesh)
+            assert exact is not None, f"no send_recv to {last.after}"
+            relax(before, head[-1].after if head else start, exact, tuple(head))
+            continue
         if state == goal:
             return path
         if key not in labels.get(state, ()):
             continue
         for move in _moves(state, goal, mesh, cost_model.native):
-            nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_sizes, bool(path))
-            if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
-                continue
-            kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
-            labels[move.after] = kept + [nkey]
-            heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,)))
+            relax(key, state, move, path)
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug, please report it")
 
 
@@ -390,14 +404,20 @@ def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     targets = [goal]
     if stripped != goal and not sharded & set(state.partial):
         targets.append(stripped)
-    moves = [send_recv_move(state, t, mesh) for t in targets] + [reindex_move(state, goal, mesh)]
+    moves = [send_recv_move(state, t, mesh, exact=False) for t in targets]
+    moves.append(reindex_move(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 
 
 def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel, src_sizes: tuple[int, ...], held: bool) -> Key:
     ins, outs = local_numels(state, mesh), local_numels(move.after, mesh)
-    live = max((i + o + (s if held else 0)) for i, o, s in zip(ins, outs, src_sizes)) * itemsize
+    if ins.count(ins[0]) == len(ins) and outs.count(outs[0]) == len(outs) and \
+            src_sizes.count(src_sizes[0]) == len(src_sizes):   # even: every rank alike
+        live = (ins[0] + outs[0] + (src_sizes[0] if held else 0)) * itemsize
+    else:
+        live = max((i + o + (s if held else 0))
+                   for i, o, s in zip(ins, outs, src_sizes)) * itemsize
     time = 0.0
     if move.kind != "local":
         busiest = max(max(move.send), max(move.recv)) * itemsize
