@@ -312,7 +312,8 @@ def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             if dim.chunks or dim.size == 0:
                 continue
             for lo, hi in _refine(list(dim.local_runs()), set(dst.dims[d].bounds())):
-                for shard in {(hi // n, hi, axis), (lo, lo * n, axis)}:
+                # A tuple, not a set: the order of moves must not depend on string hashes.
+                for shard in dict.fromkeys(((hi // n, hi, axis), (lo, lo * n, axis))):
                     if (hi // lo) % n or not _fits(state.dims[d], shard) or \
                             not _fits(dst.dims[d], shard):
                         continue

@@ -26,7 +26,7 @@ from .identity import identity_like
 from .layout import Layout
 from .mesh import AxisName, Mesh
 from .moves import Move, block_indices
-from .states import State, from_layout
+from .states import State, even_dim, from_layout, is_chain
 
 if TYPE_CHECKING:
     from .plan import Step, Transfer
@@ -214,6 +214,34 @@ def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
     zeros = (0,) * mesh.size
     return Move("local", new, dst, action="reindex", op=dst.op, indexed=True,
                 send=zeros, recv=zeros)
+
+
+def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
+    """States from which a free `reindex` reaches a `goal` with new pending axes: the
+    goal's dims with those axes sharding a local run, so that each member of a reduction
+    group holds a g-th of what the group needs (a send_recv there receives about the
+    lower bound, where gathering whole blocks first would receive up to g times more)."""
+    new = tuple(a for a in goal.partial if a not in state.partial)
+    if not new or goal.op == "avg" or (state.partial and state.op != goal.op) or \
+            any(a not in goal.partial for a in state.partial):
+        return []
+    out = []
+    n = math.prod(mesh.axis_size(a) for a in new)
+    for d, dim in enumerate(goal.dims):
+        if dim.chunks or dim.size == 0:
+            continue
+        for lo, hi in dim.local_runs():
+            if (hi // lo) % n:
+                continue
+            shards, top = [], hi
+            for a in new:   # major first, from the top of the run
+                shards.append((top // mesh.axis_size(a), top, a))
+                top //= mesh.axis_size(a)
+            spread = even_dim(dim.size, dim.shards + tuple(shards))
+            if is_chain(spread.bounds()):
+                dims = goal.dims[:d] + (spread,) + goal.dims[d + 1:]
+                out.append(State(dims, state.partial, state.op))
+    return out
 
 
 # -- a rank's own blocks, at execution time -----------------------------------------------

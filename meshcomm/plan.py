@@ -25,7 +25,7 @@ from .errors import PlanError
 from .layout import Layout, Shape, as_layout
 from .mesh import AxisName, Mesh
 from .moves import Move, expand
-from .p2p import reindex_move, send_recv_move
+from .p2p import reindex_move, send_recv_move, spread_targets
 from .rearrange import Rearrange
 from .states import State, from_layout, local_numels, to_layout
 
@@ -404,6 +404,7 @@ def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     targets = [goal]
     if stripped != goal and not sharded & set(state.partial):
         targets.append(stripped)
+    targets += spread_targets(state, goal, mesh)
     moves = [send_recv_move(state, t, mesh, exact=False) for t in targets]
     moves.append(reindex_move(state, goal, mesh))
     yield from (m for m in moves if m is not None)
