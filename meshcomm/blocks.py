@@ -160,7 +160,7 @@ def _count(b: DimBlock) -> int:
     return _below(radix, b.stop) - _below(radix, b.start)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=64)   # index lists: execution only, a few per rank
 def _indices(b: DimBlock) -> Tensor:
     if b.stop <= b.start or b.size == 0:
         return torch.zeros(0, dtype=torch.long)

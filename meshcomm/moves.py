@@ -308,19 +308,18 @@ def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         n = mesh.axis_size(axis)
         if axis in used or n == 1:
             continue
-        for d, dim in enumerate(state.dims):
-            if dim.chunks or dim.size == 0:
-                continue
-            for lo, hi in _refine(list(dim.local_runs()), set(dst.dims[d].bounds())):
-                # A tuple, not a set: the order of moves must not depend on string hashes.
-                for shard in dict.fromkeys(((hi // n, hi, axis), (lo, lo * n, axis))):
-                    if (hi // lo) % n or not _fits(state.dims[d], shard) or \
-                            not _fits(dst.dims[d], shard):
-                        continue
-                    after = _set_dim(state, d, even_dim(dim.size, dim.shards + (shard,)))
-                    pre = _rearrange(state, after, (), (shard,), {axis: d})
-                    yield Move("local", (axis,), after, action="slice", pre=pre,
-                               send=zeros, recv=zeros)
+        # One place per axis (the first that fits): where the factor sits changes no byte.
+        place = next(((d, shard) for d, dim in enumerate(state.dims) if not dim.chunks
+                      for lo, hi in _refine(list(dim.local_runs()), set(dst.dims[d].bounds()))
+                      if (hi // lo) % n == 0
+                      for shard in ((hi // n, hi, axis), (lo, lo * n, axis))
+                      if _fits(dim, shard) and _fits(dst.dims[d], shard)), None)
+        if place is None:
+            continue
+        d, shard = place
+        after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
+        pre = _rearrange(state, after, (), (shard,), {axis: d})
+        yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
 
 
 def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
