@@ -158,19 +158,21 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     own, need = own_and_need(state, dst, mesh)
     held = in_mesh_order(mesh, sharding_axes(state))
     coords = coords_table(mesh)
-    g = math.prod(mesh.axis_size(a) for a in held)
-    # Receivers of sender p: p with its coordinates on `held` replaced by each of the g
-    # combinations (rows of `other`).
-    other = combos(mesh, held)
-    sent = torch.ones(mesh.size, g, dtype=torch.long)
+    # Sender p's receivers are p with its coordinates on `held` replaced by any values.
+    # Each held axis shards at most one destination dim, so the sum over receivers of a
+    # product over dims is a product over dims of sums over that dim's held axes.
+    sent = torch.full((mesh.size,), math.prod(
+        mesh.axis_size(x) for x in held if dst.axis_dim(x) is None), dtype=torch.long)
     for a, b in zip(state.dims, dst.dims):
-        n = torch.zeros(mesh.size, g, dtype=torch.long)
+        mine = in_mesh_order(mesh, set(held) & set(b.axes))
+        other = combos(mesh, mine)
+        n = torch.zeros(mesh.size, len(other), dtype=torch.long)
         for axis in in_mesh_order(mesh, b.axes):
-            c = other[:, held.index(axis)][None, :] if axis in held \
+            c = other[:, mine.index(axis)][None, :] if axis in mine \
                 else coords[:, mesh.axis_names.index(axis)][:, None]
             n = n * mesh.axis_size(axis) + c
-        sent = sent * counts_at(a, b, mesh, rank_blocks(a, mesh)[:, None], n)
-    return tuple((sent.sum(1) - own).tolist()), tuple((need - own).tolist())
+        sent = sent * counts_at(a, b, mesh, rank_blocks(a, mesh)[:, None], n).sum(1)
+    return tuple((sent - own).tolist()), tuple((need - own).tolist())
 
 
 @functools.lru_cache(maxsize=1024)

@@ -27,7 +27,7 @@ from .mesh import AxisName, Mesh
 from .moves import Move, expand
 from .p2p import reindex_move, send_recv_move, spread_targets
 from .rearrange import Rearrange
-from .states import State, from_layout, local_numels, to_layout
+from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
 
 STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all",
               "collective_permute", "broadcast", "send_recv")
@@ -351,15 +351,15 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
     """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels)."""
-    src_sizes = local_numels(start, mesh)
-    first: Key = (0.0, max(src_sizes) * itemsize, 0, 0)
+    src_numels = local_numels_tensor(start, mesh)
+    first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0)
     counter = itertools.count()
     heap: list[tuple[Key, int, State, tuple[Move, ...], Key | None]] = [
         (first, next(counter), start, (), None)]
     labels: dict[State, list[Key]] = {start: [first]}
 
     def relax(key: Key, state: State, move: Move, path: tuple[Move, ...]) -> None:
-        nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_sizes, bool(path))
+        nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_numels, bool(path))
         if move.estimate:   # a lower bound of its key: price it when it is popped
             heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,), key))
             return
@@ -411,14 +411,12 @@ def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
 
 
 def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel, src_sizes: tuple[int, ...], held: bool) -> Key:
-    ins, outs = local_numels(state, mesh), local_numels(move.after, mesh)
-    if ins.count(ins[0]) == len(ins) and outs.count(outs[0]) == len(outs) and \
-            src_sizes.count(src_sizes[0]) == len(src_sizes):   # even: every rank alike
-        live = (ins[0] + outs[0] + (src_sizes[0] if held else 0)) * itemsize
-    else:
-        live = max((i + o + (s if held else 0))
-                   for i, o, s in zip(ins, outs, src_sizes)) * itemsize
+            cost_model: CostModel, src_numels: torch.Tensor, held: bool) -> Key:
+    # Per-rank counts as tensors of the mesh's shape: O(ranks) in C, not in Python.
+    live_t = local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)
+    if held:
+        live_t = live_t + src_numels
+    live = int(live_t.max()) * itemsize
     time = 0.0
     if move.kind != "local":
         busiest = max(max(move.send), max(move.recv)) * itemsize

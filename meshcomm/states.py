@@ -15,6 +15,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
 from .layout import DimPlacement, Layout, Shape, chunk_range
 from .mesh import AxisName, Mesh
 from .notation import Dim, Factor, Pattern
@@ -180,23 +182,25 @@ def _dim_pattern(dim: DimState, name: str, taken: set[str]) -> Dim:
 @functools.lru_cache(maxsize=16384)
 def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
     """Elements each rank holds in `state`, in mesh order."""
-    even = 1
-    chunked = []
+    return tuple(local_numels_tensor(state, mesh).reshape(-1).tolist())
+
+
+@functools.lru_cache(maxsize=16384)
+def local_numels_tensor(state: State, mesh: Mesh) -> torch.Tensor:
+    """`local_numels` as a tensor of the mesh's shape (chunk chains counted for all ranks
+    at once, as nested `torch.chunk`s of coordinate tensors)."""
+    out = torch.ones(mesh.shape, dtype=torch.long)
     for dim in state.dims:
-        if dim.chunks:
-            chunked.append(dim)
-        else:
-            even *= dim.size // math.prod(s[1] // s[0] for s in dim.shards)
-    if not chunked:
-        return (even,) * mesh.size
-    out = []
-    for rank in mesh.ranks:
-        coords = mesh.coords(rank)
-        n = even
-        for dim in chunked:
-            start, length = 0, dim.size
-            for a in dim.chunks:
-                start, length = chunk_range(start, length, mesh.axis_size(a), coords[a])
-            n *= length
-        out.append(n)
-    return tuple(out)
+        if not dim.chunks:
+            out = out * (dim.size // math.prod(s[1] // s[0] for s in dim.shards))
+            continue
+        length = torch.full(mesh.shape, dim.size, dtype=torch.long)
+        for a in dim.chunks:
+            n = mesh.axis_size(a)
+            view = [1] * len(mesh.shape)
+            view[mesh.axis_names.index(a)] = n
+            coord = torch.arange(n).view(view)
+            step = (length + n - 1) // n
+            length = torch.minimum((coord + 1) * step, length) - torch.minimum(coord * step, length)
+        out = out * length
+    return out
