@@ -226,15 +226,68 @@ def pair_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
 
 def counts_at(a: DimState, b: DimState, mesh: Mesh, x: Tensor, y: Tensor) -> Tensor:
     """|block x of `a` ∩ block y of `b`| for index tensors `x` and `y` (broadcast): digit
-    by digit, so a rank-by-rank question costs O(ranks x digits), never a full table."""
+    by digit or interval by interval, so a rank-by-rank question costs O(ranks x digits),
+    never a full table."""
     rows = digit_rows(a, b, mesh)
-    if rows is None:
-        return pair_counts(a, b, mesh)[x, y]
-    fa, fb, bases = rows
-    u, v = fa[x], fb[y]
-    both_free = (u < 0) & (v < 0)
-    agree = torch.where(both_free, bases, ((u < 0) | (v < 0) | (u == v)).long())
-    return agree.prod(-1)
+    if rows is not None:
+        fa, fb, bases = rows
+        u, v = fa[x], fb[y]
+        both_free = (u < 0) & (v < 0)
+        agree = torch.where(both_free, bases, ((u < 0) | (v < 0) | (u == v)).long())
+        return agree.prod(-1)
+    if a.size and (a.chunks or b.chunks):
+        if a.chunks and b.chunks:   # two intervals
+            (sa, ea), (sb, eb) = intervals(a, mesh), intervals(b, mesh)
+            return (torch.minimum(ea[x], eb[y]) - torch.maximum(sa[x], sb[y])).clamp(min=0)
+        chunk, even, i, j = (a, b, x, y) if a.chunks else (b, a, y, x)
+        start, stop = intervals(chunk, mesh)
+        return _below_many(even, mesh, stop[i], j) - _below_many(even, mesh, start[i], j)
+    return pair_counts(a, b, mesh)[x, y]
+
+
+@functools.lru_cache(maxsize=4096)
+def intervals(dim: DimState, mesh: Mesh) -> tuple[Tensor, Tensor]:
+    """Each block's [start, stop) of a chunk dim (nested `torch.chunk`s, major first)."""
+    axes = in_mesh_order(mesh, dim.chunks)
+    grid = combos(mesh, axes)
+    start = torch.zeros(len(grid), dtype=torch.long)
+    length = torch.full((len(grid),), dim.size, dtype=torch.long)
+    for axis in dim.chunks:
+        n, c = mesh.axis_size(axis), grid[:, axes.index(axis)]
+        step = (length + n - 1) // n
+        lo, hi = torch.minimum(c * step, length), torch.minimum((c + 1) * step, length)
+        start, length = start + lo, hi - lo
+    return start, start + length
+
+
+@functools.lru_cache(maxsize=4096)
+def _own_rows(dim: DimState, mesh: Mesh) -> Rows:
+    """An even dim's blocks on its own radix: fixed digit values (-1 free), units, bases."""
+    points = list(dim.bounds())
+    digits = list(reversed(list(zip(points, points[1:]))))
+    return (_fixed(dim, in_mesh_order(mesh, dim.axes), digits, mesh),
+            torch.tensor([lo for lo, _ in digits], dtype=torch.long),
+            torch.tensor([hi // lo for lo, hi in digits], dtype=torch.long))
+
+
+def _below_many(dim: DimState, mesh: Mesh, limit: Tensor, block: Tensor) -> Tensor:
+    """How many indices below `limit` each `block` of even `dim` holds (broadcast): the
+    count of `_below` digit by digit, for all pairs at once."""
+    fixed, units, bases = _own_rows(dim, mesh)
+    rows = fixed[block]                                   # [..., digits]
+    options = torch.where(rows < 0, bases, torch.ones_like(bases))
+    after = torch.cat([options.flip(-1).cumprod(-1).flip(-1)[..., 1:],
+                       torch.ones_like(options[..., :1])], -1)   # combinations below digit k
+    count = torch.zeros_like(limit)
+    alive = torch.ones_like(limit, dtype=torch.bool)
+    for k in range(rows.shape[-1]):
+        xd = (limit // units[k]) % bases[k]
+        f = rows[..., k]
+        step = torch.where(f < 0, xd, (f < xd).long()) * after[..., k]
+        count = count + torch.where(alive, step, torch.zeros_like(step))
+        alive = alive & ((f < 0) | (f == xd))
+    total = options.prod(-1)
+    return torch.where(limit >= dim.size, total, count)
 
 
 def block_sizes(dim: DimState, mesh: Mesh) -> Tensor:
@@ -243,9 +296,8 @@ def block_sizes(dim: DimState, mesh: Mesh) -> Tensor:
         parts = math.prod(hi // lo for lo, hi, _ in dim.shards)
         count = math.prod(mesh.axis_size(a) for a in dim.axes)
         return torch.full((count,), dim.size // parts if dim.size else 0, dtype=torch.long)
-    return torch.tensor([dim_block(dim, mesh, c).count()
-                         for c in coords_grid(mesh, in_mesh_order(mesh, dim.axes))],
-                        dtype=torch.long)
+    start, stop = intervals(dim, mesh)
+    return stop - start
 
 
 def rank_blocks(dim: DimState, mesh: Mesh) -> Tensor:

@@ -315,9 +315,10 @@ def _plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout
         steps.append(_step(move, state, layout, after, mesh, itemsize, cost_model,
                            src_sizes if i else None))
         state, layout = move.after, after
-    send = tuple(sum(s.send_bytes[r] for s in steps) for r in range(mesh.size))
-    recv = tuple(sum(s.recv_bytes[r] for s in steps) for r in range(mesh.size))
-    peak = tuple(max([s.peak_bytes[r] for s in steps] + [src_sizes[r]]) for r in range(mesh.size))
+    zeros = (0,) * mesh.size
+    send = tuple(map(sum, zip(zeros, *(s.send_bytes for s in steps))))
+    recv = tuple(map(sum, zip(zeros, *(s.recv_bytes for s in steps))))
+    peak = tuple(map(max, zip(src_sizes, *(s.peak_bytes for s in steps))))
     lower = tuple(n * itemsize for n in bounds.lower_bound_elements(mesh, shape, src, dst))
     return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peak,
                 sum(s.time_s for s in steps), cost_model)
