@@ -26,7 +26,7 @@ from .identity import identity_like
 from .layout import Layout
 from .mesh import AxisName, Mesh
 from .moves import Move, block_indices
-from .states import State, even_dim, from_layout, is_chain
+from .states import DimState, State, chunk_dim, even_dim, from_layout, is_chain
 
 if TYPE_CHECKING:
     from .plan import Step, Transfer
@@ -216,6 +216,53 @@ def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
     zeros = (0,) * mesh.size
     return Move("local", new, dst, action="reindex", op=dst.op, indexed=True,
                 send=zeros, recv=zeros)
+
+
+def send_recv_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
+    """Where a send_recv from `state` may go: the goal itself; the goal's dims keeping the
+    current pending reduction (when the goal's extra pending axes are marked after, or,
+    without the axes still to be reduced, when a reduce_scatter into them follows), also
+    with the axes the goal does not use left where they are (gathered after a cheaper
+    reduction); and the spreads of a goal with new pending axes (`spread_targets`)."""
+    targets = [goal]
+    resolve = {a for a in state.partial if a not in goal.partial}
+    kept = State(tuple(_before_reduction(dim, resolve, mesh) for dim in goal.dims),
+                 state.partial, state.op)
+    for target in (kept, _keep_extra(state, kept, mesh)):
+        if target not in targets:
+            targets.append(target)
+    return targets + spread_targets(state, goal, mesh)
+
+
+def _before_reduction(dim: DimState, resolve: set[AxisName], mesh: Mesh) -> DimState:
+    """`dim` without the axes a later reduce_scatter puts in place (and, in a chunk chain,
+    without what follows them: those links come after the reduction)."""
+    if dim.chunks:
+        chain = list(dim.chunks)
+        cut = next((i for i, a in enumerate(chain) if a in resolve), len(chain))
+        return chunk_dim(dim.size, tuple(chain[:cut]), mesh)
+    return even_dim(dim.size, tuple(s for s in dim.shards if s[2] not in resolve))
+
+
+def _keep_extra(state: State, target: State, mesh: Mesh) -> State:
+    """`target` with every even shard of `state` whose axis `target` leaves free kept in
+    place where it fits (that axis is gathered later, on less data)."""
+    free = {a for a in mesh.axis_names} - target.used_axes()
+    dims = list(target.dims)
+    for d, (have, want) in enumerate(zip(state.dims, dims)):
+        if have.chunks or want.chunks:
+            continue
+        for shard in have.shards:
+            grown = even_dim(want.size, want.shards + (shard,))
+            if shard[2] in free and _fits_shard(want, shard) and is_chain(grown.bounds()):
+                want = grown
+        dims[d] = want
+    return State(tuple(dims), target.partial, target.op)
+
+
+def _fits_shard(dim: DimState, shard: tuple[int, int, AxisName]) -> bool:
+    lo, hi, _ = shard
+    return all(hi <= s[0] or lo >= s[1] for s in dim.shards)
 
 
 def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:

@@ -25,7 +25,7 @@ from .errors import PlanError
 from .layout import Layout, Shape, as_layout
 from .mesh import AxisName, Mesh
 from .moves import Move, expand
-from .p2p import reindex_move, send_recv_move, spread_targets
+from .p2p import reindex_move, send_recv_move, send_recv_targets
 from .rearrange import Rearrange
 from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
 
@@ -399,14 +399,7 @@ def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> It
 
 def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     yield from expand(state, goal, mesh)
-    # Straight to the goal, or to the goal's dims when its pending axes are marked after.
-    stripped = State(goal.dims, state.partial, state.op)
-    sharded = {a for dim in goal.dims for a in dim.axes}
-    targets = [goal]
-    if stripped != goal and not sharded & set(state.partial):
-        targets.append(stripped)
-    targets += spread_targets(state, goal, mesh)
-    moves = [send_recv_move(state, t, mesh, exact=False) for t in targets]
+    moves = [send_recv_move(state, t, mesh, exact=False) for t in send_recv_targets(state, goal, mesh)]
     moves.append(reindex_move(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 

@@ -70,29 +70,38 @@ def _collect(procs: list[Any], results_q: Any, world_size: int, deadline: float,
                 f" {timeout_s:g} s; all ranks were stopped. fix: look for a rank that skips a"
                 " collective the others call, or raise timeout_s")
         try:
-            rank, ok, payload = results_q.get(timeout=min(_POLL_S, deadline - now))
+            rank, ok, payload, in_fn = results_q.get(timeout=min(_POLL_S, deadline - now))
         except queue_mod.Empty:
             _check_dead(procs, results, silent_since, now)
             continue
         if not ok:
-            raise RankFailure(f"run_ranks: rank {rank} of {world_size} raised:\n{payload}"
-                              + _later_failures(results_q))
+            _raise_failures([(rank, payload, in_fn)] + _later_failures(results_q), world_size)
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]
 
 
-def _later_failures(results_q: Any) -> str:
-    """The last line of every other failure reported within a moment (often consequences)."""
-    lines = []
+def _later_failures(results_q: Any) -> list[tuple[int, str, bool]]:
+    """Every other failure reported within a moment (often consequences of the first)."""
+    found = []
     end = time.monotonic() + 0.5
     while time.monotonic() < end:
         try:
-            rank, ok, payload = results_q.get(timeout=max(0.0, end - time.monotonic()))
+            rank, ok, payload, in_fn = results_q.get(timeout=max(0.0, end - time.monotonic()))
         except queue_mod.Empty:
             break
         if not ok:
-            lines.append(f"  rank {rank}: {payload.strip().splitlines()[-1]}")
-    return "\nother ranks that failed after it:\n" + "\n".join(lines) if lines else ""
+            found.append((rank, payload, in_fn))
+    return found
+
+
+def _raise_failures(failures: list[tuple[int, str, bool]], world_size: int) -> None:
+    """RankFailure with the full traceback of the root cause: the first rank whose `fn`
+    raised (a peer's teardown error is a consequence), then one line per other failure."""
+    first = next((f for f in failures if f[2]), failures[0])
+    rank, payload, _ = first
+    lines = [f"  rank {r}: {p.strip().splitlines()[-1]}" for r, p, _ in failures if r != rank]
+    raise RankFailure(f"run_ranks: rank {rank} of {world_size} raised:\n{payload}"
+                      + ("\nother ranks that failed too:\n" + "\n".join(lines) if lines else ""))
 
 
 def _check_dead(procs: list[Any], results: dict[int, Any], silent_since: dict[int, float],
@@ -133,7 +142,9 @@ def _free_port() -> int:
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
             timeout_s: float, results_q: Any, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> None:
-    """Body of one child: init the group, run `fn`, report (rank, ok, pickled result or text)."""
+    """Body of one child: init the group, run `fn`, report (rank, ok, pickled result or text,
+    whether `fn` itself raised)."""
+    in_fn = False
     try:
         import torch
         import torch.distributed as dist
@@ -143,13 +154,15 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        in_fn = True
         try:
             result = fn(rank, world_size, *args, **kwargs)
         finally:
+            in_fn = False
             dist.destroy_process_group()
-        results_q.put((rank, True, pickle.dumps(result)))
+        results_q.put((rank, True, pickle.dumps(result), False))
     except BaseException:  # report everything, KeyboardInterrupt and SystemExit included
-        results_q.put((rank, False, traceback.format_exc()))
+        results_q.put((rank, False, traceback.format_exc(), in_fn))
 
 
 def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
