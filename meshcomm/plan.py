@@ -88,6 +88,10 @@ class CostModel:
         found = dict(table)
         return found.get(axis, found.get("*", default))
 
+    def bandwidth_of(self, axis: AxisName) -> float:
+        """Bytes per second of `axis`."""
+        return self._get(self._bw, axis, 100e9)
+
     def time(self, axes: tuple[AxisName, ...], max_bytes: int) -> float:
         """Modelled seconds of one collective over `axes` whose busiest rank moves `max_bytes`."""
         latency = max(self._get(self._lat, a, 0.0) for a in axes)
@@ -351,27 +355,42 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels)."""
+    """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels).
+
+    A* on the time: the queue orders paths by time so far plus a lower bound of the time
+    still needed (the lower bound on bytes from the state to the goal over the fastest
+    link). The bound holds for every correct plan, so the first path to reach the goal is
+    still the least one in all four criteria (peak, steps and index-list steps only grow
+    along a path), and far fewer states are expanded on large meshes.
+    """
     src_numels = local_numels_tensor(start, mesh)
     first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0)
     counter = itertools.count()
-    heap: list[tuple[Key, int, State, tuple[Move, ...], Key | None]] = [
-        (first, next(counter), start, (), None)]
+    per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
+
+    def ahead(key: Key, state: State) -> Key:
+        rest = max(bounds.state_bound(state, goal, mesh)) * itemsize * per_byte
+        return (round(key[0] + rest, 15),) + key[1:]
+
+    heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None]] = [
+        (ahead(first, start), next(counter), first, start, (), None)]
     labels: dict[State, list[Key]] = {start: [first]}
 
     def relax(key: Key, state: State, move: Move, path: tuple[Move, ...]) -> None:
         nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_numels, bool(path))
         if move.estimate:   # a lower bound of its key: price it when it is popped
-            heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,), key))
+            heapq.heappush(heap, (ahead(nkey, move.after), next(counter), nkey, move.after,
+                                  path + (move,), key))
             return
         if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
             return
         kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
         labels[move.after] = kept + [nkey]
-        heapq.heappush(heap, (nkey, next(counter), move.after, path + (move,), None))
+        heapq.heappush(heap, (ahead(nkey, move.after), next(counter), nkey, move.after,
+                              path + (move,), None))
 
     while heap:
-        key, _, state, path, before = heapq.heappop(heap)
+        _, _, key, state, path, before = heapq.heappop(heap)
         if before is not None:   # an estimated send_recv: price it exactly, then queue it
             *head, last = path
             exact = send_recv_move(head[-1].after if head else start, last.after, mesh)
