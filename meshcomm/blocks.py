@@ -325,6 +325,35 @@ def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
     return own, need
 
 
+def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisName],
+                   in_need: bool) -> Tensor:
+    """Per rank p (mesh order): the sum, over every choice of coordinates on the axes
+    `vary` (in place of p's own, in the blocks of `need` if `in_need`, else of `have`), of
+    |have block ∩ need block|.
+
+    Each axis shards at most one dim, so the sum of per-dim products is a product over
+    dims of per-dim sums: O(ranks x combinations of one dim's axes), never ranks².
+    """
+    coords = coords_table(mesh)
+    moving = need if in_need else have
+    out = torch.full((mesh.size,), math.prod(
+        mesh.axis_size(x) for x in vary if moving.axis_dim(x) is None), dtype=torch.long)
+    for a, b in zip(have.dims, need.dims):
+        dim = b if in_need else a
+        mine = in_mesh_order(mesh, vary & set(dim.axes))
+        other = combos(mesh, mine)
+        index = torch.zeros(mesh.size, len(other), dtype=torch.long)
+        for axis in in_mesh_order(mesh, dim.axes):
+            c = other[:, mine.index(axis)][None, :] if axis in mine \
+                else coords[:, mesh.axis_names.index(axis)][:, None]
+            index = index * mesh.axis_size(axis) + c
+        fixed = rank_blocks(a if in_need else b, mesh)[:, None]
+        counts = counts_at(a, b, mesh, fixed, index) if in_need else \
+            counts_at(a, b, mesh, index, fixed)
+        out = out * counts.sum(1)
+    return out
+
+
 # -- per-rank values over the axes that matter ------------------------------------------
 def combos(mesh: Mesh, axes: tuple[AxisName, ...]) -> Tensor:
     """Every combination of coordinates on `axes` as rows of a tensor (`coords_grid` order)."""

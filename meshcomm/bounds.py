@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import math
 
-from .blocks import block, coords_grid, in_mesh_order, numel, overlap, own_and_need, spread
+from .blocks import own_and_need, summed_overlap
 from .layout import Layout, Shape
 from .mesh import AxisName, Mesh
 from .states import State, from_layout, local_numels
@@ -81,15 +81,10 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
 def _partial_destination(start: State, goal: State, mesh: Mesh,
                          new: tuple[AxisName, ...]) -> tuple[int, ...]:
     g = math.prod(mesh.axis_size(a) for a in new)
-    held = sharding_axes(start)
-    # Members differ only on the new axes; those that differ on an axis sharding `start`
-    # hold disjoint blocks, the others the same one.
-    classes = in_mesh_order(mesh, set(new) & held)
-    axes = in_mesh_order(mesh, (held | sharding_axes(goal)) - set(new))
-    values = []
-    for coords in coords_grid(mesh, axes):
-        need = block(goal, mesh, {**coords, **dict.fromkeys(new, 0)})
-        kept = sum(overlap(need, block(start, mesh, {**coords, **dict.fromkeys(new, 0), **c}))
-                   for c in coords_grid(mesh, classes))
-        values.append(-(-(numel(need) - kept) // g))
-    return spread(mesh, axes, values)
+    # Members differ only on the new axes and need the same block; those that differ on
+    # an axis sharding `start` hold disjoint blocks, the others the same one, so the group
+    # keeps the sum over those axes of what one member keeps.
+    kept = summed_overlap(start, goal, mesh, frozenset(new) & sharding_axes(start),
+                          in_need=False)
+    _, need = own_and_need(start, goal, mesh)
+    return tuple(((need - kept + g - 1) // g).tolist())

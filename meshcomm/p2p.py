@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .blocks import block, combos, coords_table, counts_at, in_mesh_order, own_and_need, rank_blocks
+from .blocks import block, in_mesh_order, own_and_need, summed_overlap
 from .bounds import missing, sharding_axes, state_bound
 from .identity import identity_like
 from .layout import Layout
@@ -156,22 +156,9 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     group of products of per-dim intersection tables, counted for all ranks at once.
     """
     own, need = own_and_need(state, dst, mesh)
-    held = in_mesh_order(mesh, sharding_axes(state))
-    coords = coords_table(mesh)
-    # Sender p's receivers are p with its coordinates on `held` replaced by any values.
-    # Each held axis shards at most one destination dim, so the sum over receivers of a
-    # product over dims is a product over dims of sums over that dim's held axes.
-    sent = torch.full((mesh.size,), math.prod(
-        mesh.axis_size(x) for x in held if dst.axis_dim(x) is None), dtype=torch.long)
-    for a, b in zip(state.dims, dst.dims):
-        mine = in_mesh_order(mesh, set(held) & set(b.axes))
-        other = combos(mesh, mine)
-        n = torch.zeros(mesh.size, len(other), dtype=torch.long)
-        for axis in in_mesh_order(mesh, b.axes):
-            c = other[:, mine.index(axis)][None, :] if axis in mine \
-                else coords[:, mesh.axis_names.index(axis)][:, None]
-            n = n * mesh.axis_size(axis) + c
-        sent = sent * counts_at(a, b, mesh, rank_blocks(a, mesh)[:, None], n).sum(1)
+    # Sender p's receivers are p with its coordinates on the axes sharding `state`
+    # replaced by any values.
+    sent = summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True)
     return tuple((sent - own).tolist()), tuple((need - own).tolist())
 
 
