@@ -341,10 +341,9 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, itemsize: int,
           cost_model: CostModel, held: tuple[int, ...] | None) -> Step:
-    ins = local_numels(state, mesh)
-    outs = local_numels(move.after, mesh)
-    peak = tuple((i + o) * itemsize + (held[r] if held else 0)
-                 for r, (i, o) in enumerate(zip(ins, outs)))
+    live = (local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)).reshape(-1)
+    live = live * itemsize + (torch.tensor(held) if held else 0)
+    peak = tuple(live.tolist())
     send = tuple(b * itemsize for b in move.send)
     recv = tuple(b * itemsize for b in move.recv)
     time = 0.0 if move.kind == "local" else cost_model.time(
@@ -357,18 +356,38 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
     """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels).
 
-    A* on the time: the queue orders paths by time so far plus a lower bound of the time
-    still needed (the lower bound on bytes from the state to the goal over the fastest
-    link). The bound holds for every correct plan, so the first path to reach the goal is
-    still the least one in all four criteria (peak, steps and index-list steps only grow
-    along a path), and far fewer states are expanded on large meshes.
+    Dijkstra first; a search that pops more than `_UNGUIDED_POPS` states starts again as
+    A* on the time: the queue then orders paths by time so far plus a lower bound of the
+    time still needed (the lower bound on bytes from the state to the goal over the
+    fastest link). The bound holds for every correct plan, so the first path to reach the
+    goal is the least one in all four criteria either way (peak, steps and index-list
+    steps only grow along a path); A* expands far fewer states on large searches, and
+    small ones skip the cost of bounding every state.
     """
+    try:
+        return _search_from(start, goal, mesh, itemsize, cost_model, guided=False)
+    except _TooLong:
+        return _search_from(start, goal, mesh, itemsize, cost_model, guided=True)
+
+
+_UNGUIDED_POPS = 64
+
+
+class _TooLong(Exception):
+    """An unguided search popped more than `_UNGUIDED_POPS` states."""
+
+
+def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
+                 cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
     src_numels = local_numels_tensor(start, mesh)
     first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0)
     counter = itertools.count()
     per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
+    pops = 0
 
     def ahead(key: Key, state: State) -> Key:
+        if not guided:
+            return key
         rest = max(bounds.state_bound(state, goal, mesh)) * itemsize * per_byte
         return (round(key[0] + rest, 15),) + key[1:]
 
@@ -401,6 +420,9 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             return path
         if key not in labels.get(state, ()):
             continue
+        pops += 1
+        if pops > _UNGUIDED_POPS and not guided:
+            raise _TooLong
         for move in _moves(state, goal, mesh, cost_model.native):
             relax(key, state, move, path)
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug, please report it")
