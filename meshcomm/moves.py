@@ -187,8 +187,8 @@ def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = _group_size(mesh, axes)
     if _uniform(sizes) and sizes[0] % g == 0:
-        c = sizes[0] // g
-        return ((sizes[0] - c) + (g - 1) * c,) * mesh.size, ((sizes[0] - c) + (g - 1) * c,) * mesh.size
+        each = sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g)
+        return (each,) * mesh.size, (each,) * mesh.size
     total = _on_mesh(mesh, sizes)
     pos = group_positions(mesh, axes)
     step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`

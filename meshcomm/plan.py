@@ -270,7 +270,7 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
 
 def _as_shape(shape: object) -> Shape:
     try:
-        return tuple(shape)  # type: ignore[call-overload, no-any-return]
+        return tuple(shape)  # type: ignore[arg-type, call-overload, no-any-return, unused-ignore]
     except TypeError:
         raise PlanError(f"shape must be a sequence of ints such as (8, 16), got {shape!r}") from None
 

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "meshcomm"
 PURE = ("errors", "mesh", "notation", "layout", "states", "moves", "plan", "bounds",
-        "rearrange")
+        "rearrange", "blocks")
 FORBIDDEN = ("torch.distributed", "rich", "pydantic", "meshcomm.sim", "meshcomm.dist",
              "meshcomm.display")
 
