@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .blocks import (block_sizes, coords_table, digit_rows, flat_index, group_positions,
-                     in_mesh_order, pair_counts, rank_blocks)
+from .blocks import (block_sizes, combos, coords_table, digit_rows, flat_index,
+                     group_positions, in_mesh_order, pair_counts, rank_blocks)
 from .mesh import AxisName, Mesh
 from .rearrange import Rearrange
 from .states import (DimState, Shard, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels,
@@ -510,6 +510,17 @@ def _block_sources(state: State, dst: State, mesh: Mesh) -> torch.Tensor | None:
 def _equal_blocks(a: DimState, b: DimState, mesh: Mesh) -> torch.Tensor | None:
     """For each block of `b`, the block of `a` holding the same (non-empty) indices, or
     None if some block of `b` has no equal."""
+    a_at = {(lo, hi): axis for lo, hi, axis in a.shards}
+    b_at = {(lo, hi): axis for lo, hi, axis in b.shards}
+    if not a.chunks and not b.chunks and a_at.keys() == b_at.keys():
+        # The same stride intervals: a block of `b` is the block of `a` whose axis on each
+        # interval takes the value that `b`'s axis there has.
+        b_axes = in_mesh_order(mesh, b.axes)
+        grid = combos(mesh, b_axes)
+        match = torch.zeros(len(grid), dtype=torch.long)
+        for lo, hi, axis in sorted(a.shards, key=lambda s: mesh.axis_names.index(s[2])):
+            match = match * mesh.axis_size(axis) + grid[:, b_axes.index(b_at[lo, hi])]
+        return match
     rows = digit_rows(a, b, mesh)
     if rows is not None:   # equal blocks have equal digit rows: match rows by value
         where = {tuple(r): i for i, r in enumerate(rows[0].tolist())}

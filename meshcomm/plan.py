@@ -356,21 +356,26 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
     """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels).
 
-    Dijkstra first; a search that pops more than `_UNGUIDED_POPS` states starts again as
-    A* on the time: the queue then orders paths by time so far plus a lower bound of the
-    time still needed (the lower bound on bytes from the state to the goal over the
-    fastest link). The bound holds for every correct plan, so the first path to reach the
+    On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
+    than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
+    the queue then orders paths by time so far plus a lower bound of the time still
+    needed (the lower bound on bytes from the state to the goal over the fastest link). The bound holds for every correct plan, so the first path to reach the
     goal is the least one in all four criteria either way (peak, steps and index-list
     steps only grow along a path); A* expands far fewer states on large searches, and
     small ones skip the cost of bounding every state.
     """
-    try:
-        return _search_from(start, goal, mesh, itemsize, cost_model, guided=False)
-    except _TooLong:
-        return _search_from(start, goal, mesh, itemsize, cost_model, guided=True)
+    if mesh.size <= _UNGUIDED_RANKS:
+        try:
+            return _search_from(start, goal, mesh, itemsize, cost_model, guided=False)
+        except _TooLong:
+            pass
+    return _search_from(start, goal, mesh, itemsize, cost_model, guided=True)
 
 
-_UNGUIDED_POPS = 64
+# Bounding a state costs about as much as expanding it; on small meshes most searches pop
+# a handful of states, so they go unguided; large meshes and long searches use A*.
+_UNGUIDED_RANKS = 64
+_UNGUIDED_POPS = 12
 
 
 class _TooLong(Exception):
