@@ -272,6 +272,15 @@ def chunk_range(start: int, length: int, parts: int, index: int) -> tuple[int, i
     return start + lo, hi - lo
 
 
+def _chunk_span(dim: DimPlacement, where: dict[str, int]) -> tuple[int, int]:
+    """(start, length) of an uneven dim's nested `torch.chunk` at coordinates `where`."""
+    start, length = 0, dim.size
+    for part in dim.parts:
+        if part.axis:
+            start, length = chunk_range(start, length, part.size, where[part.name])
+    return start, length
+
+
 @functools.lru_cache(maxsize=65536)
 def _indices(placed: tuple[DimPlacement, ...],
              coords: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
@@ -279,10 +288,7 @@ def _indices(placed: tuple[DimPlacement, ...],
     out = []
     for dim in placed:
         if dim.uneven:
-            start, length = 0, dim.size
-            for part in dim.parts:
-                if part.axis:
-                    start, length = chunk_range(start, length, part.size, where[part.name])
+            start, length = _chunk_span(dim, where)
             out.append(tuple(range(start, start + length)))
             continue
         out.append(_even_indices(dim.parts, where))
@@ -293,17 +299,8 @@ def _indices(placed: tuple[DimPlacement, ...],
 def _local_shape(placed: tuple[DimPlacement, ...],
                  coords: tuple[tuple[str, int], ...]) -> Shape:
     where = dict(coords)
-    out = []
-    for dim in placed:
-        if dim.uneven:
-            start, length = 0, dim.size
-            for part in dim.parts:
-                if part.axis:
-                    start, length = chunk_range(start, length, part.size, where[part.name])
-            out.append(length)
-        else:
-            out.append(math.prod(p.size for p in dim.parts if not p.axis))
-    return tuple(out)
+    return tuple(_chunk_span(dim, where)[1] if dim.uneven
+                 else math.prod(p.size for p in dim.parts if not p.axis) for dim in placed)
 
 
 def _even_indices(parts: tuple[Part, ...], where: dict[str, int]) -> tuple[int, ...]:
