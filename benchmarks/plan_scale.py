@@ -126,7 +126,7 @@ def time_limit(limit_s: float) -> Iterator[None]:
 # mesh's groups and coordinates): what DTensor has built before it plans, in its
 # DTensorSpec and DeviceMesh objects.
 INPUT_CACHES = ("notation.parse", "layout._parse_layout", "layout._resolve", "mesh._groups",
-                "blocks.coords_table", "blocks.group_positions", "blocks._grid_positions")
+                "blocks.coords_table", "blocks.group_positions")
 
 
 def clear_meshcomm_caches(keep_inputs: bool = False) -> int:

@@ -44,11 +44,6 @@ class DimBlock:
         return DimBlock(self.size, max(self.start, other.start), min(self.stop, other.stop),
                         tuple(sorted(set(self.digits + other.digits), reverse=True)))
 
-    def key(self) -> tuple[int, ...]:
-        """A canonical form: equal for blocks that hold the same indices (where the stride
-        points chain; other blocks compare by their digits as written)."""
-        return _key(self)
-
     def count(self) -> int:
         """How many indices the block holds."""
         return _count(self)
@@ -73,15 +68,6 @@ def dim_block(dim: DimState, mesh: Mesh, coords: dict[AxisName, int]) -> DimBloc
 def block(state: State, mesh: Mesh, coords: dict[AxisName, int]) -> tuple[DimBlock, ...]:
     """Per dim, the block held at `coords` in `state`."""
     return tuple(dim_block(dim, mesh, coords) for dim in state.dims)
-
-
-def numel(blocks: tuple[DimBlock, ...]) -> int:
-    return math.prod(b.count() for b in blocks)
-
-
-def overlap(a: tuple[DimBlock, ...], b: tuple[DimBlock, ...]) -> int:
-    """Elements in both `a` and `b`."""
-    return math.prod((x & y).count() for x, y in zip(a, b))
 
 
 # -- counting -----------------------------------------------------------------------------
@@ -129,23 +115,6 @@ def _below(radix: Radix, x: int) -> int:
         if fixed != xd:
             return count
     return count
-
-
-@functools.lru_cache(maxsize=65536)
-def _key(b: DimBlock) -> tuple[int, ...]:
-    radix = _radix(b.size, b.digits)
-    if radix is None or radix == _CONTRADICTION or b.stop <= b.start:
-        return (b.size, b.start, b.stop, *itertools.chain.from_iterable(b.digits))
-    merged: list[list[int]] = []   # runs of fixed digits as one (unit, base, value)
-    for unit, base, fixed in radix:
-        if fixed is None:
-            continue
-        if merged and merged[-1][0] == unit * base:
-            last = merged[-1]
-            last[0], last[1], last[2] = unit, last[1] * base, last[2] * base + fixed
-        else:
-            merged.append([unit, base, fixed])
-    return (b.size, b.start, b.stop, *itertools.chain.from_iterable(merged))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -368,23 +337,6 @@ def coords_grid(mesh: Mesh, axes: tuple[AxisName, ...]) -> Iterator[dict[AxisNam
     """Every combination of coordinates on `axes` (mesh order, last fastest)."""
     for values in itertools.product(*(range(mesh.axis_size(a)) for a in axes)):
         yield dict(zip(axes, values))
-
-
-def grid_positions(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
-    """For each rank in mesh order, its index in `coords_grid(mesh, axes)`."""
-    return _grid_positions(mesh, tuple(axes))
-
-
-@functools.lru_cache(maxsize=256)
-def _grid_positions(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
-    return tuple(flat_index(coords_table(mesh), mesh, axes).tolist())
-
-
-def spread(mesh: Mesh, axes: tuple[AxisName, ...], values: list[int]) -> tuple[int, ...]:
-    """Values given per combination of `axes` coordinates, as one value per rank."""
-    if len(values) == 1:
-        return (values[0],) * mesh.size
-    return tuple(values[i] for i in grid_positions(mesh, axes))
 
 
 def in_mesh_order(mesh: Mesh, axes: object) -> tuple[AxisName, ...]:
