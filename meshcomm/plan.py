@@ -313,7 +313,7 @@ def _plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout
     names = dst.dim_names(mesh)
     steps = []
     state, layout = start, src
-    src_sizes = tuple(n * itemsize for n in local_numels(start, mesh))
+    src_sizes = _times(local_numels(start, mesh), itemsize)
     for i, move in enumerate(moves):
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         steps.append(_step(move, state, layout, after, mesh, itemsize, cost_model,
@@ -323,9 +323,16 @@ def _plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout
     send = tuple(map(sum, zip(zeros, *(s.send_bytes for s in steps))))
     recv = tuple(map(sum, zip(zeros, *(s.recv_bytes for s in steps))))
     peak = tuple(map(max, zip(src_sizes, *(s.peak_bytes for s in steps))))
-    lower = tuple(n * itemsize for n in bounds.lower_bound_elements(mesh, shape, src, dst))
+    lower = _times(bounds.lower_bound_elements(mesh, shape, src, dst), itemsize)
     return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peak,
                 sum(s.time_s for s in steps), cost_model)
+
+
+def _times(values: tuple[int, ...], factor: int) -> tuple[int, ...]:
+    """Per-rank counts times `factor` (one multiplication when every rank is alike)."""
+    if values.count(values[0]) == len(values):
+        return (values[0] * factor,) * len(values)
+    return tuple(map(factor.__mul__, values))
 
 
 def _check_ops(src: Layout, dst: Layout) -> None:
@@ -344,8 +351,7 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
     live = (local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)).reshape(-1)
     live = live * itemsize + (torch.tensor(held) if held else 0)
     peak = tuple(live.tolist())
-    send = tuple(b * itemsize for b in move.send)
-    recv = tuple(b * itemsize for b in move.recv)
+    send, recv = _times(move.send, itemsize), _times(move.recv, itemsize)
     time = 0.0 if move.kind == "local" else cost_model.time(
         move.axes, max(max(send), max(recv)))
     return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
