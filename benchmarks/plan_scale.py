@@ -56,6 +56,9 @@ import torch
 
 import meshcomm as mc
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan_vs_dtensor as pvd  # noqa: E402  (its Case: id, mesh, shape, src, dst)
+
 DEFAULT_JSON = Path(__file__).parent / "results" / "plan_scale.json"
 SCALE = 4096
 MB = 1e6
@@ -63,12 +66,7 @@ Measure = float | str  # a number, or why there is none ("timeout (> 30 s)", "n/
 
 
 @dataclass(frozen=True)
-class Case:
-    id: str
-    mesh: str
-    shape: tuple[int, ...]
-    src: str
-    dst: str
+class Case(pvd.Case):
     one_collective: bool  # one collective can make the change (not always at the bound)
 
 

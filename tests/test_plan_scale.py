@@ -224,11 +224,8 @@ def _fits(layout: str, mesh: mc.Mesh, shape: tuple[int, ...]) -> bool:
     return True
 
 
-@st.composite
-def sim_cases(draw):
-    mesh = draw(small_meshes())
-    ndim = draw(st.integers(1, 3))
-    sizes = [0, 1, 2, 3, 5, 6, 7, 12, 24] if ndim < 3 else [0, 1, 2, 3, 4, 5, 6, 12]
+def _draw_transition(draw, mesh, ndim, sizes):
+    """A random shape from `sizes` and a src/dst pair of layouts that fit it on `mesh`."""
     shape = tuple(draw(st.sampled_from(sizes)) for _ in range(ndim))
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     src = random_layout(rng, mesh, ndim, OPS)
@@ -236,6 +233,14 @@ def sim_cases(draw):
     dst = random_layout(rng, mesh, ndim, (op,) if op else OPS)
     assume(_fits(src, mesh, shape) and _fits(dst, mesh, shape))
     return mesh, shape, src, dst
+
+
+@st.composite
+def sim_cases(draw):
+    mesh = draw(small_meshes())
+    ndim = draw(st.integers(1, 3))
+    sizes = [0, 1, 2, 3, 5, 6, 7, 12, 24] if ndim < 3 else [0, 1, 2, 3, 4, 5, 6, 12]
+    return _draw_transition(draw, mesh, ndim, sizes)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -343,14 +348,7 @@ BIG_DIMS = [VOCAB, HIDDEN, 4096, 131072, 1024, 8, 3, 1]
 @st.composite
 def big_cases(draw):
     mesh = draw(st.sampled_from(BIG_MESHES))
-    ndim = draw(st.integers(1, 3))
-    shape = tuple(draw(st.sampled_from(BIG_DIMS)) for _ in range(ndim))
-    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    src = random_layout(rng, mesh, ndim, OPS)
-    op = mc.Layout(src).reduce_op
-    dst = random_layout(rng, mesh, ndim, (op,) if op else OPS)
-    assume(_fits(src, mesh, shape) and _fits(dst, mesh, shape))
-    return mesh, shape, src, dst
+    return _draw_transition(draw, mesh, draw(st.integers(1, 3)), BIG_DIMS)
 
 
 @settings(max_examples=25, deadline=None,
