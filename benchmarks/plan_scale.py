@@ -20,7 +20,7 @@ Per case, meshcomm:
 
 Per case, DTensor, in the same process: a fake process group (`FakeStore`, no processes)
 of the largest world size in the run, and a `DeviceMesh` over the first N ranks per mesh.
-Layouts become placements with `mc.to_placements`; `DTensorSpec(mesh, placements,
+Layouts become placements with `mc.dtensor.to_placements`; `DTensorSpec(mesh, placements,
 tensor_meta=TensorMeta(shape, stride, float32))` on both ends. Cold: median of N calls of
 `_redistribute._gen_transform_infos_non_cached(src, dst, use_graph_based_transform)` with
 False (greedy, DTensor's default) and True (min-cost graph search), its planner cache
@@ -123,8 +123,9 @@ def time_limit(limit_s: float) -> Iterator[None]:
 # Caches of the inputs alone (parsed layouts, their placements on a mesh and shape, the
 # mesh's groups and coordinates): what DTensor has built before it plans, in its
 # DTensorSpec and DeviceMesh objects.
-INPUT_CACHES = ("notation.parse", "layout._parse_layout", "layout._resolve", "mesh._groups",
-                "blocks.coords_table", "blocks.group_positions")
+INPUT_CACHES = ("core.notation.parse", "core.layout._parse_layout", "core.layout._resolve",
+                "core.mesh._groups", "planner.blocks.coords_table",
+                "planner.blocks.group_positions")
 
 
 def clear_meshcomm_caches(keep_inputs: bool = False) -> int:
@@ -317,8 +318,8 @@ def dtensor_entry(case: Case, meshes: dict[str, Any], reps: int,
 
     mesh = mc.Mesh(case.mesh)
     try:  # a layout without placements, or a mesh DTensor rejects: n/a, with the reason
-        src_p = mc.to_placements(mesh, case.shape, case.src)
-        dst_p = mc.to_placements(mesh, case.shape, case.dst)
+        src_p = mc.dtensor.to_placements(mesh, case.shape, case.src)
+        dst_p = mc.dtensor.to_placements(mesh, case.shape, case.dst)
         dmesh = device_mesh(mesh, meshes)
         src, dst = _spec(dmesh, src_p, case.shape), _spec(dmesh, dst_p, case.shape)
     except Exception as exc:

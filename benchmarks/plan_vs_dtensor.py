@@ -4,29 +4,29 @@ Run: `python benchmarks/plan_vs_dtensor.py [--quick] [--json PATH]`.
 
 For every case the script reports, per planner, the bytes each rank receives (max and
 sum over ranks), the number of collectives and the peak memory (max over ranks), and the
-lower bound on received bytes from `meshcomm.bounds`.
+lower bound on received bytes from `meshcomm.planner.bounds`.
 
 How DTensor is measured. Each case runs on real gloo processes (4 or 8, via
-`meshcomm.testing.run_ranks`), once with DTensor's default (greedy) planner and once under
+`meshcomm.executors.distributed.launch.run_ranks`), once with DTensor's default (greedy) planner and once under
 `torch.distributed.tensor._redistribute.use_min_cost_redistribution_plan()` (its
 graph-based Dijkstra planner); non-default shard orders always use the graph planner. A
 `TorchDispatchMode` records every `_c10d_functional` op that `redistribute` issues
 (kind, group size, the rank's position in the group, input and output sizes), and bytes
-follow meshcomm's formulas (meshcomm/moves.py): all_gather receives the other blocks,
+follow meshcomm's formulas (meshcomm/planner/moves.py): all_gather receives the other blocks,
 reduce_scatter (g-1) output chunks, all_reduce (T - c_i) + (g-1) c_i with `torch.chunk`
 chunks c_i of the flat tensor, all_to_all the chunks of the others. On CPU DTensor
 replaces its all_to_all by an all_gather (gloo has no `_dtensor.shard_dim_alltoall`); the
 script swaps in an exact equivalent of the NCCL path (pad, split, one
 `all_to_all_single`), so DTensor is counted as it runs on GPUs. Every DTensor result is
-checked against `meshcomm.sim.scatter` of the global tensor under the destination layout,
+checked against `meshcomm.executors.sim.scatter` of the global tensor under the destination layout,
 and every source against the global tensor (`full_tensor`), so both sides do the same job.
 
 Peak memory, both sides: the source is held throughout; a step holds its input and output
 (for DTensor: each collective's input and output buffers, padding included, and each local
 chunk); the first step's input is the source itself. Peak = max over steps, per rank.
 
-Layouts map to DTensor placements by `dtensor_placements`, i.e. `mc.to_placements`
-(meshcomm/interop.py): a group "(a1 a2 ... name)" becomes Shard(dim) on each axis, in shard
+Layouts map to DTensor placements by `dtensor_placements`, i.e. `mc.dtensor.to_placements`
+(meshcomm/interop/placements.py): a group "(a1 a2 ... name)" becomes Shard(dim) on each axis, in shard
 order a1, a2, ... (non-default orders as `_StridedShard`, the encoding DTensor 2.13 decodes
 into `shard_order`); "| op(axes)" becomes Partial(op). Cyclic groups "(name axis)" and sized
 factors map to a lone `_StridedShard`, which torch 2.13 redistributes wrongly in some
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import math
@@ -52,8 +51,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshcomm as mc
-from meshcomm.sim import chunk_sizes, scatter
-from meshcomm.testing import run_ranks
+from meshcomm import planner
+from meshcomm.core.reduce_ops import chunk_sizes
+from meshcomm.executors.sim import scatter
+from meshcomm.executors.distributed.launch import run_ranks
 
 PLANNERS = ("default", "min_cost")
 DEFAULT_JSON = Path(__file__).parent / "results" / "plan_vs_dtensor.json"
@@ -129,7 +130,7 @@ def dtensor_placements(mesh: mc.Mesh, layout: str, shape: tuple[int, ...] | None
                        ) -> tuple[tuple[Any, ...], ...] | str:
     """Per mesh axis ("shard", dim, split_factor) | ("replicate",) | ("partial", op), or why not.
 
-    The exact mapping `mc.to_placements` (meshcomm/interop.py), for layouts whose every dim
+    The exact mapping `mc.dtensor.to_placements` (meshcomm/interop/placements.py), for layouts whose every dim
     is blocks "(axes... name)". Cyclic and sized groups map too (a lone _StridedShard), but
     torch 2.13 redistributes those wrongly in some transitions (docs/dtensor.md): "n/a" here.
     Without `shape`, an even shape stands in (block placements do not depend on it).
@@ -146,8 +147,8 @@ def dtensor_placements(mesh: mc.Mesh, layout: str, shape: tuple[int, ...] | None
         shape = tuple(math.prod(mesh.axis_size(f.name) for f in dim.factors if f.name in names)
                       for dim in parsed.dims)
     try:
-        placements = mc.to_placements(mesh, shape, parsed)
-    except mc.InteropError as exc:
+        placements = mc.dtensor.to_placements(mesh, shape, parsed)
+    except mc.errors.InteropError as exc:
         return f"n/a: {str(exc).splitlines()[0]}"
     out: list[tuple[Any, ...]] = []
     for p in placements:
@@ -179,11 +180,10 @@ def meshcomm_row(case: Case) -> dict[str, Any]:
 
 
 def _clear_meshcomm_plan_cache() -> None:
-    # `meshcomm.plan` the attribute is the function; the module is in sys.modules.
-    module = importlib.import_module("meshcomm.plan")
-    cleared = [getattr(module, name).cache_clear() for name in ("_plan_args", "_plan")
-               if hasattr(getattr(module, name, None), "cache_clear")]
-    assert cleared, "meshcomm.plan has no lru-cached _plan to clear"
+    """Empty both plan caches (setting their size empties them)."""
+    size = planner.plan_cache_info()["maxsize"]
+    planner.set_plan_cache_size(size)
+    assert planner.plan_cache_info()["plans"] == 0
 
 
 def time_meshcomm(cases: list[Case], reps: int) -> dict[str, Any]:

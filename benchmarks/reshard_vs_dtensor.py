@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plan_vs_dtensor as pvd  # noqa: E402  (the layout -> placements mapper)
 
 import meshcomm as mc  # noqa: E402
-from meshcomm.testing import run_ranks  # noqa: E402
+from meshcomm.executors.distributed.launch import run_ranks
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "reshard_vs_dtensor.json"
 

@@ -15,7 +15,7 @@ growth over the second half of the run, which must stay under `--max-growth-mb`.
 
 Also measured (`check_cost`): the time a cached `mc.reshard` call takes with check mode
 off and on (median over alternating blocks, per rank), for a plan with one all_gather and
-for a plan with no step, and the same for a one-element `mc.all_reduce`.
+for a plan with no step, and the same for a one-element `mc.collectives.all_reduce`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 import meshcomm as mc
-from meshcomm.testing import random_layout, run_ranks
+from meshcomm.testing import random_layout
+from meshcomm.executors.distributed.launch import run_ranks
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "soak.json"
 MESH = "dp=2 tp=2"
@@ -60,7 +61,7 @@ def cases(pool: int, seed: int) -> list[Case]:
         dst = random_layout(rng, mesh, ndim, (op,) if op else ops, "ijk")
         try:
             mc.plan(mesh, shape, src, dst, dtype=dtype)
-        except mc.MeshcommError:
+        except mc.errors.MeshcommError:
             continue
         out.append((shape, src, dst, dtype))
     return out
@@ -81,7 +82,7 @@ def rss_bytes() -> int:
 # -- what every rank runs -----------------------------------------------------------------
 def soak_rank(rank: int, world: int, count: int, pool: int, plan_cache: int, seed: int,
               cost_reps: int) -> dict[str, Any]:
-    mc.set_plan_cache_size(plan_cache)
+    mc.planner.set_plan_cache_size(plan_cache)
     bound = mc.init_mesh(MESH)
     mesh, pos = bound.mesh, bound.mesh.position(rank)
     todo, draw = cases(pool, seed), random.Random(seed + 1)
@@ -102,7 +103,7 @@ def soak_rank(rank: int, world: int, count: int, pool: int, plan_cache: int, see
         if (i + 1) % every == 0 or i + 1 == count:
             gc.collect()
             checkpoints.append({"reshards": i + 1, "rss_bytes": rss_bytes(),
-                                "plan_cache": mc.plan_cache_info()})
+                                "plan_cache": mc.planner.plan_cache_info()})
     elapsed = time.perf_counter() - start
     return {"rank": rank, "checkpoints": checkpoints, "problems": problems[:20],
             "mismatches": len(problems), "kinds": sorted(kinds), "seconds": elapsed,
@@ -116,7 +117,7 @@ def check_cost(bound: mc.BoundMesh, reps: int) -> dict[str, dict[str, float]]:
         "reshard_all_gather": lambda: mc.reshard(x, bound, "(dp b) h", "b h"),
         "reshard_no_step": lambda: mc.reshard(x, bound, "(dp b) h", "(dp b) h"),
         # `+ 0` waits for the functional collective's result
-        "all_reduce_1_elem": lambda: mc.all_reduce(x[0, :1], bound, ("dp", "tp")) + 0,
+        "all_reduce_1_elem": lambda: mc.collectives.all_reduce(x[0, :1], bound, ("dp", "tp")) + 0,
     }
     out = {}
     block = max(1, reps // 10)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.testing import run_ranks
+from meshcomm.executors.distributed.launch import run_ranks
 
 MESH, RECIPE = "ep=4", "expert_parallel"
 BATCH, SEQ, EMBED, HIDDEN, EXPERTS = 8, 6, 16, 32, 8

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.testing import run_ranks
+from meshcomm.executors.distributed.launch import run_ranks
 
 CONFIG = {"batch": 8, "inputs": 6, "hidden": 8, "outputs": 4, "steps": 3, "seed": 0}
 LR = 0.1

@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm import p2p
-from meshcomm.testing import run_ranks
+from meshcomm.executors.local import fill_reindexed
+from meshcomm.executors.distributed.launch import run_ranks
 
 SAVED_MESH = "dp=2 tp=2"
 LOADED_MESH = "tp=2"
@@ -86,7 +86,7 @@ def load(rank: int, world: int, folder: str) -> dict[str, Any]:
         for src in sorted({t.src for t in mine}):
             if src not in files:
                 files[src] = torch.load(Path(folder) / f"rank{src}.pt")
-            local = p2p.fill_reindexed([t for t in mine if t.src == src], me,
+            local = fill_reindexed([t for t in mine if t.src == src], me,
                                        files[src][name], local)
         out["read"][name] = sorted({t.src for t in mine})
         # Check: mc.sim runs the same plan on all saved shards (this rank reads them all).

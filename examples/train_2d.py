@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import meshcomm as mc
-from meshcomm.testing import run_ranks
+from meshcomm.executors.distributed.launch import run_ranks
 
 CONFIG = {"layers": 2, "embed": 16, "heads": 2, "mlp": 32, "vocab": 64, "seq": 8, "batch": 4,
           "steps": 20, "lr": 1e-2, "seed": 0}
@@ -167,7 +167,7 @@ def train_parallel(bound: mc.BoundMesh, cfg: dict[str, int], dtype: torch.dtype)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(mc.all_reduce(loss.detach(), bound, batch_axes, op="avg").item())
+        losses.append(mc.collectives.all_reduce(loss.detach(), bound, batch_axes, op="avg").item())
     return losses
 
 

@@ -4,33 +4,66 @@
 >>> mesh = mc.Mesh("dp=2 tp=4")
 >>> [step.kind for step in mc.plan(mesh, (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)").steps]
 ['all_to_all']
+
+The public surface (docs/api.md): the values and functions in `__all__`, and five
+namespaces: `mc.errors` (every error class), `mc.collectives` (functional collectives on
+a BoundMesh), `mc.dtensor` (DTensor and placements), `mc.sim` (simulated ranks) and
+`mc.nn` (building blocks). The layers below (`meshcomm.core`, `meshcomm.planner`,
+`meshcomm.executors`) are importable for advanced use; docs/architecture.md draws them.
 """
-# Layers, bottom up: values and the planner (pure), simulated ranks, the torch.distributed
-# runtime, the thin public API, interop and building blocks, printouts.
-from .errors import (CollectiveError, CollectiveMismatchError, CollectiveTimeout, InteropError,
-                     LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
-                     PlanError, RankFailure, RecipeError, ShapeError)
-from .mesh import Mesh
-from .layout import Layout, as_layout
-from .plan import CostModel, Plan, Step, plan, plan_cache_info, set_plan_cache_size
-from .recipes import Recipe, logical, recipe
-from . import sim
-from .dist import BoundMesh, ByteTrace, init_mesh
-from .dist.checks import checks
-from .dist.collectives import (all_gather, all_reduce, all_to_all, broadcast, collective_permute,
-                               recv, reduce_scatter, send, sendrecv)
-from .api import Sharded, distribute, reshard, reshard_many
-from .interop import bind_device_mesh, from_dtensor, from_placements, to_dtensor, to_placements
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+from . import collectives, dtensor, errors, nn
+from .core.layout import Layout
+from .core.mesh import Mesh
 from .display import show, show_plan
-from . import nn
+from .executors import sim
+from .executors.distributed import BoundMesh, ByteTrace, init_mesh
+from .executors.distributed.checks import checks
+from .planner.plan import plan
+from .planner.values import CostModel, Plan, Step
+from .recipes import Recipe, logical, recipe
+from .sharded import Sharded, distribute, reshard, reshard_many
 
 __all__ = [
-    "BoundMesh", "ByteTrace", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
-    "CostModel", "InteropError", "Layout", "LayoutSyntaxError", "Mesh", "MeshAxisError",
-    "MeshMismatchError", "MeshcommError", "Plan", "PlanError", "RankFailure", "Recipe",
-    "RecipeError", "ShapeError", "Sharded", "Step", "all_gather", "all_reduce", "all_to_all",
-    "as_layout", "bind_device_mesh", "broadcast", "checks", "collective_permute", "distribute",
-    "from_dtensor", "from_placements", "init_mesh", "logical", "nn", "plan", "plan_cache_info",
-    "recipe", "recv", "reduce_scatter", "reshard", "reshard_many", "send", "sendrecv",
-    "set_plan_cache_size", "show", "show_plan", "sim", "to_dtensor", "to_placements",
+    # values
+    "BoundMesh", "ByteTrace", "CostModel", "Layout", "Mesh", "Plan", "Recipe", "Sharded", "Step",
+    # functions
+    "checks", "distribute", "init_mesh", "logical", "plan", "recipe", "reshard", "reshard_many",
+    "show", "show_plan",
+    # namespaces
+    "collectives", "dtensor", "errors", "nn", "sim",
 ]
+
+# Spellings from before the namespaces (meshcomm 0.1). They keep working, with a
+# DeprecationWarning that names the one spelling to use instead.
+_MOVED = {
+    **{name: ("meshcomm.collectives", f"mc.collectives.{name}")
+       for name in ("all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute",
+                    "recv", "reduce_scatter", "send", "sendrecv")},
+    **{name: ("meshcomm.dtensor", f"mc.dtensor.{name}")
+       for name in ("bind_device_mesh", "from_dtensor", "from_placements", "to_dtensor",
+                    "to_placements")},
+    **{name: ("meshcomm.errors", f"mc.errors.{name}")
+       for name in ("CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
+                    "InteropError", "LayoutSyntaxError", "MeshAxisError", "MeshcommError",
+                    "MeshMismatchError", "PlanError", "RankFailure", "RecipeError", "ShapeError")},
+    "as_layout": ("meshcomm.core.layout", "mc.Layout(...)"),
+    "plan_cache_info": ("meshcomm.planner.plan", "meshcomm.planner.plan_cache_info"),
+    "set_plan_cache_size": ("meshcomm.planner.plan", "meshcomm.planner.set_plan_cache_size"),
+    "dist": ("meshcomm.executors.distributed", "meshcomm.executors.distributed"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
+    module, instead = _MOVED[name]
+    warnings.warn(f"mc.{name} is deprecated; use {instead}", DeprecationWarning, stacklevel=2)
+    found = importlib.import_module(module)
+    return found if name == "dist" else getattr(found, name)

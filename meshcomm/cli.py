@@ -17,12 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import display, sim
-from .errors import MeshAxisError, MeshcommError, did_you_mean
-from .layout import Layout, Shape
-from .mesh import Mesh
-from .plan import CostModel, Plan, plan
-from . import recipes
+from . import display, recipes
+from .core.errors import MeshAxisError, MeshcommError, did_you_mean
+from .core.layout import Layout, Shape
+from .core.mesh import Mesh
+from .executors import sim
+from .planner.plan import plan
+from .planner.values import CostModel, Plan
 
 DEMO_MESH = "dp=2 tp=2"
 DEMO_SHAPE = (8, 6)
@@ -153,7 +154,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     The processes return their shards and bytes; this process prints every picture and
     plan once (for all ranks) and checks each step against the simulator, bit for bit.
     """
-    from .testing import run_ranks
+    from .executors.distributed.launch import run_ranks
 
     console = display.make_console(width=args.width)
     mesh = Mesh(DEMO_MESH)
@@ -187,8 +188,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _demo_rank(rank: int, world_size: int, mesh_spec: str, x: torch.Tensor,
                chain: list[tuple[str, str]]) -> list[tuple[torch.Tensor, int, int]]:
     """One process of the demo: each step's shard and the bytes it sent and received."""
-    from .api import distribute, reshard
-    from .dist import ByteTrace, init_mesh
+    from .executors.distributed import ByteTrace, init_mesh
+    from .sharded import distribute, reshard
 
     bound = init_mesh(mesh_spec)
     local = distribute(x, bound, chain[0][0]).local

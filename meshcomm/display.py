@@ -19,10 +19,10 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from . import explain
-from .layout import Layout, Shape, as_layout
-from .mesh import AxisName, Mesh
-from .plan import Plan
+from .core.layout import Layout, Shape, as_layout
+from .core.mesh import AxisName, Mesh
+from .planner import explain
+from .planner.values import Plan
 
 __all__ = ["BlockGrid", "Console", "ShardRow", "block_grid", "dim_names", "export_svg",
            "format_indices", "make_console", "owner_label", "render_layout", "render_plan",

@@ -25,13 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field,
-                      ValidationError)
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from . import notation
-from .errors import LayoutSyntaxError, MeshAxisError, MeshcommError, RecipeError, did_you_mean
-from .layout import Layout
-from .mesh import AxisName, Mesh
+from .core import notation
+from .core.errors import LayoutSyntaxError, MeshAxisError, MeshcommError, RecipeError, did_you_mean
+from .core.layout import Layout
+from .core.mesh import AxisName, Mesh
 
 __all__ = ["NamedTensor", "Recipe", "builtin_recipes", "layout_dirs", "logical", "recipe"]
 

@@ -1,33 +1,76 @@
-"""Import layering (checked with `ast`, nothing is imported) and README/CI agreement."""
+"""The package's import graph, built with `ast` (nothing is imported): layers and no cycles.
+
+Every `import` and `from ... import` anywhere in a file counts: at module level, inside
+functions (lazy imports) and under `if TYPE_CHECKING:`. `from X import y` is an edge to the
+module X.y when that is a module, else to X. The implicit import of a parent package (which
+Python runs before any submodule) is not an edge. docs/architecture.md draws the layers.
+"""
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "meshcomm"
-PURE = ("errors", "mesh", "notation", "layout", "states", "moves", "plan", "bounds",
-        "rearrange", "blocks")
-FORBIDDEN = ("torch.distributed", "rich", "pydantic", "meshcomm.sim", "meshcomm.dist",
-             "meshcomm.display")
+
+# Bottom up. A module imports only from its own layer or below.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("meshcomm.core",)),
+    ("planner", ("meshcomm.planner",)),
+    ("executors", ("meshcomm.executors",)),
+    ("adapters", ("meshcomm.interop", "meshcomm.display", "meshcomm.recipes", "meshcomm.testing")),
+    ("sharded", ("meshcomm.sharded",)),
+    ("building blocks", ("meshcomm.nn", "meshcomm.dtensor", "meshcomm.collectives",
+                         "meshcomm.errors")),
+    ("entry points", ("meshcomm.cli", "meshcomm.__main__", "meshcomm")),
+)
+# Siblings inside one layer that must not import each other (either direction).
+SIBLINGS: tuple[tuple[str, str], ...] = (
+    ("meshcomm.executors.sim", "meshcomm.executors.distributed"),
+    ("meshcomm.interop", "meshcomm.display"),
+    ("meshcomm.interop", "meshcomm.recipes"),
+    ("meshcomm.display", "meshcomm.recipes"),
+)
+# Modules the tree must have (docs/architecture.md names them); missing ones fail.
+REQUIRED = (
+    "meshcomm.core.errors", "meshcomm.core.mesh", "meshcomm.core.notation",
+    "meshcomm.core.layout", "meshcomm.core.reduce_ops",
+    "meshcomm.planner.values", "meshcomm.planner.explain", "meshcomm.planner.rearrange",
+    "meshcomm.planner.states", "meshcomm.planner.blocks", "meshcomm.planner.moves",
+    "meshcomm.planner.traffic", "meshcomm.planner.bounds", "meshcomm.planner.transfers",
+    "meshcomm.planner.search", "meshcomm.planner.crossmesh", "meshcomm.planner.plan",
+    "meshcomm.executors.steps", "meshcomm.executors.local", "meshcomm.executors.sim",
+    "meshcomm.executors.distributed", "meshcomm.executors.distributed.launch",
+    "meshcomm.interop.placements", "meshcomm.interop.runtime", "meshcomm.sharded",
+    "meshcomm.recipes", "meshcomm.display", "meshcomm.nn", "meshcomm.dtensor",
+    "meshcomm.collectives", "meshcomm.errors", "meshcomm.cli",
+)
+# The pure layers: no process groups, no printers, no config parsing, no executors.
+PURE_LAYERS = ("meshcomm.core", "meshcomm.planner")
+FORBIDDEN_IN_PURE = ("torch.distributed", "rich", "pydantic", "meshcomm.executors",
+                     "meshcomm.display", "meshcomm.sharded")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module `path` imports, anywhere in the file, with relative imports resolved.
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    root = package.parent
+    return {module_name(p, root): p for p in sorted(package.rglob("*.py"))}
 
-    `from X import y` counts as importing both X and X.y (y may be a submodule).
-    """
+
+def imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module name `path` imports anywhere in the file (relative imports resolved);
+    `from X import y` gives both X and X.y (callers keep what exists)."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = module_name(path).split(".")
+    package = module_name(path, root).split(".")
     if path.name != "__init__.py":
         package = package[:-1]
     found: set[str] = set()
@@ -45,63 +88,178 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-def violates(name: str, banned: str) -> bool:
-    return name == banned or name.startswith(banned + ".")
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a `from X import module` names the module
+    only; parents that Python imports implicitly are not edges)."""
+    mods = modules(package)
+    out: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        found = imports(path, package.parent)
+        edges = {m for m in found if m in mods}
+        # `from X import sub` where X.sub is a module: the edge is to X.sub, not X.
+        for m in list(edges):
+            if any(f.startswith(m + ".") and f in mods for f in found) and not _names_non_module(
+                    path, m, mods, package.parent):
+                edges.discard(m)
+        out[name] = edges - {name}
+    return out
 
 
-def test_import_resolution_helper():
-    assert "meshcomm.sim.collectives" in imports(PACKAGE / "sim" / "shards.py")
-    assert "meshcomm.errors" in imports(PACKAGE / "sim" / "shards.py")
-    assert "meshcomm.sim" in imports(PACKAGE / "__init__.py")
-    assert "meshcomm.errors" in imports(PACKAGE / "mesh.py")
+def _names_non_module(path: Path, module: str, mods: Mapping[str, Path], root: Path) -> bool:
+    """Whether some `from module import y` (or `import module`) in `path` takes a y that is
+    not a submodule, i.e. really needs `module` itself."""
+    tree = ast.parse(path.read_text())
+    package = module_name(path, root).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name == module for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            name = ".".join([*base, *([node.module] if node.module else [])])
+            if name == module and any(f"{module}.{a.name}" not in mods for a in node.names):
+                return True
+    return False
 
 
-@pytest.mark.parametrize("name", PURE)
-def test_pure_modules_never_import_executors_or_printers(name):
-    path = PACKAGE / f"{name}.py"
-    if not path.exists():
-        pytest.skip(f"meshcomm/{name}.py does not exist yet")
-    bad = sorted(i for i in imports(path) for banned in FORBIDDEN if violates(i, banned))
-    assert not bad, f"meshcomm/{name}.py imports {bad}; pure modules must not (STYLE.md §1)"
-
-
-def meshcomm_imports_closure(start: str) -> set[str]:
-    """Modules of meshcomm reachable from `start` through explicit imports."""
-    seen, todo = set(), [start]
-    while todo:
-        name = todo.pop()
-        if name in seen:
+def cycles(edges: Mapping[str, Iterable[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for root in edges:
+        if root in index:
             continue
-        seen.add(name)
-        rel = name.split(".")[1:]
-        for path in (ROOT.joinpath("meshcomm", *rel).with_suffix(".py"),
-                     ROOT.joinpath("meshcomm", *rel, "__init__.py")):
-            if rel and path.exists():
-                todo.extend(i for i in imports(path) if i.startswith("meshcomm.")
-                            and i not in seen)
-                break
-    return seen
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
 
 
-@pytest.mark.parametrize("name", PURE)
-def test_pure_modules_do_not_reach_executors_through_other_modules(name):
-    if not (PACKAGE / f"{name}.py").exists():
-        pytest.skip(f"meshcomm/{name}.py does not exist yet")
-    reached = meshcomm_imports_closure(f"meshcomm.{name}")
-    bad = sorted(m for m in reached for banned in FORBIDDEN if violates(m, banned))
-    assert not bad, f"meshcomm/{name}.py reaches {bad} through its imports"
-    for module in reached:
-        rel = module.split(".")[1:]
-        path = ROOT.joinpath("meshcomm", *rel).with_suffix(".py")
-        if path.exists():
-            third = sorted(i for i in imports(path) for banned in FORBIDDEN[:3]
-                           if violates(i, banned))
-            assert not third, f"meshcomm/{name}.py reaches {module}, which imports {third}"
+def within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
 
 
-def test_display_is_the_only_module_importing_rich():
+def layer_of(name: str) -> int:
+    """Index of `name`'s layer (the longest matching prefix wins)."""
+    best, depth = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if within(name, p) and len(p) > depth:
+                best, depth = i, len(p)
+    return best
+
+
+def upward(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    bad = []
+    for src, dsts in edges.items():
+        for dst in dsts:
+            if layer_of(dst) > layer_of(src):
+                bad.append(f"{src} ({LAYERS[layer_of(src)][0]}) imports {dst}"
+                           f" ({LAYERS[layer_of(dst)][0]})")
+    return sorted(bad)
+
+
+GRAPH = graph()
+
+
+# -- the checkers can fail: a fake package with a cycle and an upward import ---------------
+def test_checkers_find_a_cycle_and_an_upward_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "meshcomm"
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "planner").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "planner" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def f():\n    from ..planner import b\n")
+    (pkg / "planner" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..core.a import f\n")
+    edges = graph(pkg)
+    assert edges["meshcomm.core.a"] == {"meshcomm.planner.b"}     # lazy import counted
+    assert edges["meshcomm.planner.b"] == {"meshcomm.core.a"}     # TYPE_CHECKING counted
+    assert cycles(edges) == [["meshcomm.core.a", "meshcomm.planner.b"]]
+    assert upward(edges) == ["meshcomm.core.a (core) imports meshcomm.planner.b (planner)"]
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = sorted(m for m in GRAPH if layer_of(m) < 0)
+    assert not missing, f"modules outside every layer: {missing}; add them to LAYERS"
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_required_module_exists(name: str) -> None:
+    assert name in GRAPH, f"{name} is missing (tests/test_architecture.py names it)"
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(GRAPH) == [], "import cycles"
+
+
+def test_imports_point_down() -> None:
+    assert upward(GRAPH) == []
+
+
+@pytest.mark.parametrize("a, b", SIBLINGS)
+def test_siblings_stay_apart(a: str, b: str) -> None:
+    bad = sorted(f"{s} imports {d}" for s, ds in GRAPH.items() for d in ds
+                 if within(s, a) and within(d, b) or within(s, b) and within(d, a))
+    assert not bad
+
+
+def test_pure_layers_never_import_executors_printers_or_process_groups() -> None:
+    mods = modules()
+    bad = []
+    for name, path in mods.items():
+        if any(within(name, p) for p in PURE_LAYERS):
+            bad += [f"{name} imports {i}" for i in sorted(imports(path))
+                    for banned in FORBIDDEN_IN_PURE if within(i, banned)]
+    assert not bad
+
+
+def test_no_folder_named_like_build_output() -> None:
+    bad = [str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*")
+           if p.is_dir() and p.name in ("dist", "build", "test", "tests", "out")]
+    assert not bad
+
+
+def test_the_launcher_is_not_a_testing_module() -> None:
+    assert "meshcomm.executors.distributed.launch" in GRAPH["meshcomm.cli"] or any(
+        "launch" in i for i in imports(PACKAGE / "cli.py"))
+    assert not any(within(m, "meshcomm.testing") for m in GRAPH["meshcomm.cli"])
+
+
+def test_display_is_the_only_module_importing_rich() -> None:
     users = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py")
-                   if any(violates(i, "rich") for i in imports(p)))
+                   if any(within(i, "rich") for i in imports(p)))
     assert users == ["meshcomm/display.py"]
 
 
@@ -109,7 +267,7 @@ def fenced_bash_blocks(text: str) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"^```bash\n(.*?)^```", text, re.M | re.S)]
 
 
-def test_readme_test_command_is_what_ci_runs():
+def test_readme_test_command_is_what_ci_runs() -> None:
     blocks = fenced_bash_blocks((ROOT / "README.md").read_text())
     assert len(blocks) == 2, "the README has exactly two set-up commands"
     command = blocks[1]
@@ -118,7 +276,7 @@ def test_readme_test_command_is_what_ci_runs():
     assert command in ci_lines, f".ci/run must run the README's test command verbatim: {command}"
 
 
-def test_ci_script_fails_on_errors():
+def test_ci_script_fails_on_errors() -> None:
     text = (ROOT / ".ci" / "run").read_text()
     assert text.startswith("#!")
     assert "set -euo pipefail" in text or "set -e" in text

@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import meshcomm as mc
-from meshcomm.dist.bind import BoundMesh
-from meshcomm.errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
-                             PlanError, ShapeError)
+from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.core.errors import (LayoutSyntaxError, MeshAxisError, MeshcommError,
+                                  MeshMismatchError, PlanError, ShapeError)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 
@@ -90,10 +90,10 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
      '    b s b\n'
      '        ^ "b" appears twice; every name is used once\n'
      '  fix: a mesh axis shards one dim or is pending; rename the dim'),
-    ("axes", "collective unknown axis", lambda: mc.all_gather(X, B, "tq"), MeshAxisError,
+    ("axes", "collective unknown axis", lambda: mc.collectives.all_gather(X, B, "tq"), MeshAxisError,
      'all_gather: "tq" is not an axis of Mesh(dp=2, tp=2); axes are dp, tp\n'
      '  fix: did you mean "tp"?'),
-    ("axes", "collective axis twice", lambda: mc.all_gather(X, B, ("tp", "tp")), MeshAxisError,
+    ("axes", "collective axis twice", lambda: mc.collectives.all_gather(X, B, ("tp", "tp")), MeshAxisError,
      "all_gather: axes ['tp', 'tp'] name an axis twice; fix: name each once"),
     # -- mesh
     ("mesh", "mesh text", lambda: mc.Mesh("dp=2 tp4"), MeshAxisError,
@@ -155,13 +155,13 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
     ("local", "a Sharded as x", lambda: mc.reshard(S, B, "(dp b) (tp h)", "b h"), ShapeError,
      'reshard needs a local torch.Tensor, got Sharded; fix: s.reshard(dst) for a Sharded s'),
     # -- meshes
-    ("meshes", "plan for another mesh", lambda: mc.dist.execute(mc.plan(mc.Mesh("dp=4"), (8, 6), "(dp b) h", "b h"), X, B), MeshMismatchError,
+    ("meshes", "plan for another mesh", lambda: mc.executors.distributed.execute(mc.plan(mc.Mesh("dp=4"), (8, 6), "(dp b) h", "b h"), X, B), MeshMismatchError,
      'plan was made for Mesh(dp=4) but is run on Mesh(dp=2, tp=2). fix: plan with the'
      ' bound mesh, mc.plan(bound.mesh, ...)'),
-    ("meshes", "plan for another rank order", lambda: mc.dist.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "b h"), X, fake_bound(ranks=[3, 2, 1, 0])), MeshMismatchError,
+    ("meshes", "plan for another rank order", lambda: mc.executors.distributed.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "b h"), X, fake_bound(ranks=[3, 2, 1, 0])), MeshMismatchError,
      'plan was made for Mesh(dp=2, tp=2) but is run on Mesh(dp=2, tp=2, ranks=[3, 2, 1,'
      ' 0]). fix: plan with the bound mesh, mc.plan(bound.mesh, ...)'),
-    ("meshes", "plan between meshes", lambda: mc.dist.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "(dp b) h", dst_mesh=mc.Mesh("dp=4")), X, B), MeshMismatchError,
+    ("meshes", "plan between meshes", lambda: mc.executors.distributed.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "(dp b) h", dst_mesh=mc.Mesh("dp=4")), X, B), MeshMismatchError,
      'plan goes from Mesh(dp=2, tp=2) to dst_mesh=Mesh(dp=4), so it runs on the ranks of'
      ' both meshes; fix: mc.reshard(x, mesh, src, dst, dst_mesh=bound_dst), which runs it'
      ' with meshcomm.dist.cross.execute_cross'),
@@ -185,10 +185,10 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
      'reshard: rank 5 is not in Mesh(dp=2, tp=2) (its ranks are [0, 1, 2, 3]), so it'
      " holds no shard of a tensor on it. fix: call reshard on the mesh's ranks only (if"
      ' mesh.in_mesh: ...)'),
-    ("rank", "rank outside the mesh: execute", lambda: mc.dist.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "b h"), X, fake_bound(rank=5)), MeshMismatchError,
+    ("rank", "rank outside the mesh: execute", lambda: mc.executors.distributed.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "b h"), X, fake_bound(rank=5)), MeshMismatchError,
      'rank 5 is not in Mesh(dp=2, tp=2); only its ranks [0, 1, 2, 3] run its plans. fix:'
      ' execute it on those ranks only (if bound.in_mesh: ...)'),
-    ("rank", "rank outside the mesh: collective", lambda: mc.all_gather(X, fake_bound(rank=5), "tp"), MeshMismatchError,
+    ("rank", "rank outside the mesh: collective", lambda: mc.collectives.all_gather(X, fake_bound(rank=5), "tp"), MeshMismatchError,
      'all_gather: rank 5 is not in Mesh(dp=2, tp=2); only its ranks [0, 1, 2, 3] run its'
      ' collectives'),
     # -- other
@@ -210,7 +210,7 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
      ' shape)'),
     ("other", "reshard without dst", lambda: mc.reshard(X, B, "(dp b) (tp h)"), ShapeError,
      'mc.reshard(x_local, mesh, src, dst): give both layouts, src and dst'),
-    ("other", "plan cache size", lambda: mc.set_plan_cache_size(-1), PlanError,
+    ("other", "plan cache size", lambda: mc.planner.set_plan_cache_size(-1), PlanError,
      'plan cache size must be an int >= 0, got -1; fix: e.g. set_plan_cache_size(4096)'),
 ]
 
@@ -258,10 +258,10 @@ def test_fuzz_plan_gives_a_plan_or_a_meshcomm_error(src: str, dst: str,
 @pytest.mark.parametrize("shape", [("a",), None, 8, (4.5,), (True,)],
                          ids=["str", "None", "int", "float", "bool"])
 def test_a_shape_that_is_not_ints(shape: Any) -> None:
-    with pytest.raises(mc.PlanError, match="shape must"):
+    with pytest.raises(mc.errors.PlanError, match="shape must"):
         mc.plan(M, shape, "(dp b)", "b")
 
 
 def test_a_cost_model_that_is_not_one() -> None:
-    with pytest.raises(mc.PlanError, match="cost_model must be a meshcomm CostModel"):
+    with pytest.raises(mc.errors.PlanError, match="cost_model must be a meshcomm CostModel"):
         mc.plan(M, (8,), "(dp b)", "b", cost_model="fast")  # type: ignore[arg-type]

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import meshcomm as mc
-from meshcomm.crossmesh import _contributors_only
-from meshcomm.sim import execute, gather, scatter
+from meshcomm.planner.crossmesh import _contributors_only
+from meshcomm.executors.sim import execute, gather, scatter
 
 A = mc.Mesh("dp=2 tp=2")                              # ranks 0-3
 PAIRS = [
@@ -107,9 +107,9 @@ def test_same_mesh_as_dst_mesh_is_a_plain_plan():
 
 
 def test_bad_dst_mesh():
-    with pytest.raises(mc.PlanError, match="dst_mesh must be a meshcomm Mesh"):
+    with pytest.raises(mc.errors.PlanError, match="dst_mesh must be a meshcomm Mesh"):
         mc.plan(A, (8, 16), "(dp b) s", "b s", dst_mesh="tp=4")
-    with pytest.raises(mc.MeshAxisError, match='"dp" is not a mesh axis'):
+    with pytest.raises(mc.errors.MeshAxisError, match='"dp" is not a mesh axis'):
         mc.plan(A, (8, 16), "(dp b) s", "(dp b) s", dst_mesh=mc.Mesh("tp=4", ranks=[4, 5, 6, 7]))
 
 
@@ -139,7 +139,7 @@ def cases(draw):
     try:
         mc.Layout(src).placements(src_mesh, shape)
         mc.Layout(dst).placements(dst_mesh, shape)
-    except mc.ShapeError:
+    except mc.errors.ShapeError:
         assume(False)
     return src_mesh, dst_mesh, shape, src, dst
 

@@ -85,9 +85,9 @@ def test_shard_rows_uneven_empty() -> None:
 
 
 def test_shard_rows_raises_meshcomm_errors() -> None:
-    with pytest.raises(mc.ShapeError):
+    with pytest.raises(mc.errors.ShapeError):
         shard_rows(MESH, (7, 6), "(b dp) h")
-    with pytest.raises(mc.MeshAxisError):
+    with pytest.raises(mc.errors.MeshAxisError):
         shard_rows(MESH, (8, 6), "(dq b) h")
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm import errors
-from meshcomm.errors import (LayoutSyntaxError, MeshAxisError, MeshcommError, MeshMismatchError,
-                             PlanError, RecipeError, ShapeError)
+from meshcomm.core import errors
+from meshcomm.core.errors import (LayoutSyntaxError, MeshAxisError, MeshcommError,
+                                  MeshMismatchError, PlanError, RecipeError, ShapeError)
 
 INPUT_ERRORS = (LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError, RecipeError,
                 PlanError)
@@ -21,7 +21,7 @@ INPUT_ERRORS = (LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError,
 def test_input_errors_are_meshcomm_and_value_errors(kind):
     assert issubclass(kind, MeshcommError)
     assert issubclass(kind, ValueError)
-    assert getattr(mc, kind.__name__) is kind
+    assert getattr(mc.errors, kind.__name__) is kind
 
 
 def test_every_error_class_derives_from_the_one_base():

@@ -14,9 +14,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
 import meshcomm as mc
-from meshcomm.api import is_dtensor
-from meshcomm.interop import dtensor_indices
-from meshcomm.sim.shards import take
+from meshcomm.interop.runtime import is_dtensor
+from meshcomm.interop.placements import dtensor_indices
+from meshcomm.executors.sim.shards import take
 
 M4 = mc.Mesh("dp=2 tp=2")
 M8 = mc.Mesh("a=2 b=2 c=2")
@@ -75,8 +75,8 @@ def names(mesh: mc.Mesh) -> str:
 @pytest.mark.parametrize(("mesh", "shape", "layout", "placements"), TABLE)
 def test_mapping_table_both_ways(mesh: mc.Mesh, shape: tuple[int, ...], layout: str,
                                  placements: str) -> None:
-    assert mc.to_placements(mesh, shape, layout) == pl(placements)
-    back = mc.from_placements(mesh, shape, pl(placements), names=names(mesh))
+    assert mc.dtensor.to_placements(mesh, shape, layout) == pl(placements)
+    back = mc.dtensor.from_placements(mesh, shape, pl(placements), names=names(mesh))
     assert back == mc.Layout(layout)
 
 
@@ -148,12 +148,12 @@ def test_placements_give_every_rank_its_shard(mesh: mc.Mesh) -> None:
         layout = mc.Layout(layout_text(rng, mesh, ndim))
         try:
             layout.placements(mesh, shape)
-        except mc.ShapeError:
+        except mc.errors.ShapeError:
             continue
         x = torch.arange(torch.Size(shape).numel()).reshape(shape)
         try:
-            placements = mc.to_placements(mesh, shape, layout)
-        except mc.InteropError as exc:
+            placements = mc.dtensor.to_placements(mesh, shape, layout)
+        except mc.errors.InteropError as exc:
             uneven = "splits it differently" in str(exc)
             assert uneven or not blocks_or_one_axis(mesh, layout, shape), (layout, shape, exc)
             if uneven:    # DTensor's split of the shard-order placements really differs
@@ -168,7 +168,7 @@ def test_placements_give_every_rank_its_shard(mesh: mc.Mesh) -> None:
         for rank in mesh.ranks:     # the held indices (a partial layout's too)
             want = take(x, layout.indices(mesh, shape, rank))
             assert torch.equal(dtensor_shard(x, mesh, placements, rank), want), (layout, shape)
-        back = mc.from_placements(mesh, shape, placements)
+        back = mc.dtensor.from_placements(mesh, shape, placements)
         assert [back.indices(mesh, shape, r) for r in mesh.ranks] == \
             [layout.indices(mesh, shape, r) for r in mesh.ranks], (layout, back)
     assert mapped > 60
@@ -193,8 +193,8 @@ def test_layout_of_random_placements_is_exact(mesh: mc.Mesh) -> None:
         placements = pl(" ".join(words))
         x = torch.arange(torch.Size(shape).numel()).reshape(shape)
         try:
-            layout = mc.from_placements(mesh, shape, placements)
-        except mc.InteropError:
+            layout = mc.dtensor.from_placements(mesh, shape, placements)
+        except mc.errors.InteropError:
             continue
         described += 1
         for rank in mesh.ranks:
@@ -220,12 +220,12 @@ def test_dtensor_indices_follow_left_to_right_splits() -> None:
 
 
 def test_from_placements_names_dims_and_sized_factors() -> None:
-    assert str(mc.from_placements(M4, (16, 6), pl("SS0.2 SS0.2"))) == "(x=2 dp tp d0) d1"
-    assert str(mc.from_placements(M4, (8, 6), pl("SS0.2 SS0.2"))) == "(d0 dp tp) d1"
-    assert mc.to_placements(M4, (24, 6), "(b tp y=3) h") == pl("R SS0.4")  # = "(x=4 tp b) h"
-    assert str(mc.from_placements(M4, (4,), pl("S0 S0"))) == "(dp tp d0)"
-    assert str(mc.from_placements(mc.Mesh("d0=2"), (4,), pl("S0"))) == "(d0 d0_)"
-    assert str(mc.from_placements(M4, (8, 6), pl("S0 SS0.2"), names=("b", "h"))) == \
+    assert str(mc.dtensor.from_placements(M4, (16, 6), pl("SS0.2 SS0.2"))) == "(x=2 dp tp d0) d1"
+    assert str(mc.dtensor.from_placements(M4, (8, 6), pl("SS0.2 SS0.2"))) == "(d0 dp tp) d1"
+    assert mc.dtensor.to_placements(M4, (24, 6), "(b tp y=3) h") == pl("R SS0.4")  # = "(x=4 tp b) h"
+    assert str(mc.dtensor.from_placements(M4, (4,), pl("S0 S0"))) == "(dp tp d0)"
+    assert str(mc.dtensor.from_placements(mc.Mesh("d0=2"), (4,), pl("S0"))) == "(d0 d0_)"
+    assert str(mc.dtensor.from_placements(M4, (8, 6), pl("S0 SS0.2"), names=("b", "h"))) == \
         "(dp b tp) h"
 
 
@@ -234,52 +234,52 @@ def msg(text: str) -> str:
 
 
 def test_error_several_axes_after_a_local_factor() -> None:
-    with pytest.raises(mc.InteropError, match=msg(
+    with pytest.raises(mc.errors.InteropError, match=msg(
             'layout "(dp b tp) h" on Mesh(dp=2, tp=2) has no DTensor placements: dim 0 "(dp b tp)"'
             ' has the local factor "b" before mesh axis "tp" while 2 axes (dp, tp) shard it\n'
             "    (dp b tp) h\n"
             '        ^ DTensor writes a dim over several axes only as blocks, "(axes... name)"'
             " in any axis order\n"
             '  fix: use "(dp tp b) h" (mc.reshard to it first)')):
-        mc.to_placements(M4, (8, 6), "(dp b tp) h")
-    with pytest.raises(mc.InteropError, match='fix: use "s \\(dp tp b\\) \\| sum\\(cp\\)"'):
-        mc.to_placements(mc.Mesh("dp=2 tp=2 cp=2"), (4, 16), "s (x=2 dp tp b) | sum(cp)")
+        mc.dtensor.to_placements(M4, (8, 6), "(dp b tp) h")
+    with pytest.raises(mc.errors.InteropError, match='fix: use "s \\(dp tp b\\) \\| sum\\(cp\\)"'):
+        mc.dtensor.to_placements(mc.Mesh("dp=2 tp=2 cp=2"), (4, 16), "s (x=2 dp tp b) | sum(cp)")
 
 
 def test_error_uneven_strided_split_that_differs() -> None:
     mesh = mc.Mesh("a=2 b=3 c=2")
-    with pytest.raises(mc.InteropError, match=msg(
+    with pytest.raises(mc.errors.InteropError, match=msg(
             'layout "(c b n)" of shape (7,) on Mesh(a=2, b=3, c=2) has no DTensor placements:'
             " dim 0 has 7 elements, not a multiple of 6, and DTensor's uneven _StridedShard"
             ' splits it differently from "(c b n)". fix: use "(b c n)" (mesh order: plain'
             " Shard), or pad dim 0 to 12")):
-        mc.to_placements(mesh, (7,), "(c b n)")
-    assert mc.to_placements(mesh, (12,), "(c b n)") == pl("R SS0.2 S0")
+        mc.dtensor.to_placements(mesh, (7,), "(c b n)")
+    assert mc.dtensor.to_placements(mesh, (12,), "(c b n)") == pl("R SS0.2 S0")
 
 
 def test_error_placements_without_a_layout() -> None:
-    with pytest.raises(mc.InteropError, match=msg(
+    with pytest.raises(mc.errors.InteropError, match=msg(
             "dim 0 of shape (7,) on Mesh(dp=2, tp=2) is split unevenly (dp: _StridedShard(0,"
             ' split_factor=3)) in a way no layout describes: only "(axes... name)" groups may'
             " be uneven, split with torch.chunk axis by axis. fix: pad dim 0 to 8, or"
             " redistribute it to Shard placements in mesh order")):
-        mc.from_placements(M4, (7,), pl("SS0.3 R"))
-    with pytest.raises(mc.InteropError, match=msg(
+        mc.dtensor.from_placements(M4, (7,), pl("SS0.3 R"))
+    with pytest.raises(mc.errors.InteropError, match=msg(
             "placements [Partial(sum), Partial(max)] mix reductions ['max', 'sum']; a layout"
             " holds one pending reduction. fix: redistribute all but one op to Replicate()")):
-        mc.from_placements(M4, (7,), pl("Psum Pmax"))
+        mc.dtensor.from_placements(M4, (7,), pl("Psum Pmax"))
     for bad in (Partial("product"), _MaskPartial(), Shard(2)):
-        with pytest.raises(mc.InteropError, match=re.escape(
+        with pytest.raises(mc.errors.InteropError, match=re.escape(
                 f"placement {bad!r} on mesh axis dp has no meshcomm layout")):
-            mc.from_placements(M4, (7, 3), (bad, Replicate()))
-    with pytest.raises(mc.InteropError, match=re.escape("1 placements [Replicate()] for")):
-        mc.from_placements(M4, (7,), [Replicate()])
-    with pytest.raises(mc.InteropError, match=re.escape("names='b': give 2 distinct dim names")):
-        mc.from_placements(M4, (7, 3), pl("R R"), names="b")
+            mc.dtensor.from_placements(M4, (7, 3), (bad, Replicate()))
+    with pytest.raises(mc.errors.InteropError, match=re.escape("1 placements [Replicate()] for")):
+        mc.dtensor.from_placements(M4, (7,), [Replicate()])
+    with pytest.raises(mc.errors.InteropError, match=re.escape("names='b': give 2 distinct dim names")):
+        mc.dtensor.from_placements(M4, (7, 3), pl("R R"), names="b")
 
 
 def test_negative_shard_dims_are_normalized() -> None:
-    assert str(mc.from_placements(M4, (8, 6), (Shard(-1), Replicate()))) == "d0 (dp d1)"
+    assert str(mc.dtensor.from_placements(M4, (8, 6), (Shard(-1), Replicate()))) == "d0 (dp d1)"
 
 
 def test_mesh_from_device_mesh_duck_typed() -> None:
@@ -293,7 +293,7 @@ def test_mesh_from_device_mesh_duck_typed() -> None:
         mesh = ((0, 1), (2, 3))
         mesh_dim_names = None
 
-    with pytest.raises(mc.MeshAxisError, match=msg(
+    with pytest.raises(mc.errors.MeshAxisError, match=msg(
             "DeviceMesh of shape (2, 2) has no mesh_dim_names; meshcomm names every axis."
             " fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")):
         mc.Mesh.from_device_mesh(Unnamed())
@@ -301,5 +301,5 @@ def test_mesh_from_device_mesh_duck_typed() -> None:
 
 def test_plain_tensors_are_not_dtensors() -> None:
     assert not is_dtensor(torch.zeros(2))
-    with pytest.raises(mc.InteropError, match="from_dtensor needs a torch DTensor, got Tensor"):
-        mc.from_dtensor(torch.zeros(2))
+    with pytest.raises(mc.errors.InteropError, match="from_dtensor needs a torch DTensor, got Tensor"):
+        mc.dtensor.from_dtensor(torch.zeros(2))

@@ -12,7 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshcomm import Layout, Mesh, MeshAxisError, MeshcommError, ShapeError, sim
+from meshcomm import Layout, Mesh
+from meshcomm.errors import MeshAxisError, MeshcommError, ShapeError
+from meshcomm.executors import sim
 
 
 # -- references -----------------------------------------------------------------------

@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from meshcomm import Mesh, MeshAxisError, MeshcommError, ShapeError
+from meshcomm import Mesh
+from meshcomm.errors import MeshAxisError, MeshcommError, ShapeError
 
 
 # -- construction -----------------------------------------------------------------

@@ -9,9 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshcomm import Layout, LayoutSyntaxError, MeshcommError, ShapeError, as_layout
-from meshcomm import notation
-from meshcomm.notation import Dim, Factor, Pattern
+from meshcomm import Layout
+from meshcomm.core.layout import as_layout
+from meshcomm.errors import LayoutSyntaxError, MeshcommError, ShapeError
+from meshcomm.core import notation
+from meshcomm.core.notation import Dim, Factor, Pattern
 
 CANONICAL = [
     ("(dp b) s (tp h)", "(dp b) s (tp h)"),

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, assume, event, given, note, settings
 from hypothesis import strategies as st
 
 import meshcomm as mc
-from meshcomm.sim import execute, gather, scatter
+from meshcomm.executors.sim import execute, gather, scatter
 from meshcomm.testing import random_layout
 
 OPS = ("sum", "max", "min", "avg")
@@ -219,7 +219,7 @@ def small_meshes(draw) -> mc.Mesh:
 def _fits(layout: str, mesh: mc.Mesh, shape: tuple[int, ...]) -> bool:
     try:
         mc.Layout(layout).placements(mesh, shape)
-    except mc.MeshcommError:
+    except mc.errors.MeshcommError:
         return False
     return True
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.sim import execute, gather, scatter
+from meshcomm.executors.sim import execute, gather, scatter
 
 CASES = [
     # mesh, shape, src, dst, DTensor bytes (its transforms)
@@ -58,7 +58,7 @@ while len(out) < 150:
     s, d = random_layout(rng, mesh, nd, ("sum", "max")), random_layout(rng, mesh, nd, ("sum", "max"))
     try:
         p = mc.plan(mesh, shape, s, d)
-    except mc.MeshcommError:
+    except mc.errors.MeshcommError:
         continue
     out.append(" ; ".join(str(x) for x in p.steps))
 print(hashlib.sha256("\\n".join(out).encode()).hexdigest())

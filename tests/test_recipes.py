@@ -14,7 +14,7 @@ import pytest
 
 import meshcomm as mc
 from meshcomm import cli, recipes
-from meshcomm.errors import LayoutSyntaxError, MeshAxisError, RecipeError
+from meshcomm.core.errors import LayoutSyntaxError, MeshAxisError, RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"ddp", "fsdp", "tp", "fsdp_tp", "sequence_parallel", "expert_parallel"}

@@ -9,11 +9,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshcomm.errors import MeshAxisError, ShapeError
-from meshcomm.mesh import Mesh
-from meshcomm.sim.collectives import (
-    REDUCE_OPS, SimResult, Transfer, all_gather, all_reduce, all_to_all, broadcast, chunk_sizes,
-    collective_permute, op_reduce, reduce_scatter, send_recv)
+from meshcomm.core.errors import MeshAxisError, ShapeError
+from meshcomm.core.mesh import Mesh
+from meshcomm.core.reduce_ops import REDUCE_OPS, chunk_sizes, op_reduce
+from meshcomm.executors.sim.collectives import (SimResult, all_gather, all_reduce, all_to_all,
+                                                broadcast, collective_permute, reduce_scatter,
+                                                send_recv)
+from meshcomm.planner import Transfer
+
+
+def whole(src: int, dst: int, x: torch.Tensor) -> Transfer:
+    """The Transfer of all of rank `src`'s tensor `x` to `dst`."""
+    return Transfer(src, dst, tuple(tuple(range(n)) for n in x.shape))
 
 MESH = Mesh("dp=2 tp=2")
 TP, DP, FLAT = MESH.groups("tp"), MESH.groups("dp"), MESH.groups("dp", "tp")
@@ -240,8 +247,8 @@ def test_broadcast_per_group() -> None:
 
 def test_send_recv_blocks_and_bytes() -> None:
     xs = ranks((2, 4), n=2)
-    ts = [Transfer(0, 1, (slice(None), slice(1, 3))), Transfer(1, 1, (slice(0, 1),)),
-          Transfer(1, 0)]
+    ts = [Transfer(0, 1, ((0, 1), (1, 2))), Transfer(1, 1, ((0,), (0, 1, 2, 3))),
+          whole(1, 0, xs[1])]
     r = send_recv(xs, ts)
     assert same(r.received[0], [xs[1]])
     assert same(r.received[1], [xs[0][:, 1:3], xs[1][:1]])
@@ -269,7 +276,7 @@ COLLECTIVES = {
     "permute": lambda xs: collective_permute(xs, TP, [(0, 0)]),
     "broadcast": lambda xs: broadcast(xs, DP, 1),
     "send_recv": lambda xs: SimResult(
-        [b for (b,) in send_recv(xs, [Transfer(r, r) for r in range(4)]).received],
+        [b for (b,) in send_recv(xs, [whole(r, r, xs[r]) for r in range(4)]).received],
         (0,) * 4, (0,) * 4),
 }
 
@@ -335,12 +342,14 @@ ERRORS = [
      "collective_permute: pair (0, 2) is not (src, dst) with positions in 0..1 of groups[0]"),
     (lambda: broadcast(ranks(), TP, src=2), MeshAxisError,
      "broadcast: src=2 is not a position of groups[0] = (0, 1) (0..1)"),
-    (lambda: send_recv(ranks(), [Transfer(0, 4)]), MeshAxisError,
-     "send_recv: transfers[0] = Transfer(src=0, dst=4, index=()) is not a Transfer between ranks"
-     " of xs (0..3)"),
-    (lambda: send_recv(ranks((2,)), [Transfer(0, 1, (slice(None), slice(None)))]), ShapeError,
-     "send_recv: transfers[0] = Transfer(src=0, dst=1, index=(slice(None, None, None), slice("),
-    (lambda: Transfer(0, 1, (0,)), ShapeError, "Transfer: index=(0,) must be a tuple of slices"),
+    (lambda: send_recv(ranks(), [Transfer(0, 4, ((0,),), ())]), MeshAxisError,
+     "send_recv: transfers[0] = Transfer(src=0, dst=4, src_index=((0,),), dst_index=()) is not a"
+     " Transfer between ranks of xs (0..3)"),
+    (lambda: send_recv(ranks((2,)), [Transfer(0, 1, ((0,), (0,)), ())]), ShapeError,
+     "send_recv: transfers[0] = Transfer(src=0, dst=1, src_index=((0,), (0,)), dst_index=()) does"
+     " not index rank 0's tensor of shape (2,): src_index needs one tuple of positions per dim"),
+    (lambda: send_recv(ranks((2,)), [Transfer(0, 1, ((2,),), ())]), ShapeError,
+     "each in 0..size-1"),
     (lambda: op_reduce([torch.ones(2), torch.ones(3)], "sum"), ShapeError,
      "op_reduce: tensors[1] is torch.float32 (3,) on cpu but tensors[0] is torch.float32 (2,)"),
 ]
@@ -418,8 +427,10 @@ def test_bytes_sent_equal_bytes_received(case, name, data) -> None:
                 splits[r] = draw(st.lists(st.integers(0, 2), min_size=len(g), max_size=len(g)))
         r = all_to_all([torch.arange(float(sum(s))) for s in splits], groups, input_splits=splits)
     elif name == "send_recv":
-        rank, index = st.integers(0, n - 1), st.tuples(st.builds(slice, st.integers(0, 3)))
-        ts = draw(st.lists(st.builds(Transfer, rank, rank, index)))
+        pairs = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1),
+                                        st.integers(0, 3))))
+        ts = [Transfer(s, d, (tuple(range(min(k, xs[s].shape[0]))),)
+                       + tuple(tuple(range(m)) for m in xs[s].shape[1:]), ()) for s, d, k in pairs]
         r = send_recv(xs, ts)
     else:
         r = {"all_gather": lambda: all_gather(xs, groups, 0),

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from meshcomm.errors import MeshcommError, RankFailure
-from meshcomm.testing import run_ranks
+from meshcomm.core.errors import MeshcommError, RankFailure
+from meshcomm.executors.distributed.launch import run_ranks
 
 
 def _identify(rank: int, world_size: int, tag: str, *, scale: int = 1) -> tuple[str, int, int]:

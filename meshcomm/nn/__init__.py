@@ -6,10 +6,21 @@ See docs/tutorial.md.
 """
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
-from .params import (FullyShard, ParamSpec, ShardedModule, gather_params, logical_axes,
-                     param_spec, planning_mesh)
-from .tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TPEntry,
-                              VocabParallelEmbedding)
+from .params import (
+                     FullyShard,
+                     ParamSpec,
+                     ShardedModule,
+                     gather_params,
+                     logical_axes,
+                     param_spec,
+                     planning_mesh,
+)
+from .tensor_parallel import (
+                     ColumnParallelLinear,
+                     RowParallelLinear,
+                     TPEntry,
+                     VocabParallelEmbedding,
+)
 
 __all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MoE", "ParamSpec", "Routing",
            "RowParallelLinear", "ShardedModule", "TPEntry", "VocabParallelEmbedding", "combine",

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..explain import format_bytes
-from ..plan import Plan
+from ..planner.explain import format_bytes
+from ..planner.values import Plan
 
 
 @dataclass(frozen=True, slots=True)

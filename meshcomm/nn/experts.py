@@ -3,9 +3,9 @@
 Executor layer. The experts are split over the axes of the recipe's `experts` rule (`ep`).
 Tokens per expert vary, so the all_to_all is uneven and its receive sizes are data:
 
-1. metadata exchange: an even `mc.all_to_all` of the token counts per expert (int64), so
+1. metadata exchange: an even `mc.collectives.all_to_all` of the token counts per expert (int64), so
    each rank learns how many tokens every rank sends it, for each of its experts;
-2. dispatch: `mc.all_to_all` of the tokens with `input_splits` (tokens per destination)
+2. dispatch: `mc.collectives.all_to_all` of the tokens with `input_splits` (tokens per destination)
    and `output_splits` (from step 1);
 3. each rank runs its experts on the tokens it received;
 4. combine: the inverse all_to_all (splits swapped), then the tokens back in their order.
@@ -22,12 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..dist.bind import BoundMesh
-from ..dist.collectives import all_to_all
-from ..errors import ShapeError
-from ..explain import format_bytes
-from ..layout import Layout
-from ..mesh import AxisName
+from ..core.errors import ShapeError
+from ..core.layout import Layout
+from ..core.mesh import AxisName
+from ..executors.distributed.bind import BoundMesh
+from ..executors.distributed.collectives import all_to_all
+from ..planner.explain import format_bytes
 from ..recipes import RecipeLike
 from .comms import Comm, format_comms
 from .params import ShardedModule

@@ -25,14 +25,15 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ..api import distribute, reshard, reshard_many
-from ..dist.autograd import without_reduction
-from ..dist.bind import BoundMesh
-from ..errors import MeshMismatchError
-from ..layout import Layout, Shape
-from ..mesh import AxisName, Mesh
-from ..plan import Plan, plan
+from ..core.errors import MeshMismatchError
+from ..core.layout import Layout, Shape
+from ..core.mesh import AxisName, Mesh
+from ..executors.distributed.autograd import without_reduction
+from ..executors.distributed.bind import BoundMesh
+from ..planner.plan import plan
+from ..planner.values import Plan
 from ..recipes import RecipeLike, logical
+from ..sharded import distribute, reshard, reshard_many
 from .comms import Comm, format_comms
 
 BUCKET_BYTES = 25 * 2**20

@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..api import infer_shape, reshard
-from ..dist.autograd import backward_plan
-from ..dist.bind import BoundMesh
-from ..layout import Layout
-from ..plan import plan
+from ..core.layout import Layout
+from ..executors.distributed.autograd import backward_plan
+from ..executors.distributed.bind import BoundMesh
+from ..planner.plan import plan
 from ..recipes import RecipeLike
+from ..sharded import infer_shape, reshard
 from .comms import Comm
 from .params import ShardedModule
 

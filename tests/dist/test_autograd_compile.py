@@ -1,7 +1,7 @@
 """mc.reshard under autograd and torch.compile, on 4 gloo ranks (dp=2 tp=2).
 
 Gradients: for a fixed random w, the loss is (global_out * w).sum(), so the gradient of
-the global input is w. The rule of meshcomm/dist/autograd.py says each rank's input
+the global input is w. The rule of meshcomm/executors/distributed/autograd.py says each rank's input
 gradient is w sliced by the source layout with its pending reduction dropped, times 1/g
 for an avg source; the output gradient it receives is w sliced the same way by the
 destination (times 1/g for an avg destination). Both are checked against the gradient
@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.dist.autograd import backward_plan, grad_scale, without_reduction
-from meshcomm.dist.bind import BoundMesh
-from meshcomm.errors import PlanError
-from meshcomm.testing import run_ranks
+from meshcomm.executors.distributed.autograd import backward_plan, grad_scale, without_reduction
+from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.core.errors import PlanError
+from meshcomm.executors.distributed.launch import run_ranks
 
 MESH = "dp=2 tp=2"
 GRAD_CASES = [

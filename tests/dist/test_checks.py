@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.dist import checks as checks_module
-from meshcomm.dist.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text, decode, encode,
-                                  mismatch_message, reshard_fields)
-from meshcomm.testing import run_ranks
+from meshcomm.executors.distributed import checks as checks_module
+from meshcomm.executors.distributed.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text,
+                                                   decode, encode, mismatch_message, reshard_fields)
+from meshcomm.executors.distributed.launch import run_ranks
 
 MESH = "dp=2 tp=2"
 TIMEOUT_S = 2.0
@@ -143,7 +143,7 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
         try:
             call()
             out[name] = "ran"
-        except mc.MeshcommError as err:
+        except mc.errors.MeshcommError as err:
             out[name] = f"{type(err).__name__}: {err}"
 
     x = local(mesh, "(dp b) h", (8, 6), rank)
@@ -156,12 +156,12 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
                                             "b h"))
         items = [(x, bound, "(dp b) h", "b h", (8, 6))] * (1 if rank == 2 else 2)
         attempt("many", lambda: mc.reshard_many(items))
-        attempt("all_gather", lambda: mc.all_gather(torch.ones(2, 3 if rank == 0 else 2),
+        attempt("all_gather", lambda: mc.collectives.all_gather(torch.ones(2, 3 if rank == 0 else 2),
                                                     bound, "tp") + 0)
-        attempt("all_reduce", lambda: mc.all_reduce(torch.ones(3), bound, ("dp", "tp"),
+        attempt("all_reduce", lambda: mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp"),
                                                     op="max" if rank == 3 else "sum") + 0)
         # the groups are still usable, and agreeing collectives run
-        total = mc.all_reduce(torch.ones(3), bound, ("dp", "tp")) + 0
+        total = mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp")) + 0
         out["after"] = total.tolist()
     return out
 
@@ -205,9 +205,9 @@ def skip_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
                 time.sleep(0.05)
             return {"skipped": True}
         try:
-            mc.all_gather(torch.ones(2), bound, "tp")
+            mc.collectives.all_gather(torch.ones(2), bound, "tp")
             result = {"ran": True}
-        except mc.MeshcommError as err:
+        except mc.errors.MeshcommError as err:
             result = {"error": type(err).__name__, "message": str(err),
                       "seconds": time.monotonic() - start}
     flag.parent.joinpath(f"rank{rank}.json").write_text(json.dumps(result))

@@ -20,12 +20,14 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.dist.bind import BoundMesh
-from meshcomm.dist.collectives import _group
-from meshcomm.errors import MeshAxisError, MeshMismatchError, ShapeError
-from meshcomm.mesh import Mesh
-from meshcomm.sim import collectives as sim
-from meshcomm.testing import run_ranks
+from meshcomm.core.reduce_ops import REDUCE_OPS
+from meshcomm.planner import Transfer
+from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.executors.distributed.collectives import _group
+from meshcomm.core.errors import MeshAxisError, MeshMismatchError, ShapeError
+from meshcomm.core.mesh import Mesh
+from meshcomm.executors.sim import collectives as sim
+from meshcomm.executors.distributed.launch import run_ranks
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute",
          "broadcast", "send_recv", "sendrecv")
@@ -76,71 +78,71 @@ def cases_over(bound: BoundMesh, axes: tuple[str, ...]) -> list[Case]:
     uneven = [p % 3 for p in range(g)]                       # sizes per position
     for d in (0, 1, -1):
         add(f"all_gather dim={d}", "all_gather", lambda p: (2, 3),
-            lambda x, p, d=d: mc.all_gather(x, bound, a, dim=d),
+            lambda x, p, d=d: mc.collectives.all_gather(x, bound, a, dim=d),
             lambda xs, d=d: sim.all_gather(xs, groups, d))
     add("all_gather uneven dim=1", "all_gather", lambda p: (2, uneven[p]),
-        lambda x, p: mc.all_gather(x, bound, a, dim=1, sizes=uneven),
+        lambda x, p: mc.collectives.all_gather(x, bound, a, dim=1, sizes=uneven),
         lambda xs: sim.all_gather(xs, groups, 1))
-    for op in sim.REDUCE_OPS:
+    for op in REDUCE_OPS:
         add(f"reduce_scatter {op}", "reduce_scatter", lambda p: (2 * g, 3),
-            lambda x, p, op=op: mc.reduce_scatter(x, bound, a, dim=0, op=op),
+            lambda x, p, op=op: mc.collectives.reduce_scatter(x, bound, a, dim=0, op=op),
             lambda xs, op=op: sim.reduce_scatter(xs, groups, 0, op))
     add("reduce_scatter dim=1", "reduce_scatter", lambda p: (2, g),
-        lambda x, p: mc.reduce_scatter(x, bound, a, dim=1),
+        lambda x, p: mc.collectives.reduce_scatter(x, bound, a, dim=1),
         lambda xs: sim.reduce_scatter(xs, groups, 1))
     add("reduce_scatter torch.chunk sizes", "reduce_scatter", lambda p: (g + 1, 2),
-        lambda x, p: mc.reduce_scatter(x, bound, a, dim=0, op="avg"),
+        lambda x, p: mc.collectives.reduce_scatter(x, bound, a, dim=0, op="avg"),
         lambda xs: sim.reduce_scatter(xs, groups, 0, "avg"))
     add("reduce_scatter splits", "reduce_scatter", lambda p: (2, sum(uneven) + 1),
-        lambda x, p: mc.reduce_scatter(x, bound, a, dim=1, op="max",
+        lambda x, p: mc.collectives.reduce_scatter(x, bound, a, dim=1, op="max",
                                        splits=uneven[:-1] + [uneven[-1] + 1]),
         lambda xs: sim.reduce_scatter(xs, groups, 1, "max",
                                       splits=uneven[:-1] + [uneven[-1] + 1]))
-    for op in sim.REDUCE_OPS:
+    for op in REDUCE_OPS:
         add(f"all_reduce {op}", "all_reduce", lambda p: (3, 2),
-            lambda x, p, op=op: mc.all_reduce(x, bound, a, op=op),
+            lambda x, p, op=op: mc.collectives.all_reduce(x, bound, a, op=op),
             lambda xs, op=op: sim.all_reduce(xs, groups, op), wire=False)
     for split, concat, shape in ((0, 0, (2 * g, 3)), (1, 0, (2, g)), (0, 1, (g, 3))):
         add(f"all_to_all split={split} concat={concat}", "all_to_all", lambda p, s=shape: s,
-            lambda x, p, sp=split, c=concat: mc.all_to_all(x, bound, a, split_dim=sp,
+            lambda x, p, sp=split, c=concat: mc.collectives.all_to_all(x, bound, a, split_dim=sp,
                                                            concat_dim=c),
             lambda xs, sp=split, c=concat: sim.all_to_all(xs, groups, sp, c))
     ins = [[(p + 2 * j) % 3 * (p > 0) for j in range(g)] for p in range(g)]  # 0 sends nothing
     outs = [[ins[q][p] for q in range(g)] for p in range(g)]
     add("all_to_all uneven", "all_to_all", lambda p: (sum(ins[p]), 2),
-        lambda x, p: mc.all_to_all(x, bound, a, input_splits=ins[p], output_splits=outs[p]),
+        lambda x, p: mc.collectives.all_to_all(x, bound, a, input_splits=ins[p], output_splits=outs[p]),
         lambda xs: sim.all_to_all(xs, groups, input_splits=[
             ins[mesh.group_index(r, *axes)[1]] for r in range(mesh.size)]))
     cols = [j % 2 + 1 for j in range(g)]
     add("all_to_all uneven concat=1", "all_to_all", lambda p: (sum(cols), 2),
-        lambda x, p: mc.all_to_all(x, bound, a, split_dim=0, concat_dim=1, input_splits=cols,
+        lambda x, p: mc.collectives.all_to_all(x, bound, a, split_dim=0, concat_dim=1, input_splits=cols,
                                    output_splits=[cols[p]] * g),
         lambda xs: sim.all_to_all(xs, groups, 0, 1, input_splits=cols))
     for label, kw in (("shift=1", {"shift": 1}), ("shift=-1", {"shift": -1}),
                       ("one pair", {"pairs": [(0, g - 1)]}),
                       ("fan-out and self", {"pairs": [(0, 1), (0, 0)] + [(g - 1, g - 1)] * (g > 2)})):
         add(f"collective_permute {label}", "collective_permute", lambda p: (2, 3),
-            lambda x, p, kw=kw: mc.collective_permute(x, bound, a, **kw),
+            lambda x, p, kw=kw: mc.collectives.collective_permute(x, bound, a, **kw),
             lambda xs, kw=kw: sim.collective_permute(xs, groups, **kw))
     for src in (0, g - 1):
         add(f"broadcast src={src}", "broadcast", lambda p: (3, 2),
-            lambda x, p, src=src: mc.broadcast(x, bound, a, src=src),
+            lambda x, p, src=src: mc.collectives.broadcast(x, bound, a, src=src),
             lambda xs, src=src: sim.broadcast(xs, groups, src), wire=False)
     add("send/recv", "send_recv", lambda p: (2, 2),
-        lambda x, p: (mc.send(x, bound, a, dst=g - 1), x.clone())[1] if p == 0 else
-        mc.recv(torch.empty_like(x), bound, a, src=0) if p == g - 1 else x.clone(),
-        lambda xs: _send_recv(xs, [sim.Transfer(grp[0], grp[-1]) for grp in groups]))
+        lambda x, p: (mc.collectives.send(x, bound, a, dst=g - 1), x.clone())[1] if p == 0 else
+        mc.collectives.recv(torch.empty_like(x), bound, a, src=0) if p == g - 1 else x.clone(),
+        lambda xs: _send_recv(xs, [Transfer(grp[0], grp[-1], ((0, 1), (0, 1))) for grp in groups]))
     add("sendrecv ring", "sendrecv", lambda p: (2, 3),
-        lambda x, p: mc.sendrecv(x, bound, a, dst=(p + 1) % g, src=(p - 1) % g),
+        lambda x, p: mc.collectives.sendrecv(x, bound, a, dst=(p + 1) % g, src=(p - 1) % g),
         lambda xs: sim.collective_permute(xs, groups, shift=1))
     add("sendrecv chain", "sendrecv", lambda p: (2, 3),
-        lambda x, p: mc.sendrecv(x, bound, a, dst=p + 1 if p + 1 < g else None,
+        lambda x, p: mc.collectives.sendrecv(x, bound, a, dst=p + 1 if p + 1 < g else None,
                                  src=p - 1 if p else None),
         lambda xs: sim.collective_permute(xs, groups, [(p, p + 1) for p in range(g - 1)]))
     return out
 
 
-def _send_recv(xs: list[Tensor], transfers: list[sim.Transfer]) -> sim.SimResult:
+def _send_recv(xs: list[Tensor], transfers: list[Transfer]) -> sim.SimResult:
     r = sim.send_recv(xs, transfers)
     outs = [got[0] if got else x.clone() for x, got in zip(xs, r.received)]
     return sim.SimResult(outs, r.send_bytes, r.recv_bytes)
@@ -241,10 +243,10 @@ def check_group_forms(bound: BoundMesh) -> list[str]:
                                                                       flipped)}
     traced = {"DeviceMesh + name", "ProcessGroup", "ranks reversed"}
     for label, (group, axes, ref) in forms.items():
-        got = [mc.all_gather(xs[rank], group, axes, dim=1)]
+        got = [mc.collectives.all_gather(xs[rank], group, axes, dim=1)]
         if label in traced:  # these also compile with fullgraph=True
             torch._dynamo.reset()
-            got.append(torch.compile(lambda t, gr=group, ax=axes: mc.all_gather(t, gr, ax, dim=1),
+            got.append(torch.compile(lambda t, gr=group, ax=axes: mc.collectives.all_gather(t, gr, ax, dim=1),
                                      fullgraph=True, backend="aot_eager")(xs[rank]))
         for out in got:
             if not same_bits(out, ref):
@@ -359,78 +361,78 @@ B = fake_bound(MESH, 1)
 X = torch.zeros(5, 2)
 ON_TP = 'over "tp" of Mesh(dp=2, tp=4)'
 ERRORS = [
-    (lambda: mc.all_gather(X, B, "tq"), MeshAxisError,
+    (lambda: mc.collectives.all_gather(X, B, "tq"), MeshAxisError,
      ('all_gather: "tq" is not an axis of Mesh(dp=2, tp=4); axes are dp, tp\n'
      '  fix: did you mean "tp"?')),
-    (lambda: mc.all_gather(X, B, ("tp", "tp")), MeshAxisError,
+    (lambda: mc.collectives.all_gather(X, B, ("tp", "tp")), MeshAxisError,
      "all_gather: axes ['tp', 'tp'] name an axis twice; fix: name each once"),
-    (lambda: mc.all_reduce(X, B), MeshAxisError,
+    (lambda: mc.collectives.all_reduce(X, B), MeshAxisError,
      ("all_reduce: axes=None does not name mesh axes of Mesh(dp=2, tp=4); fix: pass an axis or"
      " a tuple of axes, e.g. \"tp\" or ('dp', 'tp')")),
-    (lambda: mc.all_gather(X, fake_bound(MESH, 9), "tp"), MeshMismatchError,
+    (lambda: mc.collectives.all_gather(X, fake_bound(MESH, 9), "tp"), MeshMismatchError,
      ("all_gather: rank 9 is not in Mesh(dp=2, tp=4); only its ranks [0, 1, 2, 3, 4, 5, 6, 7]"
      " run its collectives")),
-    (lambda: mc.all_gather(X, [0, 1], "tp"), MeshAxisError,
+    (lambda: mc.collectives.all_gather(X, [0, 1], "tp"), MeshAxisError,
      ("all_gather: axes='tp' goes with a BoundMesh or a DeviceMesh, but the group is a list,"
      " which names its ranks already; fix: drop axes")),
-    (lambda: mc.all_gather(X, "tp"), MeshAxisError,
+    (lambda: mc.collectives.all_gather(X, "tp"), MeshAxisError,
      ("all_gather: 'tp' is not a group; pass a BoundMesh and axes (mc.init_mesh(...), \"tp\"), a"
      " DeviceMesh, (DeviceMesh, dim), a ProcessGroup, or a list of global ranks")),
-    (lambda: mc.all_gather([1.0], B, "tp"), ShapeError,
+    (lambda: mc.collectives.all_gather([1.0], B, "tp"), ShapeError,
      "all_gather: x must be a torch.Tensor, got list"),
-    (lambda: mc.all_gather(X, B, "tp", dim=2), ShapeError,
+    (lambda: mc.collectives.all_gather(X, B, "tp", dim=2), ShapeError,
      f"all_gather {ON_TP}: dim=2 is not a dim of x with shape (5, 2) (valid: -2..1)"),
-    (lambda: mc.all_gather(X, B, "tp", sizes=[5, 5, 5]), ShapeError,
+    (lambda: mc.collectives.all_gather(X, B, "tp", sizes=[5, 5, 5]), ShapeError,
      f"all_gather {ON_TP}: sizes=[5, 5, 5] is not 4 sizes >= 0, one per group position"),
-    (lambda: mc.all_gather(X, B, "tp", sizes=[5, 4, 5, 5]), ShapeError,
+    (lambda: mc.collectives.all_gather(X, B, "tp", sizes=[5, 4, 5, 5]), ShapeError,
      (f"all_gather {ON_TP}: sizes=[5, 4, 5, 5] says position 1 (this rank) has 4 along dim 0,"
      " but x has 5")),
-    (lambda: mc.reduce_scatter(X, B, "tp", splits=[1, 1, 1, 1]), ShapeError,
+    (lambda: mc.collectives.reduce_scatter(X, B, "tp", splits=[1, 1, 1, 1]), ShapeError,
      (f"reduce_scatter {ON_TP}: splits=[1, 1, 1, 1] sums to 4, but dim 0 of x is 5; fix: sizes"
      " that sum to 5")),
-    (lambda: mc.reduce_scatter(X, B, "tp", op="summ"), ShapeError,
+    (lambda: mc.collectives.reduce_scatter(X, B, "tp", op="summ"), ShapeError,
      (f"reduce_scatter {ON_TP}: unknown reduce op 'summ'; ops are sum, avg, max, min\n"
      '  fix: did you mean "sum"?')),
-    (lambda: mc.all_reduce(X.long(), B, "tp", op="avg"), ShapeError,
+    (lambda: mc.collectives.all_reduce(X.long(), B, "tp", op="avg"), ShapeError,
      (f"all_reduce {ON_TP}: op 'avg' needs a floating dtype, got torch.int64; fix: reduce with"
      " op='sum' and divide, or cast to a float dtype")),
-    (lambda: mc.all_to_all(X, B, "tp"), ShapeError,
+    (lambda: mc.collectives.all_to_all(X, B, "tp"), ShapeError,
      (f"all_to_all {ON_TP}: x has size 5 along split_dim=0, not divisible by the group size 4;"
      " fix: pad dim 0 to a multiple of 4, or pass input_splits and output_splits")),
-    (lambda: mc.all_to_all(X, B, "tp", input_splits=[1, 1, 1, 2]), ShapeError,
+    (lambda: mc.collectives.all_to_all(X, B, "tp", input_splits=[1, 1, 1, 2]), ShapeError,
      (f"all_to_all {ON_TP}: give input_splits and output_splits together (the sizes this rank"
      " receives cannot be derived locally); fix: exchange the counts first, output_splits ="
-     " mc.all_to_all(torch.tensor(input_splits), ...).tolist(), or give neither for equal"
+     " mc.collectives.all_to_all(torch.tensor(input_splits), ...).tolist(), or give neither for equal"
      " blocks")),
-    (lambda: mc.all_to_all(X, B, "tp", input_splits=[1, 1, 1, 1], output_splits=[1] * 4),
+    (lambda: mc.collectives.all_to_all(X, B, "tp", input_splits=[1, 1, 1, 1], output_splits=[1] * 4),
      ShapeError, (f"all_to_all {ON_TP}: input_splits=[1, 1, 1, 1] sums to 4, but split_dim=0 of"
      " x is 5; fix: sizes that sum to 5")),
-    (lambda: mc.all_to_all(X, B, "tp", input_splits=[1, 2, 1, 1], output_splits=[1] * 4),
+    (lambda: mc.collectives.all_to_all(X, B, "tp", input_splits=[1, 2, 1, 1], output_splits=[1] * 4),
      ShapeError, (f"all_to_all {ON_TP}: position 1 (this rank) sends itself input_splits[1]=2"
      " rows but output_splits[1]=1; the two must agree")),
-    (lambda: mc.all_to_all(X, B, "tp", concat_dim=1, input_splits=[1, 2, 1, 1],
+    (lambda: mc.collectives.all_to_all(X, B, "tp", concat_dim=1, input_splits=[1, 2, 1, 1],
                            output_splits=[1, 2, 1, 1]), ShapeError,
      (f"all_to_all {ON_TP}: output_splits=[1, 2, 1, 1] differ, so the received blocks differ"
      " along split_dim=0 and cannot be joined along concat_dim=1; fix: concat_dim=0")),
-    (lambda: mc.collective_permute(X, B, "tp", pairs=[(0, 4)]), MeshAxisError,
+    (lambda: mc.collectives.collective_permute(X, B, "tp", pairs=[(0, 4)]), MeshAxisError,
      (f"collective_permute {ON_TP}: pair (0, 4) is not (src, dst) with positions in 0..3; pairs"
      " name positions within the group (ranks [0, 1, 2, 3]), not global ranks")),
-    (lambda: mc.collective_permute(X, B, "tp", pairs=[(0, 1), (2, 1)]), ShapeError,
+    (lambda: mc.collectives.collective_permute(X, B, "tp", pairs=[(0, 1), (2, 1)]), ShapeError,
      (f"collective_permute {ON_TP}: position 1 is the destination of more than one pair in"
      " [(0, 1), (2, 1)]; each position may receive once")),
-    (lambda: mc.collective_permute(X, B, "tp", pairs=[(0, 1)], shift=1), ShapeError,
+    (lambda: mc.collectives.collective_permute(X, B, "tp", pairs=[(0, 1)], shift=1), ShapeError,
      (f"collective_permute {ON_TP}: give exactly one of pairs=[(src, dst), ...] or shift=k (an"
      " int), got pairs=[(0, 1)], shift=1")),
-    (lambda: mc.broadcast(X, B, "tp", src=4), MeshAxisError,
+    (lambda: mc.collectives.broadcast(X, B, "tp", src=4), MeshAxisError,
      (f"broadcast {ON_TP}: src=4 is not a position of the group (0..3, ranks [0, 1, 2, 3]); it"
      " is a position within the group, not a global rank")),
-    (lambda: mc.sendrecv(X, B, "tp", dst=1, src=0), MeshAxisError,
+    (lambda: mc.collectives.sendrecv(X, B, "tp", dst=1, src=0), MeshAxisError,
      (f"sendrecv {ON_TP}: dst=1 is this rank's own position; a rank does not send to itself."
      " fix: use x.clone() locally")),
-    (lambda: mc.sendrecv(X, B, "tp", dst=None, src=None), MeshAxisError,
+    (lambda: mc.collectives.sendrecv(X, B, "tp", dst=None, src=None), MeshAxisError,
      (f"sendrecv {ON_TP}: give dst, src or both; fix: dst=position to send to, src=position to"
      " receive from")),
-    (lambda: mc.recv(X, B, ("tp", "dp"), src=8), MeshAxisError,
+    (lambda: mc.collectives.recv(X, B, ("tp", "dp"), src=8), MeshAxisError,
      ("recv over ('tp', 'dp') of Mesh(dp=2, tp=4): src=8 is not a position of the group (0..7,"
      " ranks [0, 4, 1, 5, 2, 6, 3, 7]); it is a position within the group, not a global rank")),
 ]
@@ -451,7 +453,7 @@ AXES_8 = [("tp",), ("pp", "tp"), ("tp", "dp", "pp"), ("tp", "pp", "dp")]  # the 
 
 def four_ranks(rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    bound = mc.dist.init_mesh("dp=2 tp=2")
+    bound = mc.init_mesh("dp=2 tp=2")
     report: dict[str, Any] = {"sim": check_against_sim(bound, AXES_4),
                               "forms": check_group_forms(bound),
                               "autograd": check_autograd(bound)}
@@ -460,7 +462,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
 
 
 def eight_ranks(rank: int, world: int) -> dict[str, Any]:
-    bound = mc.dist.init_mesh("pp=2 dp=2 tp=2")
+    bound = mc.init_mesh("pp=2 dp=2 tp=2")
     return {"sim": check_against_sim(bound, AXES_8)}
 
 

@@ -25,13 +25,13 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.api import infer_shape
-from meshcomm.dist.bind import BoundMesh
-from meshcomm.dist.cross import execute_cross
-from meshcomm.dist.execute import ByteTrace
-from meshcomm.errors import MeshMismatchError, PlanError, ShapeError
-from meshcomm.explain import balance, transfer_lines, transfer_rows
-from meshcomm.testing import run_ranks
+from meshcomm.sharded import infer_shape
+from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.executors.distributed.cross import execute_cross
+from meshcomm.executors.distributed.execute import ByteTrace
+from meshcomm.core.errors import MeshMismatchError, PlanError, ShapeError
+from meshcomm.planner.explain import balance, transfer_lines, transfer_rows
+from meshcomm.executors.distributed.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 MESHES = {                                            # bound in this order on every rank
@@ -112,7 +112,7 @@ def sample(seed: int) -> list[tuple[str, str, str, tuple[int, ...], str, str, to
             try:
                 mc.Layout(src).placements(MESHES[s], shape)
                 mc.Layout(dst).placements(MESHES[d], shape)
-            except mc.ShapeError:
+            except mc.errors.ShapeError:
                 continue
             out.append((f"{s}->{d}", s, d, shape, src, dst, F32))
             done += 1

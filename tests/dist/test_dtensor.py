@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.sim import scatter
-from meshcomm.testing import run_ranks
+from meshcomm.executors.sim import scatter
+from meshcomm.executors.distributed.launch import run_ranks
 
 # (placements, global shape, expected layout with dims named "b h" / "x y z").
 # Blocks in any axis order: Shard, or the _StridedShard that encodes DTensor's shard order.
@@ -107,7 +107,7 @@ def check_table(dm: Any, mesh: mc.Mesh, rows: list[tuple[str, tuple[int, ...], s
         x = ints(shape, i)
         dt = make_dtensor(x, dm, mesh, text, want)
         where = f"[{text}] {shape} \"{want}\""
-        s = mc.from_dtensor(dt, names=names)
+        s = mc.dtensor.from_dtensor(dt, names=names)
         if str(s.layout) != want:
             problems.append(f"{where}: from_dtensor gave \"{s.layout}\"")
         if s.local.data_ptr() != dt.to_local().data_ptr() or s.shape != shape:
@@ -120,7 +120,7 @@ def check_table(dm: Any, mesh: mc.Mesh, rows: list[tuple[str, tuple[int, ...], s
             try:
                 s.to_dtensor()
                 problems.append(f"{where}: to_dtensor did not raise")
-            except mc.InteropError:
+            except mc.errors.InteropError:
                 pass
             continue
         if not torch.equal(dt.full_tensor(), s.full()):
@@ -143,8 +143,8 @@ def check_reshards(dm: Any, mesh: mc.Mesh, rows: list[tuple[str, tuple[int, ...]
         x = ints(shape, 99)
         dt = make_dtensor(x, dm, mesh, text, src)
         try:
-            want_pl = mc.to_placements(mesh, shape, dst)
-        except mc.ShapeError:
+            want_pl = mc.dtensor.to_placements(mesh, shape, dst)
+        except mc.errors.ShapeError:
             continue    # dst does not fit this shape
         where = f"\"{src}\" {shape} -> \"{dst}\""
         y = mc.reshard(dt, dst)
@@ -174,7 +174,7 @@ def check_shard_order(dm: Any, mesh: mc.Mesh) -> list[str]:
                           shard_order=(ds.ShardOrderEntry(0, (1, 0)),),
                           tensor_meta=ds.TensorMeta(x.shape, x.stride(), x.dtype))
     dt = DTensor(local, spec, requires_grad=False)
-    s = mc.from_dtensor(dt, names="b h")
+    s = mc.dtensor.from_dtensor(dt, names="b h")
     problems = [] if str(s.layout) == "(tp dp b) h" else [f"shard order read as {s.layout}"]
     if not (torch.equal(s.full(), x) and torch.equal(dt.full_tensor(), x)):
         problems.append("explicit shard order: full() or full_tensor() differs")
@@ -187,7 +187,7 @@ def check_submesh(dm: Any) -> list[str]:
 
     x = ints((6, 4), 8)
     dt = distribute_tensor(x, dm["tp"], placements("S1"), src_data_rank=None)
-    s = mc.from_dtensor(dt, names="b h")
+    s = mc.dtensor.from_dtensor(dt, names="b h")
     y = mc.reshard(dt, "(tp b) h")
     if str(s.layout) != "b (tp h)" or s.mesh.mesh.ranks != tuple(dm["tp"].mesh.tolist()):
         return [f"slice read as {s.layout} on {s.mesh.mesh!r}"]
@@ -204,7 +204,7 @@ def check_errors(dm: Any, mesh: mc.Mesh) -> list[str]:
         try:
             mc.reshard(dt, dst)
             problems.append(f"mc.reshard(dt, {dst}) did not raise")
-        except mc.InteropError:
+        except mc.errors.InteropError:
             pass
     return problems
 
@@ -240,7 +240,7 @@ def check_binding(mesh: mc.Mesh) -> list[str]:
     dt = s.to_dtensor()
     if not torch.equal(dt.full_tensor(), x):
         problems.append("to_dtensor on init_mesh's device_mesh: full_tensor differs")
-    back = mc.from_dtensor(dt, names="b h")
+    back = mc.dtensor.from_dtensor(dt, names="b h")
     axes = tuple(mesh.axis_names)
     if back.mesh.group_name(axes) != bound.group_name(axes) or back.layout != s.layout:
         problems.append("from_dtensor did not find init_mesh's groups")
@@ -280,7 +280,7 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     try:
         mc.reshard(dt, "(c b a x) y z")
         report["missing_group"] = "no error"
-    except mc.MeshAxisError as exc:
+    except mc.errors.MeshAxisError as exc:
         report["missing_group"] = str(exc)
     for k in (2,):
         for axes in itertools.combinations(mesh.axis_names, k):

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.errors import RankFailure
-from meshcomm.testing import run_ranks
+from meshcomm.core.errors import RankFailure
+from meshcomm.executors.distributed.launch import run_ranks
 
 MESH = "dp=2 tp=2"
 SRC, DST = "(dp b) h | sum(tp)", "b h"
@@ -35,8 +35,8 @@ STEP_2 = ('step 2 of 2, all_gather over dp (group ranks [1, 3]), "(dp b) h" -> "
 
 
 def handlers() -> dict[str, Any]:
-    """The executor's step handlers (`meshcomm.dist.execute` is shadowed by its function)."""
-    return importlib.import_module("meshcomm.dist.execute")._RUN  # type: ignore[no-any-return]
+    """The executor's step handlers (`meshcomm.executors.distributed.execute` is shadowed by its function)."""
+    return importlib.import_module("meshcomm.executors.distributed.execute")._RUN  # type: ignore[no-any-return]
 
 
 def attempt(bound: mc.BoundMesh) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def attempt(bound: mc.BoundMesh) -> dict[str, Any]:
     start = time.monotonic()
     try:
         got = mc.reshard(locs[mesh.position(bound.rank)], bound, SRC, DST)
-    except mc.MeshcommError as err:
+    except mc.errors.MeshcommError as err:
         return {"error": type(err).__name__, "message": str(err),
                 "seconds": time.monotonic() - start}
     return {"ok": bool(torch.equal(got, want)), "seconds": time.monotonic() - start}
@@ -112,7 +112,7 @@ def test_a_rank_that_never_reaches_a_step_times_out_its_peer_naming_the_step(tmp
                               " RuntimeError: "), message
     assert "Timed out" in message
     assert message.endswith("if the step is only slow, raise init_mesh(timeout_s=...)")
-    assert isinstance(mc.CollectiveTimeout("x"), TimeoutError)
+    assert isinstance(mc.errors.CollectiveTimeout("x"), TimeoutError)
 
 
 # -- the world: checked before any communication ---------------------------------------------
@@ -120,16 +120,16 @@ def world_worker(rank: int, world: int) -> dict[str, str]:
     out = {}
     try:
         mc.init_mesh(MESH)                      # 4 ranks wanted, the world has 3
-    except mc.MeshcommError as err:
+    except mc.errors.MeshcommError as err:
         out["too_big"] = f"{type(err).__name__}: {err}"
     bound = mc.init_mesh("tp=2")               # rank 2 is outside the mesh
     x = torch.zeros(2, 4)
     for name, call in (("reshard", lambda: mc.reshard(x, bound, "(tp b) h", "b h")),
-                       ("all_gather", lambda: mc.all_gather(x, bound, "tp"))):
+                       ("all_gather", lambda: mc.collectives.all_gather(x, bound, "tp"))):
         try:
             call()
             out[name] = "ran"
-        except mc.MeshcommError as err:
+        except mc.errors.MeshcommError as err:
             out[name] = f"{type(err).__name__}: {err}"
     return out
 

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import meshcomm as mc
-from meshcomm.errors import MeshMismatchError, ShapeError
-from meshcomm.testing import run_ranks
+from meshcomm.core.errors import MeshMismatchError, ShapeError
+from meshcomm.executors.distributed.launch import run_ranks
 
 KINDS = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}

@@ -25,12 +25,13 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.api import infer_shape
-from meshcomm.dist.bind import BoundMesh
-from meshcomm.dist.execute import ByteTrace, execute
-from meshcomm.errors import MeshMismatchError, ShapeError
-from meshcomm.sim import execute as sim_execute
-from meshcomm.testing import random_layout, run_ranks
+from meshcomm.sharded import infer_shape
+from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.executors.distributed.execute import ByteTrace, execute
+from meshcomm.core.errors import MeshMismatchError, ShapeError
+from meshcomm.executors.sim import execute as sim_execute
+from meshcomm.testing import random_layout
+from meshcomm.executors.distributed.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = "ijk"
@@ -76,7 +77,7 @@ def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...]
         try:
             mc.Layout(src).placements(mesh, shape)
             mc.Layout(dst).placements(mesh, shape)
-        except mc.ShapeError:
+        except mc.errors.ShapeError:
             continue
         out.append((mesh_spec, shape, src, dst, torch.float32))
     return out
@@ -199,9 +200,9 @@ def fake_bound(spec: str = "dp=2 tp=2", rank: int = 1) -> BoundMesh:
 
 
 def test_handlers_mirror_the_simulator() -> None:
-    # `meshcomm.dist.execute` the attribute is the function; the modules are in sys.modules.
-    dist_module = importlib.import_module("meshcomm.dist.execute")
-    sim_module = importlib.import_module("meshcomm.sim.execute")
+    # `meshcomm.executors.distributed.execute` the attribute is the function; the modules are in sys.modules.
+    dist_module = importlib.import_module("meshcomm.executors.distributed.execute")
+    sim_module = importlib.import_module("meshcomm.executors.sim.execute")
     assert set(dist_module._RUN) == set(sim_module._RUN) | set(sim_module._SHAPED)
 
 

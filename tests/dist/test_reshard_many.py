@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.dist.bind import BoundMesh
-from meshcomm.dist.execute import ByteTrace, _buckets, signature
-from meshcomm.testing import run_ranks
+from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.executors.distributed.execute import ByteTrace, _buckets, signature
+from meshcomm.executors.distributed.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 MESH = "dp=2 tp=2"

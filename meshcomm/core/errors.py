@@ -1,0 +1,74 @@
+"""Every error meshcomm raises, and helpers that write their messages.
+
+All errors derive from `MeshcommError`; the input errors also derive from
+`ValueError`, so `except ValueError` keeps working in user code. Messages say
+what is wrong, where (the user's text, quoted verbatim, with a caret when there
+is a position), what was expected, and how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class MeshcommError(Exception):
+    """Base class of every error raised by meshcomm."""
+
+
+class LayoutSyntaxError(MeshcommError, ValueError):
+    """A layout pattern that does not parse."""
+
+
+class MeshAxisError(MeshcommError, ValueError):
+    """An unknown, duplicated or misused mesh axis."""
+
+
+class ShapeError(MeshcommError, ValueError):
+    """A shape, size or local tensor that does not fit a layout or mesh."""
+
+
+class MeshMismatchError(MeshcommError, ValueError):
+    """Two meshes that should be the same are not."""
+
+
+class RecipeError(MeshcommError, ValueError):
+    """A layout recipe file that is not valid."""
+
+
+class PlanError(MeshcommError, ValueError):
+    """A layout change that cannot be planned (e.g. mixing two reductions on one axis)."""
+
+
+class InteropError(MeshcommError, ValueError):
+    """A layout, placement or mesh with no exact counterpart in torch DTensor (or back)."""
+
+
+class RankFailure(MeshcommError, RuntimeError):
+    """A rank of a multi-process run raised, crashed or did not finish in time."""
+
+
+class CollectiveError(MeshcommError, RuntimeError):
+    """A collective that failed on this rank: a member of its group died or broke off."""
+
+
+class CollectiveTimeout(CollectiveError, TimeoutError):
+    """A collective that did not complete within the process-group timeout (a member of its
+    group died, hangs, or never called it)."""
+
+
+class CollectiveMismatchError(CollectiveError):
+    """Check mode: the ranks of a group asked for different operations (see `mc.checks`)."""
+
+
+def caret(text: str, start: int, end: int | None = None, note: str = "") -> str:
+    """The text on one line and a caret line under `text[start:end]`, indented by 4."""
+    end = start + 1 if end is None or end <= start else end
+    marks = " " * start + "^" * (end - start)
+    return f"    {text}\n    {marks}" + (f" {note}" if note else "")
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' fix: did you mean "x"?' for the closest choice, or '' when none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f'did you mean "{close[0]}"?' if close else ""

@@ -1,0 +1,164 @@
+"""Bind a Mesh to torch.distributed: one process group per set of mesh axes.
+
+Executor layer. Every rank of the world calls `init_mesh` with the same mesh,
+and it creates, in one fixed order on every rank, the process groups of every
+non-empty set of mesh axes taken in mesh order (several axes = one flattened
+group, first axis major, ranks in mesh order, never re-sorted). Collectives then address a group
+by its name only, so traced programs hold no process-group object. NCCL and
+gloo share every line here: only the backend name differs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import functools
+import itertools
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ...core.errors import MeshAxisError, MeshMismatchError
+from ...core.mesh import AxisName, Mesh
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True, eq=False)
+class BoundMesh:
+    """A Mesh bound to live process groups on this rank.
+
+    `group_name(axes)` is the name of this rank's group for a collective over
+    `axes` (a str that functional collectives accept); ranks outside the mesh
+    have no groups.
+    """
+
+    mesh: Mesh
+    backend: str
+    device: torch.device
+    rank: int
+    _names: dict[tuple[AxisName, ...], str] = field(repr=False)
+
+    @property
+    def in_mesh(self) -> bool:
+        return self.rank in self.mesh.ranks
+
+    @property
+    def coords(self) -> dict[AxisName, int]:
+        return self.mesh.coords(self.rank)
+
+    def group_name(self, axes: tuple[AxisName, ...] | AxisName) -> str:
+        """Name of this rank's group over `axes`, given in mesh order (first axis major)."""
+        key = (axes,) if isinstance(axes, str) else tuple(axes)
+        try:
+            return self._names[key]
+        except KeyError:
+            for a in key:
+                self.mesh.axis_size(a)  # raises MeshAxisError for an unknown axis
+            if not self.in_mesh:
+                raise MeshMismatchError(
+                    f"rank {self.rank} is not in {self.mesh!r}; only its ranks"
+                    f" {list(self.mesh.ranks)} run its collectives") from None
+            in_order = tuple(a for a in self.mesh.axis_names if a in key)
+            if in_order == key:   # a mesh bound from a DeviceMesh holds only existing groups
+                raise MeshAxisError(
+                    f"no process group over {list(key)} is bound on rank {self.rank} for"
+                    f" {self.mesh!r}; fix: bind with mc.init_mesh(...) (it creates every group),"
+                    f" or flatten those DeviceMesh dims on every rank first:"
+                    f" dm[{key!r}]._flatten()") from None
+            raise MeshAxisError(
+                f"axes {list(key)} are not in mesh order or name an axis twice; groups over"
+                f" several axes follow {self.mesh!r}: fix: use {list(in_order)}") from None
+
+    def group_ranks(self, axes: tuple[AxisName, ...] | AxisName) -> tuple[int, ...]:
+        """Global ranks of this rank's group over `axes`, in group order."""
+        key = (axes,) if isinstance(axes, str) else tuple(axes)
+        return next(g for g in self.mesh.groups(*key) if self.rank in g)
+
+    @functools.cached_property
+    def device_mesh(self) -> DeviceMesh:
+        """A torch DeviceMesh over this mesh's own process groups (built once, on first use).
+
+        >>> dt = DTensor.from_local(x, bound.device_mesh, [Shard(0), Replicate()])  # doctest: +SKIP
+
+        `DeviceMesh.from_group` wraps the groups `init_mesh` made, one per axis: no process
+        group is created and nothing is communicated, so any rank may ask at any time.
+        DTensor sees no flattened (multi-axis) group on it.
+        """
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        if not self.in_mesh:
+            raise MeshMismatchError(f"rank {self.rank} is not in {self.mesh!r}, so it has no"
+                                    " DeviceMesh over it")
+        groups = [_resolve_process_group(self.group_name(a)) for a in self.mesh.axis_names]
+        grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
+        return DeviceMesh.from_group(groups, self.device.type, mesh=grid,
+                                     mesh_dim_names=self.mesh.axis_names)
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _ensure_world(backend: str, timeout_s: float | None) -> None:
+    if dist.is_initialized():
+        return
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise MeshMismatchError(
+            f"torch.distributed is not initialized and {', '.join(missing)} not set;"
+            " fix: run under `meshcomm launch -n N script.py` or torchrun, or call"
+            " torch.distributed.init_process_group first")
+    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend, **kwargs)
+    # We opened the default group, so we close it: a gloo group left open at interpreter
+    # exit can abort the process ("terminate called without an active exception").
+    atexit.register(_close_world)
+
+
+def _close_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def init_mesh(mesh: Mesh | str, *, backend: str | None = None,
+              timeout_s: float | None = None) -> BoundMesh:
+    """Bind `mesh` to process groups on every rank (call it on every rank of the world).
+
+    Initializes the default group from the standard environment variables when
+    needed (backend nccl with CUDA, else gloo, unless `backend` says).
+
+    >>> bound = init_mesh("dp=2 tp=2")          # doctest: +SKIP  (inside a 4-rank job)
+    >>> bound.group_name("tp")                  # doctest: +SKIP
+    """
+    mesh = Mesh(mesh) if isinstance(mesh, str) else mesh
+    backend = backend or default_backend()
+    _ensure_world(backend, timeout_s)
+    world = dist.get_world_size()
+    if max(mesh.ranks) >= world:
+        raise MeshMismatchError(
+            f"{mesh!r} needs ranks up to {max(mesh.ranks)} but the world has {world} ranks;"
+            f" fix: launch {max(mesh.ranks) + 1} processes or use a smaller mesh")
+    rank = dist.get_rank()
+    names: dict[tuple[AxisName, ...], str] = {}
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    for k in range(1, len(mesh.axis_names) + 1):
+        for subset in itertools.combinations(mesh.axis_names, k):
+            for group in mesh.groups(*subset):
+                if list(group) == list(range(world)):
+                    pg = dist.group.WORLD
+                    if timeout is not None:  # the reused default group gets our timeout too
+                        dist.distributed_c10d._set_pg_timeout(timeout, pg)
+                else:
+                    pg = dist.new_group(list(group), timeout=timeout, sort_ranks=False,
+                                        backend=backend)
+                if rank in group:
+                    names[subset] = pg.group_name
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    return BoundMesh(mesh, backend, device, rank, names)

@@ -1,0 +1,265 @@
+"""Check mode: before a reshard or collective, the ranks of its group agree on what they call.
+
+Executor layer. Off by default. `MESHCOMM_CHECK=1` in the environment, or `mc.checks(True)`,
+turns it on: a deliberate process-wide switch rather than an argument, so that a whole
+program can be checked without touching its calls (turn it on on every rank, or the ranks
+that check wait for a collective the others never make). While it is on, `mc.reshard`,
+`mc.reshard_many`, `Sharded.reshard` and the group collectives (`mc.collectives.all_gather`,
+`mc.collectives.reduce_scatter`, `mc.collectives.all_reduce`, `mc.collectives.all_to_all`, `mc.collectives.collective_permute`,
+`mc.collectives.broadcast`) first compare a fingerprint of the call across their group: a 16-byte hash
+of the whole call (operation, mesh, layouts, shape, dtype, plan) and the start of its text,
+256 bytes in all. The hashes travel first (one all_reduce of 32 bytes); when they differ,
+the fingerprints are all-gathered and every rank raises the same `CollectiveMismatchError`,
+naming which ranks differ and how, instead of hanging or mixing up data. Point-to-point
+calls (`send`, `recv`, `sendrecv`) are not checked: only two members of the group take
+part. Under `torch.compile` nothing is checked (the traced program has no extra collective).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections.abc import Sequence
+from types import TracebackType
+from typing import NamedTuple, cast
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed import distributed_c10d as c10d
+
+from ...core.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
+from ...planner.values import Plan
+from .bind import BoundMesh
+from .execute import check_local
+
+FINGERPRINT_BYTES = 256
+HASH_BYTES = 16
+TEXT_BYTES = FINGERPRINT_BYTES - HASH_BYTES
+Fields = tuple[tuple[str, str], ...]   # (name, value) pairs, in the order they are shown
+
+
+def _from_env() -> bool:
+    return os.environ.get("MESHCOMM_CHECK", "").strip().lower() not in ("", "0", "false", "no",
+                                                                         "off")
+
+
+class Switch:
+    """The process-wide switch; callers read `SWITCH.on` before each call (one attribute
+    read when off)."""
+
+    __slots__ = ("on",)
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+
+SWITCH = Switch(_from_env())
+
+
+class CheckMode:
+    """What `checks(on)` returns: check mode is already set; leaving a `with` block restores
+    the state from before the call."""
+
+    def __init__(self, on: bool) -> None:
+        self.before, self.on = SWITCH.on, bool(on)
+        SWITCH.on = self.on
+
+    def __enter__(self) -> CheckMode:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        SWITCH.on = self.before
+
+    def __repr__(self) -> str:
+        return f"checks({self.on})"
+
+
+def checks(on: bool = True) -> CheckMode:
+    """Turn check mode on (or off) for this process; also a context manager that restores
+    the previous state on exit. Call it the same way on every rank.
+
+    >>> mc.checks(True)                              # doctest: +SKIP  (the rest of the run)
+    >>> with mc.checks():                            # doctest: +SKIP  (this block only)
+    ...     y = mc.reshard(x, bound, "(dp b) h", "b h")
+    """
+    return CheckMode(on)
+
+
+# -- the calls' descriptions -----------------------------------------------------------------
+def reshard_fields(plan: Plan) -> tuple[Fields, str]:
+    """What a reshard asks for (shown), and the plan's full steps (hashed only)."""
+    steps = ", ".join(f"{s.kind}({' '.join(s.axes)})" if s.axes else s.kind
+                      for s in plan.steps) or "none"
+    fields = (("call", "reshard"), ("src", f'"{plan.src}"'), ("dst", f'"{plan.dst}"'),
+              ("shape", str(plan.shape)), ("dtype", str(plan.dtype).replace("torch.", "")),
+              ("mesh", repr(plan.mesh)), ("plan", steps))
+    return fields, _steps_detail(plan)
+
+
+def _steps_detail(plan: Plan) -> str:
+    return repr(tuple((s.kind, s.axes, s.op, s.dim, s.pairs, str(s.before), str(s.after))
+                      for s in plan.steps)) + repr(plan.dst_mesh)
+
+
+class Fingerprint(NamedTuple):
+    """A call's fingerprint, in the two forms that travel."""
+
+    row: Tensor     # (1, 256) uint8: a hash of the whole call, then its text, cut to fit
+    probe: Tensor   # (4,) int64: the hash as two 63-bit ints, then their negatives
+
+
+@functools.lru_cache(maxsize=1024)
+def _reshard_fingerprint(plan: Plan, device: torch.device) -> Fingerprint:
+    fields, detail = reshard_fields(plan)
+    return encode(fields, detail, device)
+
+
+def encode(fields: Fields, detail: str, device: torch.device) -> Fingerprint:
+    """The fingerprint of a call shown as `fields`, whose hash also covers `detail`."""
+    text = _text(fields).encode()
+    digest = hashlib.blake2b(text + b"\0" + detail.encode(), digest_size=HASH_BYTES).digest()
+    raw = digest + text[:TEXT_BYTES].ljust(TEXT_BYTES, b"\0")
+    row = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(1, -1)
+    h = torch.frombuffer(bytearray(digest), dtype=torch.int64) & (2**63 - 1)
+    return Fingerprint(row.to(device), torch.cat([h, -h]).to(device))
+
+
+def _text(fields: Fields) -> str:
+    return "\x1f".join(f"{k}={v}" for k, v in fields)
+
+
+def decode(row: Sequence[int]) -> tuple[bytes, Fields]:
+    """(hash, the fields that fit) of one fingerprint; a field cut short is dropped."""
+    raw = bytes(row)
+    text = raw[HASH_BYTES:].rstrip(b"\0").decode(errors="ignore")
+    parts = text.split("\x1f")
+    if len(raw[HASH_BYTES:].rstrip(b"\0")) >= TEXT_BYTES:
+        parts = parts[:-1]   # the last field may be cut
+    fields = tuple((k, v) for k, _, v in (p.partition("=") for p in parts if "=" in p))
+    return raw[:HASH_BYTES], fields
+
+
+# -- the agreement ---------------------------------------------------------------------------
+def agree_reshard(x: Tensor, bound: BoundMesh, plan: Plan) -> None:
+    """Raise on every rank of `bound`'s mesh unless all of them asked for this reshard
+    (after this rank's own input checks, which come before any communication)."""
+    check_local(plan, x, bound)
+    _agree_on_mesh(bound, _reshard_fingerprint(plan, bound.device), f"reshard on {bound.mesh!r}")
+
+
+def _agree_on_mesh(bound: BoundMesh, mine: Fingerprint, what: str) -> None:
+    """`agree` over the group of the whole mesh."""
+    axes = bound.mesh.axis_names
+    agree(bound.group_name(axes), bound.mesh.groups(*axes)[0], mine, what)
+
+
+def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
+    """`agree_reshard` for `reshard_many`: one check per bound mesh, over its items."""
+    by_mesh: dict[int, tuple[BoundMesh, list[Plan]]] = {}
+    for x, bound, plan in jobs:
+        check_local(plan, x, bound)
+        by_mesh.setdefault(id(bound), (bound, []))[1].append(plan)
+    for bound, plans in by_mesh.values():
+        fields: Fields = (("call", "reshard_many"), ("items", str(len(plans))))
+        fields += tuple((f"item{k}", f'"{p.src}" -> "{p.dst}" {p.shape}'
+                         f" {str(p.dtype).replace('torch.', '')}") for k, p in enumerate(plans))
+        detail = "".join(_steps_detail(p) for p in plans)
+        _agree_on_mesh(bound, encode(fields, detail, bound.device),
+                       f"reshard_many on {bound.mesh!r}")
+
+
+def agree_collective(fn: str, name: str, pg_ranks: Sequence[int], where: str, x: Tensor,
+                     args: Fields) -> None:
+    """Raise on every member unless all of them called `fn` over this group with the same
+    dtype and the same `args` (each collective passes those that must agree)."""
+    fields = (("call", fn), ("group", where), ("dtype", str(x.dtype).replace("torch.", ""))) + args
+    agree(name, tuple(pg_ranks), _collective_fingerprint(fields, x.device), f"{fn} {where}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _collective_fingerprint(fields: Fields, device: torch.device) -> Fingerprint:
+    return encode(fields, "", device)
+
+
+def agree(group: str, ranks: Sequence[int], mine: Fingerprint, what: str) -> None:
+    """Compare `mine` across the group named `group` (members `ranks`, in group order) and
+    raise `CollectiveMismatchError` on every member when the fingerprints differ.
+
+    One all_reduce(max) of the probe (h, -h) gives (max h, -min h): it equals this rank's
+    probe on every rank when all hashes agree, and differs on every rank otherwise (32 bytes
+    a rank instead of 256). Only then are the rows gathered, to say who asked for what."""
+    name = cast(c10d.GroupName, group)
+    try:
+        seen = _waited(funcol.all_reduce(mine.probe, "max", name))
+        if torch.equal(seen, mine.probe):
+            return
+        got = _waited(funcol.all_gather_single(mine.row, 0, name))
+    except RuntimeError as err:
+        kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
+        raise kind(f"{what}: check mode could not compare the call across the group"
+                   f" ({_ranks_text(ranks)}): a rank of the group died, hangs, or never made"
+                   f" this call. cause: {type(err).__name__}: {str(err).strip()}\n  fix: look"
+                   " for a rank that failed earlier or skipped this call (its own error comes"
+                   " first)") from err
+    raise CollectiveMismatchError(mismatch_message(what, ranks, got.cpu().tolist()))
+
+
+def _waited(t: Tensor) -> Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+
+
+def mismatch_message(what: str, ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> str:
+    """Which ranks asked for what: the largest class of equal calls (lowest rank on a tie)
+    against each other class, field by field, then every class's call in full."""
+    classes: dict[bytes, list[int]] = {}
+    shown: dict[bytes, Fields] = {}
+    for rank, row in zip(ranks, rows):
+        digest, fields = decode(row)
+        classes.setdefault(digest, []).append(rank)
+        shown.setdefault(digest, fields)
+    order = sorted(classes, key=lambda d: (-len(classes[d]), min(classes[d])))
+    ref = order[0]
+    lines = [f"{what}: {_differ(classes[d], shown[d], classes[ref], shown[ref])}"
+             for d in order[1:]]
+    width = max(len(_ranks_text(classes[d])) for d in order) + 1
+    lines += [f"  {(_ranks_text(classes[d]) + ':').ljust(width)} "
+              + " ".join(f"{k}={v}" if k != "call" else v for k, v in shown[d]) for d in order]
+    lines.append("  fix: every rank of the group must make the same calls in the same order;"
+                 " look for a branch on the rank, or on data that differs between ranks,"
+                 " before this call")
+    return "\n".join(lines)
+
+
+def _differ(ranks: list[int], fields: Fields, ref_ranks: list[int], ref: Fields) -> str:
+    mine, theirs = dict(fields), dict(ref)
+    if mine.get("call") != theirs.get("call"):
+        keys = ["call"]
+    else:
+        keys = [k for k in mine if k in theirs and mine[k] != theirs[k]]
+    if not keys:
+        return (f"{_ranks_text(ranks)} asked for a different {mine.get('call', 'call')} than"
+                f" {_ranks_text(ref_ranks)} (it differs past the part of the call that is"
+                " shown, e.g. in the plan's steps)")
+    call = theirs.get("call", "")
+
+    def ask(values: dict[str, str]) -> str:
+        if keys == ["call"]:
+            return values.get("call", "?")
+        return f"{call} " + ", ".join(f"{k}={values[k]}" for k in keys[:3])
+    return f"{_ranks_text(ranks)} asked for {ask(mine)} but {_ranks_text(ref_ranks)} asked for" \
+           f" {ask(theirs)}"
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """'rank 3', 'ranks 0-2', 'ranks 0, 2, 5-7'."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)

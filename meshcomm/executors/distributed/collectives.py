@@ -1,0 +1,620 @@
+"""Functional collectives addressed by mesh axis, over torch.distributed.
+
+Executor layer. Each collective checks every input it can check locally, then
+calls PyTorch's functional collectives (`torch.distributed._functional_collectives`)
+with a process-group *name*, so it returns a new tensor at once, is waited on at
+first use, and traces under `torch.compile(fullgraph=True)` with no process-group
+object in the program. Results equal `meshcomm.executors.sim.collectives` bit for bit.
+Positions (`src`, `dst`, `pairs`, split lists) are positions in the group as the
+caller names it: axes in any order, first-named axis major. Process groups exist
+only in mesh order, so a group named in another order reorders blocks locally.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from itertools import accumulate
+from typing import NamedTuple, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
+
+from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
+from ...core.mesh import AxisName, Mesh
+from ...core.reduce_ops import REDUCE_OPS, chunk_sizes, op_reduce
+from .bind import BoundMesh
+from .checks import SWITCH as CHECKS
+from .checks import agree_collective
+
+__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute", "recv",
+           "reduce_scatter", "send", "sendrecv"]
+
+Axes = AxisName | int | Sequence[AxisName]
+GroupLike = (BoundMesh | DeviceMesh | tuple[DeviceMesh, int | str] | dist.ProcessGroup
+             | Sequence[int])
+
+
+class _Group(NamedTuple):
+    """This rank's group: funcol name, global ranks in the caller's order, and the mapping."""
+
+    name: c10d.GroupName     # what funcol takes: no process-group object in traced programs
+    ranks: tuple[int, ...]
+    order: tuple[int, ...]   # order[p]: position in the process group of caller position p
+    inv: tuple[int, ...]     # inv[q]: caller position of process-group position q
+    pos: int                 # this rank's caller position
+    size: int
+    desc: tuple[object, object]  # (axes or None, owner) for messages: see `_where`
+
+
+def _where(g: _Group | tuple[object, object]) -> str:
+    """'over "tp" of Mesh(dp=2, tp=2)': built only for a message, never on the hot path."""
+    axes, owner = g.desc if isinstance(g, _Group) else g
+    if axes is None:
+        return f"of {owner}"
+    return f"over {_axes_text(axes)} of {owner!r}"
+
+
+def _axes_text(axes: object) -> str:
+    return f'"{axes}"' if isinstance(axes, str) else repr(axes)
+
+
+def _make_group(name: str, ranks: tuple[int, ...], pg_ranks: tuple[int, ...], rank: int,
+                desc: tuple[object, object]) -> _Group:
+    # Plain loops only: this runs under torch.compile tracing too.
+    order = tuple([pg_ranks.index(r) for r in ranks])
+    inv = [0] * len(order)
+    for p, q in enumerate(order):
+        inv[q] = p
+    return _Group(cast(c10d.GroupName, name), ranks, order, tuple(inv), ranks.index(rank),
+                  len(ranks), desc)
+
+
+def _members(mesh: Mesh, key: tuple[AxisName, ...], rank: int) -> tuple[int, ...]:
+    """Global ranks of `rank`'s group over `key`, first-named axis major (as Mesh.groups)."""
+    names, sizes, grid = mesh.axis_names, mesh.shape, mesh.ranks
+    flat, coords = grid.index(rank), [0] * len(sizes)
+    for i in range(len(sizes) - 1, -1, -1):
+        coords[i], flat = flat % sizes[i], flat // sizes[i]
+    idx = [names.index(a) for a in key]
+    count = 1
+    for i in idx:
+        count *= sizes[i]
+    out = []
+    for inner in range(count):
+        at, rest = list(coords), inner
+        for i in reversed(idx):
+            at[i], rest = rest % sizes[i], rest // sizes[i]
+        spot = 0
+        for i in range(len(sizes)):
+            spot = spot * sizes[i] + at[i]
+        out.append(grid[spot])
+    return tuple(out)
+
+
+def _bound_checks(fn: str, bound: BoundMesh, axes: object) -> tuple[AxisName, ...]:
+    mesh = bound.mesh
+    key = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, Sequence) else ()
+    if not key or not all(isinstance(a, str) for a in key):
+        raise MeshAxisError(f"{fn}: axes={axes!r} does not name mesh axes of {mesh!r}; fix: pass"
+                            f' an axis or a tuple of axes, e.g. "{mesh.axis_names[-1]}" or'
+                            f" {mesh.axis_names}")
+    for a in key:
+        if a not in mesh.axis_names:
+            hint = did_you_mean(a, mesh.axis_names)
+            raise MeshAxisError(f'{fn}: "{a}" is not an axis of {mesh!r}; axes are'
+                                f' {", ".join(mesh.axis_names)}' + (f"\n  fix: {hint}" if hint else ""))
+    if len(set(key)) != len(key):
+        raise MeshAxisError(f"{fn}: axes {list(key)} name an axis twice; fix: name each once")
+    if not bound.in_mesh:
+        raise MeshMismatchError(f"{fn}: rank {bound.rank} is not in {mesh!r}; only its ranks"
+                                f" {list(mesh.ranks)} run its collectives")
+    return key
+
+
+def _bound_group(fn: str, bound: BoundMesh, axes: object) -> _Group:
+    key = _bound_checks(fn, bound, axes)
+    mesh_order = tuple([a for a in bound.mesh.axis_names if a in key])
+    ranks = _members(bound.mesh, key, bound.rank)
+    pg_ranks = ranks if mesh_order == key else _members(bound.mesh, mesh_order, bound.rank)
+    return _make_group(bound.group_name(mesh_order), ranks, pg_ranks, bound.rank,
+                       (axes, bound.mesh))
+
+
+@functools.lru_cache(maxsize=1024)
+def _bound_group_cached(fn: str, bound: BoundMesh, axes: AxisName | tuple[AxisName, ...]
+                        ) -> _Group:
+    return _bound_group(fn, bound, axes)
+
+
+def _pg_group(fn: str, pg: dist.ProcessGroup, ranks: tuple[int, ...] | None,
+              desc: tuple[object, object]) -> _Group:
+    pg_ranks = tuple(dist.get_process_group_ranks(pg))
+    rank = dist.get_rank()
+    if rank not in pg_ranks:
+        raise MeshMismatchError(f"{fn}: rank {rank} is not in the group {_where(desc)} (ranks"
+                                f" {list(pg_ranks)}); only its members call its collectives")
+    return _make_group(pg.group_name, pg_ranks if ranks is None else ranks, pg_ranks, rank, desc)
+
+
+def _device_group(fn: str, dm: DeviceMesh, axes: Axes | None) -> _Group:
+    names = tuple(dm.mesh_dim_names or ())
+    if axes is None and dm.ndim == 1:
+        dim = 0
+    elif isinstance(axes, int) and not isinstance(axes, bool) and 0 <= axes < dm.ndim:
+        dim = axes
+    elif isinstance(axes, str) and axes in names:
+        dim = names.index(axes)
+    else:
+        hint = did_you_mean(axes, names) if isinstance(axes, str) else ""
+        raise MeshAxisError(
+            f"{fn}: axes={axes!r} is not one dim of {dm} (dims 0..{dm.ndim - 1}, names {names});"
+            " a DeviceMesh gives one dim per collective. fix: "
+            + (hint or "name one dim, or bind a meshcomm mesh (mc.init_mesh) for flattened axes"))
+    return _pg_group(fn, dm.get_group(dim), None, (axes if axes is not None else 0, dm))
+
+
+def _ranks_group(fn: str, ranks: tuple[int, ...]) -> _Group:
+    if len(set(ranks)) != len(ranks):
+        raise MeshAxisError(f"{fn}: the group of ranks {list(ranks)} names a rank twice")
+    pg = c10d._find_pg_by_ranks_and_tag("", list(ranks))
+    if pg is None:
+        raise MeshAxisError(f"{fn}: no process group has the ranks {list(ranks)}; fix: create it"
+                            f" on every rank with torch.distributed.new_group({sorted(ranks)}),"
+                            " or bind a mesh with mc.init_mesh and name its axes")
+    return _pg_group(fn, pg, ranks, (None, f"ranks {list(ranks)}"))
+
+
+def _group(fn: str, mesh: GroupLike, axes: Axes | None) -> _Group:
+    """Resolve the group argument forms (see docs/collectives.md) to this rank's group."""
+    if isinstance(mesh, BoundMesh):
+        hashable = isinstance(axes, str) or isinstance(axes, tuple) and all(
+            isinstance(a, str) for a in axes)
+        if hashable and not torch.compiler.is_compiling():  # dynamo traces the plain one
+            return _bound_group_cached(fn, mesh, axes)
+        return _bound_group(fn, mesh, axes)
+    if isinstance(mesh, DeviceMesh):
+        return _device_group(fn, mesh, axes)
+    if axes is not None:
+        raise MeshAxisError(f"{fn}: axes={axes!r} goes with a BoundMesh or a DeviceMesh, but the"
+                            f" group is a {type(mesh).__name__}, which names its ranks already;"
+                            " fix: drop axes")
+    if isinstance(mesh, tuple) and len(mesh) == 2 and isinstance(mesh[0], DeviceMesh):
+        return _device_group(fn, mesh[0], mesh[1])
+    if isinstance(mesh, dist.ProcessGroup):
+        return _pg_group(fn, mesh, None, (None, f"process group {mesh.group_name!r}"))
+    if isinstance(mesh, Sequence) and mesh and all(_is_int(r) for r in mesh):
+        return _ranks_group(fn, tuple(cast(Sequence[int], mesh)))
+    raise MeshAxisError(f"{fn}: {mesh!r} is not a group; pass a BoundMesh and axes"
+                        ' (mc.init_mesh(...), "tp"), a DeviceMesh, (DeviceMesh, dim), a'
+                        " ProcessGroup, or a list of global ranks")
+
+
+# ---- local checks, all before any communication ----------------------------------------------
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor(fn: str, x: object, arg: str = "x") -> Tensor:
+    if not isinstance(x, Tensor):
+        raise ShapeError(f"{fn}: {arg} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _dim(fn: str, g: _Group, arg: str, dim: object, x: Tensor) -> int:
+    if not _is_int(dim) or not -x.dim() <= dim < x.dim():  # type: ignore[operator]
+        valid = f"{-x.dim()}..{x.dim() - 1}" if x.dim() else "none, x is 0-d"
+        raise ShapeError(f"{fn} {_where(g)}: {arg}={dim!r} is not a dim of x with shape"
+                         f" {tuple(x.shape)} (valid: {valid})")
+    return dim % x.dim()  # type: ignore[operator]
+
+
+def _sizes(fn: str, g: _Group, arg: str, sizes: object, total: int | None,
+           what: str) -> tuple[int, ...]:
+    got = tuple(sizes) if isinstance(sizes, Sequence) else ()
+    if len(got) != g.size or not all(_is_int(s) and s >= 0 for s in got):
+        raise ShapeError(f"{fn} {_where(g)}: {arg}={sizes!r} is not {g.size} sizes >= 0, one per"
+                         f" group position")
+    out = cast(tuple[int, ...], got)
+    if total is not None and sum(out) != total:
+        raise ShapeError(f"{fn} {_where(g)}: {arg}={list(out)} sums to {sum(out)}, but {what} is"
+                         f" {total}; fix: sizes that sum to {total}")
+    return out
+
+
+def _op(fn: str, g: _Group, op: object, dtype: torch.dtype) -> str:
+    if op not in REDUCE_OPS:
+        hint = did_you_mean(str(op), REDUCE_OPS)
+        raise ShapeError(f"{fn} {_where(g)}: unknown reduce op {op!r}; ops are"
+                         f" {', '.join(REDUCE_OPS)}" + (f"\n  fix: {hint}" if hint else ""))
+    if op == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        raise ShapeError(f"{fn} {_where(g)}: op 'avg' needs a floating dtype, got {dtype}; fix:"
+                         " reduce with op='sum' and divide, or cast to a float dtype")
+    return str(op)
+
+
+def _position(fn: str, g: _Group, arg: str, p: object) -> int:
+    if not isinstance(p, int) or isinstance(p, bool) or not 0 <= p < g.size:
+        raise MeshAxisError(f"{fn} {_where(g)}: {arg}={p!r} is not a position of the group"
+                            f" (0..{g.size - 1}, ranks {list(g.ranks)}); it is a position"
+                            " within the group, not a global rank")
+    return p
+
+
+# ---- local block moves --------------------------------------------------------------------------
+
+def _reorder(t: Tensor, dim: int, sizes: Sequence[int], perm: Sequence[int]) -> Tensor:
+    """`t`'s blocks along `dim` (of `sizes`, in order) rearranged: new block i = old perm[i]."""
+    if list(perm) == list(range(len(perm))):
+        return t
+    starts = list(accumulate(sizes, initial=0))
+    return torch.cat([t.narrow(dim, starts[p], sizes[p]) for p in perm], dim)
+
+
+def _a2a(rows: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], g: _Group) -> Tensor:
+    """all_to_all_single over `g` with splits (rows of dim 0) in process-group order."""
+    out: Tensor = funcol.all_to_all_single(rows.contiguous(), list(out_splits), list(in_splits),
+                                           g.name)
+    return out
+
+
+def _check(fn: str, g: _Group, x: Tensor, *args: tuple[str, object]) -> None:
+    """Check mode: the members agree on this call (and on `args`) before it runs."""
+    if not torch.compiler.is_compiling():
+        agree_collective(fn, g.name, [g.ranks[g.inv[q]] for q in range(g.size)], _where(g), x,
+                         tuple((k, str(v)) for k, v in args))
+
+
+# ---- collectives -------------------------------------------------------------------------------
+
+def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int = 0,
+               sizes: Sequence[int] | None = None) -> Tensor:
+    """Every member's `x` concatenated along `dim` in group order.
+
+    >>> y = mc.collectives.all_gather(x, bound, "tp", dim=0)     # doctest: +SKIP  (x: (2, 3) -> y: (8, 3))
+
+    `sizes` (one size along `dim` per group position) gives the uneven form: it runs as one
+    all_to_all with uneven splits, so no padding goes on the wire. Without it every member
+    must pass the same shape. Backward: reduce_scatter(sum) of the output gradient.
+    """
+    fn = "all_gather"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    d = _dim(fn, g, "dim", dim, x)
+    n = x.shape[d]
+    if sizes is not None:
+        sizes = _sizes(fn, g, "sizes", sizes, None, "")
+        if sizes[g.pos] != n:
+            raise ShapeError(f"{fn} {_where(g)}: sizes={list(sizes)} says position {g.pos} (this"
+                             f" rank) has {sizes[g.pos]} along dim {d}, but x has {n}")
+    if CHECKS.on:
+        shape = tuple(x.shape) if sizes is None else (*x.shape[:d], "*", *x.shape[d + 1:])
+        _check(fn, g, x, ("dim", d), ("shape", shape), ("sizes", sizes))
+    if sizes is None or len(set(sizes)) == 1:
+        out: Tensor = funcol.all_gather_single(x.contiguous(), d, g.name)
+        return _reorder(out, d, [n] * g.size, g.order)
+    rows = x.movedim(d, 0)
+    out_pg = [sizes[p] for p in g.inv]
+    out = _a2a(torch.cat([rows] * g.size), out_pg, [n] * g.size, g)
+    return _reorder(out, 0, out_pg, g.order).movedim(0, d)
+
+
+def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int = 0,
+                   op: str = "sum", splits: Sequence[int] | None = None) -> Tensor:
+    """Chunk p (along `dim`) of the reduction of every member's `x`, at group position p.
+
+    >>> y = mc.collectives.reduce_scatter(x, bound, "tp", dim=0, op="sum")  # doctest: +SKIP  (8 -> 2 rows)
+
+    Chunks follow torch.chunk boundaries unless `splits` gives one size per position. Even
+    chunks run as a native reduce_scatter; uneven ones as one all_to_all with uneven splits and
+    a local reduction in group order. `avg` is a sum divided by the group size (as the sim).
+    Backward (sum, avg): all_gather of the output gradient (divided by the size for avg).
+    """
+    fn = "reduce_scatter"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    d = _dim(fn, g, "dim", dim, x)
+    op = _op(fn, g, op, x.dtype)
+    n = x.shape[d]
+    chunks = (chunk_sizes(n, g.size) if splits is None
+              else _sizes(fn, g, "splits", splits, n, f"dim {d} of x"))
+    wire_op = "sum" if op == "avg" else op
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("dim", d), ("op", op), ("splits", splits))
+    if len(set(chunks)) == 1:
+        moved = _reorder(x, d, chunks, g.inv)
+        out: Tensor = funcol.reduce_scatter_single(moved.contiguous(), wire_op, d, g.name)
+        return out / g.size if op == "avg" else out
+    rows = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
+    own = chunks[g.pos]
+    got = _a2a(rows, [own] * g.size, [chunks[p] for p in g.inv], g)
+    blocks = torch.split(got, own) if own else [got] * g.size
+    return op_reduce([blocks[q] for q in g.order], op).movedim(0, d)
+
+
+def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str = "sum") -> Tensor:
+    """The reduction (`op`: sum, avg, max, min) of every member's `x`, on every member.
+
+    >>> y = mc.collectives.all_reduce(x, bound, ("dp", "tp"), op="sum")   # doctest: +SKIP
+
+    Backward follows PyTorch's functional collectives: the gradient of `x` is the all_reduce
+    (sum) of the output gradients of every member (divided by the size for avg); max and min
+    are not differentiable.
+    """
+    fn = "all_reduce"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    op = _op(fn, g, op, x.dtype)
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("op", op))
+    out: Tensor = funcol.all_reduce(x, "sum" if op == "avg" else op, g.name)
+    return out / g.size if op == "avg" else out
+
+
+def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_dim: int = 0,
+               concat_dim: int = 0, input_splits: Sequence[int] | None = None,
+               output_splits: Sequence[int] | None = None) -> Tensor:
+    """Block p of `x` along `split_dim` goes to position p; the blocks received are joined
+    along `concat_dim` in group order.
+
+    >>> y = mc.collectives.all_to_all(x, bound, "ep", split_dim=0, concat_dim=1)  # doctest: +SKIP
+
+    The uneven form takes both `input_splits` (rows of `split_dim` this rank sends to each
+    position) and `output_splits` (rows it receives from each); the second cannot be derived
+    locally, e.g. MoE token counts come from an even all_to_all of `input_splits` first.
+    Backward: the inverse all_to_all of the output gradient.
+    """
+    fn = "all_to_all"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    split = _dim(fn, g, "split_dim", split_dim, x)
+    concat = _dim(fn, g, "concat_dim", concat_dim, x)
+    n = x.shape[split]
+    if (input_splits is None) != (output_splits is None):
+        raise ShapeError(f"{fn} {_where(g)}: give input_splits and output_splits together (the"
+                         " sizes this rank receives cannot be derived locally); fix: exchange"
+                         " the counts first, output_splits = mc.collectives.all_to_all(torch.tensor("
+                         "input_splits), ...).tolist(), or give neither for equal blocks")
+    if input_splits is None:
+        if n % g.size:
+            raise ShapeError(f"{fn} {_where(g)}: x has size {n} along split_dim={split}, not"
+                             f" divisible by the group size {g.size}; fix: pad dim {split} to"
+                             f" a multiple of {g.size}, or pass input_splits and output_splits")
+        ins = outs = (n // g.size,) * g.size
+    else:
+        ins = _sizes(fn, g, "input_splits", input_splits, n, f"split_dim={split} of x")
+        outs = _sizes(fn, g, "output_splits", output_splits, None, "")
+        if ins[g.pos] != outs[g.pos]:
+            raise ShapeError(f"{fn} {_where(g)}: position {g.pos} (this rank) sends itself"
+                             f" input_splits[{g.pos}]={ins[g.pos]} rows but output_splits"
+                             f"[{g.pos}]={outs[g.pos]}; the two must agree")
+        if concat != split and len(set(outs)) > 1:
+            raise ShapeError(f"{fn} {_where(g)}: output_splits={list(outs)} differ, so the"
+                             f" received blocks differ along split_dim={split} and cannot be"
+                             f" joined along concat_dim={concat}; fix: concat_dim={split}")
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape) if input_splits is None else "uneven"),
+               ("split_dim", split), ("concat_dim", concat))
+    rows = _reorder(x.movedim(split, 0), 0, ins, g.inv)
+    outs_pg = [outs[p] for p in g.inv]
+    got = _a2a(rows, outs_pg, [ins[p] for p in g.inv], g)
+    if concat == split:
+        return _reorder(got, 0, outs_pg, g.order).movedim(0, split)
+    blocks = torch.split(got, outs_pg[0]) if outs_pg[0] else [got] * g.size
+    return torch.cat([blocks[q].movedim(0, split) for q in g.order], concat)
+
+
+def _permute_pairs(fn: str, g: _Group, pairs: object, shift: object
+                   ) -> tuple[tuple[int, int], ...]:
+    if (pairs is None) == (shift is None) or not (shift is None or _is_int(shift)):
+        raise ShapeError(f"{fn} {_where(g)}: give exactly one of pairs=[(src, dst), ...] or"
+                         f" shift=k (an int), got pairs={pairs!r}, shift={shift!r}")
+    if shift is not None:
+        return tuple((p, (p + shift) % g.size) for p in range(g.size))  # type: ignore[operator]
+    if not isinstance(pairs, Sequence):
+        raise MeshAxisError(f"{fn} {_where(g)}: pairs={pairs!r} is not a list of (src, dst)")
+    for k, pair in enumerate(pairs):
+        if not (isinstance(pair, Sequence) and len(pair) == 2
+                and all(_is_int(p) and 0 <= p < g.size for p in pair)):
+            raise MeshAxisError(f"{fn} {_where(g)}: pair {pair!r} is not (src, dst) with positions"
+                                f" in 0..{g.size - 1}; pairs name positions within the group"
+                                f" (ranks {list(g.ranks)}), not global ranks")
+        if any(q[1] == pair[1] for q in pairs[:k]):
+            raise ShapeError(f"{fn} {_where(g)}: position {pair[1]} is the destination of more"
+                             f" than one pair in {list(pairs)}; each position may receive once")
+    return tuple((int(s), int(d)) for s, d in pairs)
+
+
+def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
+                       pairs: Sequence[tuple[int, int]] | None = None,
+                       shift: int | None = None) -> Tensor:
+    """The `x` of the position that sends here, per (src, dst) in `pairs`, or zeros.
+
+    >>> y = mc.collectives.collective_permute(x, bound, "pp", shift=1)   # doctest: +SKIP  (p gets p-1's)
+
+    `shift=k` means pairs (p, (p + k) % size). A position that receives nothing gets
+    `zeros_like(x)` (as jax.lax.ppermute); every member passes the same shape and dtype.
+    Runs as one all_to_all in which only the pairs move bytes. Backward: the inverse permute.
+    """
+    fn = "collective_permute"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    plan = _permute_pairs(fn, g, pairs, shift)
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("pairs", plan))
+    to = tuple(sorted(d for s, d in plan if s == g.pos))
+    frm = tuple(s for s, d in plan if d == g.pos)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return cast(Tensor, _Permute.apply(x, g, to, frm))  # type: ignore[no-untyped-call]
+    return _route(x, g, to, frm)
+
+
+def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> Tensor:
+    """Send `x` to caller positions `to`; the sum (in group order) of what `frm` send, or zeros.
+
+    One all_to_all in which only these blocks move. The result is built from the collective's
+    output even when that is empty, so a traced program never drops the collective on one rank.
+    """
+    flat, n = x.contiguous().reshape(-1), x.numel()
+    to_pg = sorted([g.order[p] for p in to])
+    frm_pg = sorted([g.order[p] for p in frm])
+    ins = [n if q in to_pg else 0 for q in range(g.size)]
+    outs = [n if q in frm_pg else 0 for q in range(g.size)]
+    got = _a2a(torch.cat([flat] * len(to)) if to else flat[:0], outs, ins, g)
+    if len(frm) <= 1 or n == 0:
+        return torch.cat([got, flat.new_zeros(n - got.numel())]).view(x.shape)
+    blocks = dict(zip(frm_pg, torch.split(got, n)))
+    return op_reduce([blocks[g.order[p]] for p in sorted(frm)], "sum").view(x.shape)
+
+
+class _Permute(torch.autograd.Function):
+    """collective_permute whose backward is the inverse routing (fan-out becomes a sum)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, g: _Group,
+                to: tuple[int, ...], frm: tuple[int, ...]) -> Tensor:
+        ctx.args = (g, to, frm)  # type: ignore[attr-defined]
+        return _route(x, g, to, frm)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+                 ) -> tuple[Tensor | None, ...]:
+        g, to, frm = ctx.args  # type: ignore[attr-defined]
+        return _route(grad, g, frm, to), None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, g: _Group,
+                src: int) -> Tensor:
+        ctx.group, ctx.src = g, src  # type: ignore[attr-defined]
+        return cast(Tensor, funcol.broadcast(x.contiguous(), g.order[src], g.name))
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+                 ) -> tuple[Tensor, None, None]:
+        g, src = ctx.group, ctx.src  # type: ignore[attr-defined]
+        # A reduce to src: every member sends its gradient there; src sums them in group order.
+        return _route(grad, g, (src,), tuple(range(g.size)) if g.pos == src else ()), None, None
+
+
+def broadcast(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int = 0) -> Tensor:
+    """A copy of the `x` of group position `src`, on every member.
+
+    >>> y = mc.collectives.broadcast(x, bound, "tp", src=0)   # doctest: +SKIP
+
+    Every member passes a tensor of the same shape and dtype (its values are unused off src).
+    Backward: the gradients of every member summed (in group order) at src, zeros elsewhere.
+    """
+    fn = "broadcast"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    src = _position(fn, g, "src", src)
+    if CHECKS.on:
+        _check(fn, g, x, ("shape", tuple(x.shape)), ("src", src))
+    if torch.is_grad_enabled() and x.requires_grad:
+        return cast(Tensor, _Broadcast.apply(x, g, src))  # type: ignore[no-untyped-call]
+    return cast(Tensor, funcol.broadcast(x.contiguous(), g.order[src], g.name))
+
+
+def _exchange(x: Tensor | None, like: Tensor | None, g: _Group, dst: int | None,
+              src: int | None) -> Tensor:
+    """Post a send of `x` to caller position `dst` and a receive like `like` from `src` together.
+
+    Returns what `src` sent, or (no `src`) zeros like `like` built from the send's token, or
+    (only a send) the token. The send's token may go unused: the send still completes.
+    """
+    kinds, peers, tensors = [], [], []
+    if dst is not None:
+        assert x is not None, "a send needs a tensor"
+        kinds, peers, tensors = ["isend"], [g.order[dst]], [x.contiguous()]
+    if src is not None:
+        assert like is not None, "a receive needs a template tensor"
+        # irecv fills the tensor it is given: a fresh buffer keeps `like` (often `x`) intact.
+        buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
+        kinds, peers, tensors = kinds + ["irecv"], peers + [g.order[src]], tensors + [buffer]
+    out = funcol.batch_p2p_ops_inplace(kinds, peers, [0] * len(kinds), tensors, g.name)
+    if src is None and like is not None:
+        token = out[0].to(like.dtype).reshape(-1)
+        return torch.cat([token, like.new_zeros(like.numel())]).view(like.shape)
+    return cast(Tensor, out[-1])
+
+
+class _SendRecv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, g: _Group,
+                dst: int | None, src: int | None, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        ctx.args = (g, dst, src, x.shape, x.dtype)  # type: ignore[attr-defined]
+        return _exchange(x, x.new_empty(shape, dtype=dtype), g, dst, src)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor
+                 ) -> tuple[Tensor | None, ...]:
+        g, dst, src, shape, dtype = ctx.args  # type: ignore[attr-defined]
+        back = _exchange(grad, grad.new_empty(shape, dtype=dtype), g, src, dst)
+        return back, None, None, None, None, None
+
+
+def _p2p_checks(fn: str, g: _Group, dst: object, src: object) -> None:
+    for arg, p in (("dst", dst), ("src", src)):
+        if p is not None and _position(fn, g, arg, p) == g.pos:
+            raise MeshAxisError(f"{fn} {_where(g)}: {arg}={p} is this rank's own position; a rank"
+                                " does not send to itself. fix: use x.clone() locally")
+
+
+def send(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dst: int) -> Tensor:
+    """Send `x` to group position `dst`; returns a 0-element token, waited on at first use.
+
+    >>> token = mc.collectives.send(x, bound, "pp", dst=1)   # doctest: +SKIP  (position 1 calls mc.collectives.recv)
+
+    Not differentiable: use `sendrecv` or `collective_permute` for gradients.
+    """
+    fn = "send"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    _p2p_checks(fn, g, dst, None)
+    return _exchange(x, None, g, dst, None)
+
+
+def recv(like: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int) -> Tensor:
+    """A new tensor with the shape and dtype of `like`, received from group position `src`.
+
+    >>> y = mc.collectives.recv(torch.empty(4, 8), bound, "pp", src=0)   # doctest: +SKIP
+
+    `like`'s values are unused. Not differentiable: use `sendrecv` or `collective_permute`.
+    """
+    fn = "recv"
+    like = _tensor(fn, like, "like")
+    g = _group(fn, mesh, axes)
+    _p2p_checks(fn, g, None, src)
+    return _exchange(None, like, g, None, src)
+
+
+def sendrecv(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dst: int | None,
+             src: int | None, like: Tensor | None = None) -> Tensor:
+    """Send `x` to position `dst` and return what position `src` sends here, in one exchange.
+
+    >>> y = mc.collectives.sendrecv(x, bound, "pp", dst=(p + 1) % 4, src=(p - 1) % 4)  # doctest: +SKIP
+
+    Both sides post their send and receive together, so rings and chains cannot deadlock.
+    `dst=None` only receives; `src=None` only sends and returns `zeros_like(like)`. The
+    received tensor has the shape and dtype of `like` (default: `x`). Backward: the reverse
+    exchange (the output gradient goes back to `src`, `x`'s gradient comes from `dst`).
+    """
+    fn = "sendrecv"
+    x = _tensor(fn, x)
+    like = x if like is None else _tensor(fn, like, "like")
+    g = _group(fn, mesh, axes)
+    _p2p_checks(fn, g, dst, src)
+    if dst is None and src is None:
+        raise MeshAxisError(f"{fn} {_where(g)}: give dst, src or both; fix: dst=position to send"
+                            " to, src=position to receive from")
+    if torch.is_grad_enabled() and x.requires_grad:
+        out = _SendRecv.apply(x, g, dst, src, like.shape, like.dtype)  # type: ignore[no-untyped-call]
+        return cast(Tensor, out)
+    return _exchange(x, like, g, dst, src)

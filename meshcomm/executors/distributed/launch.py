@@ -1,0 +1,166 @@
+"""Run a function on N local processes joined by torch.distributed (the CLI's demo, tests,
+benchmarks).
+
+Every process is a fresh "spawn" child with its own process group on 127.0.0.1.
+`run_ranks` never hangs and never leaves a child behind: whatever happens (an
+error on one rank, a rank stuck in a collective, a crash, Ctrl-C), the parent
+stops every child before it returns or raises.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ...core.errors import RankFailure
+
+_GRACE_S = 2.0      # how long a terminated child gets before it is killed
+_POLL_S = 0.1
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0,
+              backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """The results of `fn(rank, world_size, *args, **kwargs)` on `world_size` processes, by rank.
+
+    `fn` must be a top-level (picklable) function, and its result picklable. Each
+    process initializes torch.distributed (`backend`, a TCP store on a free local
+    port, collectives timing out after `timeout_s`) before calling `fn` and
+    destroys the process group after. Raises `RankFailure` with the traceback of
+    the first rank that raised, or naming the ranks that had not finished when
+    `timeout_s` (counted from the start, spawning included) ran out.
+
+    >>> run_ranks(pow, 3)          # pow(rank, world_size) on each of 3 processes
+    [0, 1, 8]
+    """
+    if world_size < 1:
+        raise ValueError(f"run_ranks needs world_size >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, name=f"meshcomm-rank-{rank}",
+                         args=(fn, rank, world_size, port, backend, timeout_s, results_q,
+                               args, kwargs))
+             for rank in range(world_size)]
+    try:
+        for proc in procs:
+            proc.start()
+        return _collect(procs, results_q, world_size, time.monotonic() + timeout_s, timeout_s)
+    finally:
+        _stop(procs)
+        results_q.close()
+        results_q.join_thread()
+
+
+def _collect(procs: list[Any], results_q: Any, world_size: int, deadline: float,
+             timeout_s: float) -> list[Any]:
+    results: dict[int, Any] = {}
+    silent_since: dict[int, float] = {}
+    while len(results) < world_size:
+        now = time.monotonic()
+        if now >= deadline:
+            missing = [r for r in range(world_size) if r not in results]
+            raise RankFailure(
+                f"run_ranks: rank(s) {missing} of {world_size} did not finish within"
+                f" {timeout_s:g} s; all ranks were stopped. fix: look for a rank that skips a"
+                " collective the others call, or raise timeout_s")
+        try:
+            rank, ok, payload, in_fn = results_q.get(timeout=min(_POLL_S, deadline - now))
+        except queue_mod.Empty:
+            _check_dead(procs, results, silent_since, now)
+            continue
+        if not ok:
+            _raise_failures([(rank, payload, in_fn)] + _later_failures(results_q), world_size)
+        results[rank] = pickle.loads(payload)
+    return [results[r] for r in range(world_size)]
+
+
+def _later_failures(results_q: Any) -> list[tuple[int, str, bool]]:
+    """Every other failure reported within a moment (often consequences of the first)."""
+    found = []
+    end = time.monotonic() + 0.5
+    while time.monotonic() < end:
+        try:
+            rank, ok, payload, in_fn = results_q.get(timeout=max(0.0, end - time.monotonic()))
+        except queue_mod.Empty:
+            break
+        if not ok:
+            found.append((rank, payload, in_fn))
+    return found
+
+
+def _raise_failures(failures: list[tuple[int, str, bool]], world_size: int) -> None:
+    """RankFailure with the full traceback of the root cause: the first rank whose `fn`
+    raised (a peer's teardown error is a consequence), then one line per other failure."""
+    first = next((f for f in failures if f[2]), failures[0])
+    rank, payload, _ = first
+    lines = [f"  rank {r}: {p.strip().splitlines()[-1]}" for r, p, _ in failures if r != rank]
+    raise RankFailure(f"run_ranks: rank {rank} of {world_size} raised:\n{payload}"
+                      + ("\nother ranks that failed too:\n" + "\n".join(lines) if lines else ""))
+
+
+def _check_dead(procs: list[Any], results: dict[int, Any], silent_since: dict[int, float],
+                now: float) -> None:
+    """Raise for a child that exited without reporting (a crash, os._exit, a signal)."""
+    for rank, proc in enumerate(procs):
+        if rank in results or proc.exitcode is None:
+            continue
+        # A clean exit may still have its result in the pipe: give it a moment.
+        first = silent_since.setdefault(rank, now)
+        if proc.exitcode != 0 or now - first > _GRACE_S:
+            raise RankFailure(
+                f"run_ranks: rank {rank} exited with code {proc.exitcode} without a result"
+                " (a crash or a signal; negative codes are signal numbers)")
+
+
+def _stop(procs: list[Any]) -> None:
+    """Terminate every child still running, kill those that ignore it, and reap them all."""
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for proc in procs:
+        if proc.pid is not None:
+            proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.pid is not None and proc.is_alive():
+            proc.kill()
+            proc.join()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
+            timeout_s: float, results_q: Any, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> None:
+    """Body of one child: init the group, run `fn`, report (rank, ok, pickled result or text,
+    whether `fn` itself raised)."""
+    in_fn = False
+    try:
+        import torch
+        import torch.distributed as dist
+
+        # Ranks share a few cores: one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        in_fn = True
+        try:
+            result = fn(rank, world_size, *args, **kwargs)
+        finally:
+            in_fn = False
+            dist.destroy_process_group()
+        results_q.put((rank, True, pickle.dumps(result), False))
+    except BaseException:  # report everything, KeyboardInterrupt and SystemExit included
+        results_q.put((rank, False, traceback.format_exc(), in_fn))

@@ -1,0 +1,192 @@
+"""Run a Plan on simulated ranks: one short handler per step kind.
+
+The executor decides nothing: every argument comes from the plan's steps. It is
+the reference the torch.distributed executor must match bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ...core.errors import MeshMismatchError, ShapeError
+from ...core.mesh import Mesh
+from ...planner.transfers import step_transfers
+from ...planner.values import Plan, Step
+from ..local import local_move, pack, unpack
+from . import collectives as coll
+from .collectives import SimResult
+
+
+def check_locals(plan: Plan, locals_: Sequence[Tensor]) -> None:
+    """Raise before any step if `locals_` do not match the plan's source layout."""
+    mesh = plan.mesh
+    if len(locals_) != mesh.size:
+        raise ShapeError(f"execute got {len(locals_)} local tensors for {mesh!r} of {mesh.size} ranks;"
+                         " fix: pass one tensor per rank, in mesh order")
+    for rank, x in zip(mesh.ranks, locals_):
+        if not isinstance(x, Tensor):
+            raise ShapeError(f"local tensor of rank {rank} is a {type(x).__name__}, not a Tensor")
+        if x.dtype != plan.dtype:
+            raise ShapeError(f"local tensor of rank {rank} has dtype {x.dtype} but the plan was made"
+                             f" for {plan.dtype}; fix: mc.plan(..., dtype={x.dtype})")
+        plan.src.check_local(mesh, plan.shape, rank, tuple(x.shape), "local tensor")
+
+
+def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> SimResult:
+    """Each rank's output of `plan` and the bytes every step moved (mesh order).
+
+    For a plan between two meshes, see `execute_cross` below.
+
+    >>> import meshcomm as mc
+    >>> m = mc.Mesh("tp=2")
+    >>> p = mc.plan(m, (4,), "(tp b)", "b")
+    >>> execute(p, mc.sim.scatter(torch.arange(4.0), m, "(tp b)")).outputs[1].tolist()
+    [0.0, 1.0, 2.0, 3.0]
+    """
+    if mesh is not None and mesh != plan.mesh:
+        raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {mesh!r}."
+                                " fix: plan with the mesh you run on")
+    if plan.dst_mesh is not None:
+        return execute_cross(plan, locals_)
+    check_locals(plan, locals_)
+    result = SimResult.noop(list(locals_))
+    for step in plan.steps:
+        result = result.then(run_step(step, plan.mesh, list(result.outputs), plan.shape))
+    return result
+
+
+def run_step(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    """One step on every rank of `mesh` (tensors in mesh order)."""
+    if step.kind in _SHAPED:
+        return _SHAPED[step.kind](step, mesh, xs, shape)
+    return _RUN[step.kind](step, mesh, xs)
+
+
+def _groups(mesh: Mesh, step: Step) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(mesh.position(r) for r in g) for g in mesh.groups(*step.axes))
+
+
+def _size(mesh: Mesh, step: Step) -> int:
+    size = 1
+    for a in step.axes:
+        size *= mesh.axis_size(a)
+    return size
+
+
+def _map(step: Step, xs: list[Tensor], fn: Callable[[Tensor], Tensor] | None) -> list[Tensor]:
+    return xs if fn is None else [fn(x) for x in xs]
+
+
+def _local(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    outs = []
+    g = _size(mesh, step)
+    for rank, x in zip(mesh.ranks, xs):
+        pos = mesh.group_index(rank, *step.axes)[1]
+        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank,
+                               mesh, shape))
+    return SimResult.noop(outs)
+
+
+def _all_gather(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    if step.dim is not None:
+        return coll.all_gather(xs, _groups(mesh, step), dim=step.dim)
+    res = coll.all_gather([x.unsqueeze(0) for x in xs], _groups(mesh, step), dim=0)
+    return _with(res, _map(step, list(res.outputs), step.post.apply if step.post else None))
+
+
+def _reduce_scatter(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    op = step.op or "sum"
+    if step.dim is not None:
+        return coll.reduce_scatter(xs, _groups(mesh, step), dim=step.dim, op=op)
+    ys = _map(step, xs, step.pre.apply if step.pre else None)
+    res = coll.reduce_scatter(ys, _groups(mesh, step), dim=0, op=op)
+    return _with(res, [y.squeeze(0) for y in res.outputs])
+
+
+def _all_reduce(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    return coll.all_reduce(xs, _groups(mesh, step), op=step.op or "sum")
+
+
+def _all_to_all(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    ys = _map(step, xs, step.pre.apply if step.pre else None)
+    res = coll.all_to_all(ys, _groups(mesh, step), split_dim=0, concat_dim=0)
+    return _with(res, _map(step, list(res.outputs), step.post.apply if step.post else None))
+
+
+def _permute(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+    return coll.collective_permute(xs, _groups(mesh, step), pairs=step.pairs)
+
+
+def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
+    return SimResult(tuple(outputs), res.send_bytes, res.recv_bytes)
+
+
+_RUN: dict[str, Callable[[Step, Mesh, list[Tensor]], SimResult]] = {
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
+    "collective_permute": _permute,
+}
+
+
+def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    transfers = [step_transfers(step, mesh, shape, r) for r in mesh.ranks]
+    packed = [pack(ts, mesh, r, x) for r, ts, x in zip(mesh.ranks, transfers, xs)]
+    group = (tuple(range(mesh.size)),)
+    res = coll.all_to_all([p[0] for p in packed], group, input_splits=[p[1] for p in packed])
+    outs = [unpack(ts, mesh, r, flat, step.after.local_shape(mesh, shape, r))
+            for r, ts, flat in zip(mesh.ranks, transfers, res.outputs)]
+    return _with(res, outs)
+
+
+_SHAPED: dict[str, Callable[[Step, Mesh, list[Tensor], tuple[int, ...]], SimResult]] = {
+    "local": _local,
+    "send_recv": _send_recv,
+}
+
+
+# -- a plan between two meshes -------------------------------------------------------
+def execute_cross(plan: Plan, locals_: Sequence[Tensor]) -> SimResult:
+    """Each rank's output of a cross-mesh `plan` and the bytes every step moved."""
+    check_locals(plan, locals_)
+    ranks = plan.ranks
+    held: dict[int, Tensor] = dict(zip(plan.mesh.ranks, locals_))
+    send, recv = [0] * len(ranks), [0] * len(ranks)
+    for step in plan.steps:
+        if step.dst_mesh is not None:
+            held, res = _transfer(step, plan, held)
+            sent, got = res.send_bytes, res.recv_bytes
+        else:
+            mesh = step.mesh or plan.mesh
+            res = run_step(step, mesh, [held[r] for r in mesh.ranks], plan.shape)
+            held = dict(zip(mesh.ranks, res.outputs))
+            sent, got = _spread(mesh, ranks, res.send_bytes), _spread(mesh, ranks, res.recv_bytes)
+        send = [a + b for a, b in zip(send, sent)]
+        recv = [a + b for a, b in zip(recv, got)]
+    outputs = tuple(held.get(r) if plan.dst_mesh and r in plan.dst_mesh.ranks else None
+                    for r in ranks)
+    return SimResult(outputs, tuple(send), tuple(recv))  # type: ignore[arg-type]
+
+
+def _spread(mesh: Mesh, ranks: tuple[int, ...], values: tuple[int, ...]) -> tuple[int, ...]:
+    where = dict(zip(mesh.ranks, values))
+    return tuple(where.get(r, 0) for r in ranks)
+
+
+def _transfer(step: Step, plan: Plan, held: dict[int, Tensor]) -> tuple[dict[int, Tensor], SimResult]:
+    """The send_recv between meshes, simulated as one uneven all_to_all over both meshes."""
+    ranks = plan.ranks
+    empty = torch.empty(0, dtype=plan.dtype)
+    packed = [pack(step.transfers, ranks, r, held.get(r, empty)) for r in ranks]
+    res = coll.all_to_all([p[0] for p in packed], (tuple(range(len(ranks))),),
+                          input_splits=[p[1] for p in packed])
+    dst_mesh = step.dst_mesh
+    assert dst_mesh is not None, f"a transfer step needs dst_mesh: {step}"
+    out = {r: unpack(step.transfers, ranks, r, res.outputs[ranks.index(r)],
+                         step.after.local_shape(dst_mesh, plan.shape, r), step.op)
+           for r in dst_mesh.ranks}
+    return out, res

@@ -1,0 +1,99 @@
+"""DTensor interop at run time: a DeviceMesh's process groups as a BoundMesh, a DTensor's
+parts (local tensor, placements, shape) and a DTensor from parts. Reads process groups,
+never communicates, never copies. The layout mapping itself is `interop.placements`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.errors import InteropError, MeshMismatchError
+from ..core.layout import Shape
+from ..core.mesh import Mesh
+from ..executors.distributed.bind import BoundMesh
+from .placements import Placements
+
+
+def is_dtensor(x: object) -> bool:
+    """True for a torch DTensor (imports nothing: no DTensor exists before its module loads)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
+def bind_device_mesh(device_mesh: Any) -> BoundMesh:
+    """A BoundMesh over a DeviceMesh's existing process groups (creates none, sends nothing).
+
+    >>> bound = mc.dtensor.bind_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+
+    Each axis uses the DeviceMesh's own group. A group over several axes (which plans
+    use for some collectives) is any existing process group with exactly the ranks of
+    that flattened group in mesh order: the world group, groups made by `mc.init_mesh`
+    or by `DeviceMesh._flatten()`. A plan that needs one that does not exist raises
+    before it communicates (every rank sees the same groups, so every rank raises).
+    """
+    import torch.distributed as dist
+
+    mesh = Mesh.from_device_mesh(device_mesh)
+    rank = dist.get_rank()
+    if rank not in mesh.ranks:
+        raise MeshMismatchError(f"rank {rank} is not in {mesh!r} (the DTensor's DeviceMesh);"
+                                " fix: convert DTensors only on the ranks of their mesh")
+    names = {(axis,): device_mesh.get_group(i).group_name
+             for i, axis in enumerate(mesh.axis_names)}
+    existing = _groups_by_ranks()
+    for k in range(2, len(mesh.axis_names) + 1):
+        for axes in itertools.combinations(mesh.axis_names, k):
+            ranks = next(g for g in mesh.groups(*axes) if rank in g)
+            if ranks in existing:
+                names[axes] = existing[ranks]
+    group = device_mesh.get_group(0)
+    device = (torch.device("cpu") if device_mesh.device_type == "cpu" else
+              torch.device(device_mesh.device_type, torch.get_device_module(
+                  device_mesh.device_type).current_device()))
+    bound = BoundMesh(mesh, dist.get_backend(group), device, rank, names)
+    vars(bound)["device_mesh"] = device_mesh   # BoundMesh.device_mesh is this mesh itself
+    return bound
+
+
+def _groups_by_ranks() -> dict[tuple[int, ...], str]:
+    """Every process group this rank belongs to, by its global ranks in group order."""
+    from torch.distributed import distributed_c10d as c10d
+
+    out: dict[tuple[int, ...], str] = {}
+    for pg, ranks in c10d._world.pg_group_ranks.items():
+        if isinstance(pg, c10d.ProcessGroup):    # non-members hold a placeholder
+            order = tuple(sorted(ranks, key=ranks.__getitem__))
+            out.setdefault(order, pg.group_name)
+    return out
+
+
+def placements_of(dt: Any) -> Placements:
+    """`dt.placements`, with an explicit non-default `shard_order` of its spec written as the
+    _StridedShards that encode it (DTensor's own conversion)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    spec = dt._spec
+    order = getattr(spec, "shard_order", None)
+    if order and not spec.use_strided_shard_as_shard_order \
+            and not DTensorSpec.is_default_device_order(order):
+        try:
+            return tuple(DTensorSpec._convert_shard_order_to_StridedShard(
+                order, tuple(spec.placements), dt.device_mesh))
+        except ValueError as exc:
+            raise InteropError(f"DTensor placements {list(spec.placements)} with shard order"
+                               f" {order} have no layout: {exc}") from None
+    return tuple(dt.placements)
+
+
+def wrap(local: Tensor, dm: Any, placements: Placements, shape: Shape) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return DTensor.from_local(local, dm, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)

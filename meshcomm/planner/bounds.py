@@ -1,0 +1,90 @@
+"""Lower bounds on the bytes any correct plan must receive, from the layouts alone.
+
+This module never communicates and never looks at the planner's search: the
+bound depends only on which global elements each rank holds before and after,
+counted from the layouts' blocks (`meshcomm.planner.blocks`) without listing elements.
+For P ranks, rank r holding `have_r` before and `need_r` after:
+
+- No reduction to resolve, no pending reduction after: r must receive every
+  element it needs and lacks: `LB_r = |need_r - have_r|`.
+- A new pending reduction after (`| sum(tp)`): in r's group G of g ranks over
+  the new pending axes (every member needs the same block), an element the
+  group needs must be received by one of them unless a member both holds and
+  needs it, so G receives at least that many elements and its busiest member a
+  g-th of them: `LB_r = ceil(|need_G - (have_1 | ... | have_g)| / g)`. An
+  average is the exception: every member must hold the value itself, so the
+  first bound applies.
+- A pending reduction over g > 1 ranks to resolve (the reduce-scatter bound):
+  every element e needs at least g - 1 messages to combine its g partial
+  values, plus one delivery to each of the n_e places that need it but did not
+  do the combining, so all ranks together receive at least
+  `S = sum_e (g - 2 + n_e)` elements and the busiest rank at least S / P:
+  `LB_r = ceil(S / P)` for every r. For a plain reduce_scatter this is
+  (g - 1)/g of the input, for an all_reduce 2(g - 1)/g: the ring algorithms
+  meet it. Here n_e counts the ranks needing e (or, when a reduction stays
+  pending in the destination, the destination's reduction groups needing e).
+
+The first bound holds for every rank. The other two are shared out evenly,
+so they bound the busiest rank of the group (the max over ranks), which is
+what the modelled time of a collective depends on. Axes of size 1 take no
+part: a reduction over one rank is already resolved.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from ..core.layout import Layout, Shape
+from ..core.mesh import AxisName, Mesh
+from .blocks import own_and_need, summed_overlap
+from .states import State, from_layout, local_numels
+
+
+def lower_bound_elements(mesh: Mesh, shape: Shape, src: Layout, dst: Layout) -> tuple[int, ...]:
+    """Per rank (mesh order), elements any correct plan must receive."""
+    shape = tuple(shape)
+    return state_bound(from_layout(src, mesh, shape), from_layout(dst, mesh, shape), mesh)
+
+
+def sharding_axes(state: State) -> frozenset[AxisName]:
+    return frozenset(a for dim in state.dims for a in dim.axes)
+
+
+@functools.lru_cache(maxsize=4096)
+def state_bound(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
+    """`lower_bound_elements` between two planner states."""
+    resolve = [a for a in start.partial if a not in goal.partial]
+    g = math.prod(mesh.axis_size(a) for a in resolve)
+    if g > 1:
+        return _reduction(start, goal, mesh, g)
+    new = [a for a in goal.partial if a not in start.partial]
+    if new and goal.op != "avg":   # an average needs the value on every member
+        return _partial_destination(start, goal, mesh, tuple(new))
+    return missing(start, goal, mesh)
+
+
+def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
+    """Per rank, the elements it needs in `goal` and does not hold in `start`."""
+    own, need = own_and_need(start, goal, mesh)
+    return tuple((need - own).tolist())
+
+
+def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]:
+    total = math.prod(d.size for d in start.dims)
+    # Members of a pending group of the goal all need the same block: count it once.
+    groups = math.prod(mesh.axis_size(a) for a in goal.partial)
+    needers = sum(local_numels(goal, mesh)) // groups
+    return (-(-(total * (g - 2) + needers) // mesh.size),) * mesh.size
+
+
+def _partial_destination(start: State, goal: State, mesh: Mesh,
+                         new: tuple[AxisName, ...]) -> tuple[int, ...]:
+    g = math.prod(mesh.axis_size(a) for a in new)
+    # Members differ only on the new axes and need the same block; those that differ on
+    # an axis sharding `start` hold disjoint blocks, the others the same one, so the group
+    # keeps the sum over those axes of what one member keeps.
+    kept = summed_overlap(start, goal, mesh, frozenset(new) & sharding_axes(start),
+                          in_need=False)
+    _, need = own_and_need(start, goal, mesh)
+    return tuple(((need - kept + g - 1) // g).tolist())

@@ -1,0 +1,173 @@
+"""Plans between two meshes: pipeline hand-offs, training -> inference, re-sharded checkpoints.
+
+This module never communicates. A plan between meshes has up to three phases:
+
+1. on the source mesh, a pending reduction is resolved first (all_reduce or a
+   reduce_scatter into some dim, whichever makes the whole plan cheapest; the
+   same-mesh planner finds each candidate's steps);
+2. one send_recv step from source ranks to destination ranks: every
+   destination element arrives exactly once, from one holder, nothing a rank
+   already holds is sent to it, and when several source ranks hold a replica
+   of a block the sending is spread over them (least-loaded first);
+3. a pending sum/max/min in the destination is delivered to the first rank of
+   each reduction group only (the others hold the op's identity, so nothing is
+   sent twice); a pending avg is delivered to all and marked locally.
+
+Meshes may be disjoint, overlapping or nested. Byte tuples are per rank of
+both meshes, ascending (`Plan.ranks`). Partial sources are always reduced on
+the source mesh: a pending value cannot be split across meshes of other sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ..core.errors import PlanError, ShapeError
+from ..core.layout import Layout, Shape
+from ..core.mesh import Mesh
+from ..core.notation import Dim, Factor, Pattern
+from . import search
+from .states import from_layout, local_numels
+from .transfers import assign, cross_blocks
+from .values import CostModel, Plan, Step
+
+
+def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout,
+               dst: Layout, cost_model: CostModel) -> Plan:
+    """The cheapest plan from `src` on `mesh` to `dst` on `dst_mesh` (see the module doc)."""
+    dst.placements(dst_mesh, shape)
+    src.placements(mesh, shape)
+    ranks = tuple(sorted(set(mesh.ranks) | set(dst_mesh.ranks)))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # sum/max/min: only the first member of each reduction group receives the values, the
+    # others hold the identity; avg: all receive, and a local step marks the reduction.
+    landing = _strip(dst) if dst.reduce_op in (None, "avg") else dst
+    best: tuple[tuple[float, int, int], tuple[Step, ...]] | None = None
+    for staged in _resolved_candidates(mesh, shape, src):
+        first = search.single_plan(mesh, shape, dtype, src, staged, cost_model)
+        steps = tuple(_reindex(s, mesh, ranks, mesh) for s in first.steps)
+        steps += (_transfer_step(mesh, dst_mesh, ranks, shape, staged, landing, itemsize,
+                                 cost_model),)
+        key = (sum(s.time_s for s in steps), max(max(s.peak_bytes) for s in steps), len(steps))
+        if best is None or key < best[0]:
+            best = (key, steps)
+    assert best is not None, f"no candidate layout to resolve {src} on {mesh!r}"
+    steps = best[1]
+    if dst.reduce_op == "avg":  # every member holds the value: delivered to all, then marked
+        steps += (_mark_step(dst_mesh, ranks, shape, landing, dst, itemsize),)
+    send = tuple(sum(s.send_bytes[i] for s in steps) for i in range(len(ranks)))
+    recv = tuple(sum(s.recv_bytes[i] for s in steps) for i in range(len(ranks)))
+    peak = tuple(max(s.peak_bytes[i] for s in steps) for i in range(len(ranks)))
+    lower = _lower_bound(mesh, dst_mesh, ranks, shape, src, landing, itemsize)
+    return Plan(mesh, shape, dtype, src, dst, steps, send, recv, lower, peak,
+                sum(s.time_s for s in steps), cost_model, dst_mesh)
+
+
+def _strip(layout: Layout) -> Layout:
+    """`layout` without its pending reduction (what the transfer delivers)."""
+    p = layout.pattern
+    return Layout._from_pattern(Pattern(p.dims, None, ())) if p.reduce_op else layout
+
+
+def _resolved_candidates(mesh: Mesh, shape: Shape, src: Layout) -> list[Layout]:
+    """Layouts on the source mesh without a pending reduction that `src` can reach."""
+    if src.reduce_op is None:
+        return [src]
+    partial = tuple(a for a in mesh.axis_names if a in src.partial_axes)
+    spare = tuple(a for a in src.replicated_axes(mesh))
+    out = [_strip(src)]
+    # Scatter the reduction (and, to share the work, the replicated axes) into one dim.
+    for axes in {partial, partial + spare}:
+        for d, dim in enumerate(src.dims):
+            factors = tuple(Factor(a) for a in axes) + dim.factors
+            dims = src.dims[:d] + (Dim(factors),) + src.dims[d + 1:]
+            candidate = Layout._from_pattern(Pattern(dims, None, ()))
+            try:
+                candidate.placements(mesh, shape)
+            except ShapeError:
+                continue
+            out.append(candidate)
+    return out
+
+
+def _reindex(step: Step, mesh: Mesh, ranks: tuple[int, ...], before_mesh: Mesh) -> Step:
+    """`step` (bytes in `mesh` order) with bytes in the order of `ranks` (0 elsewhere)."""
+    where = {r: i for i, r in enumerate(mesh.ranks)}
+
+    def spread(values: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(values[where[r]] if r in where else 0 for r in ranks)
+
+    return dataclasses.replace(step, send_bytes=spread(step.send_bytes),
+                               recv_bytes=spread(step.recv_bytes),
+                               peak_bytes=spread(step.peak_bytes), mesh=before_mesh)
+
+
+def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape,
+                   before: Layout, after: Layout, itemsize: int, cost_model: CostModel) -> Step:
+    start, goal = from_layout(before, mesh, shape), from_layout(after, dst_mesh, shape)
+    have, need, atoms = cross_blocks(start, goal, mesh, dst_mesh)
+    for r in _contributors_only(dst_mesh, after):
+        need[r] = tuple(() for _ in shape)   # holds the identity of the pending op
+    found = assign(have, need, atoms, lambda s, r: True)
+    if found is None:
+        raise PlanError(f"cannot move {before} on {mesh!r} to {after} on {dst_mesh!r}: some"
+                        " block has no holder; this is a meshcomm bug, please report it")
+    pos = {r: i for i, r in enumerate(ranks)}
+    transfers = tuple(sorted(found, key=lambda t: (pos[t.src], pos[t.dst])))
+    send, recv = [0] * len(ranks), [0] * len(ranks)
+    for t in transfers:
+        if t.src != t.dst:
+            send[pos[t.src]] += t.numel * itemsize
+            recv[pos[t.dst]] += t.numel * itemsize
+    ins = dict(zip(mesh.ranks, local_numels(start, mesh)))
+    outs = dict(zip(dst_mesh.ranks, local_numels(goal, dst_mesh)))
+    peak = tuple((ins.get(r, 0) + outs.get(r, 0)) * itemsize for r in ranks)
+    time = cost_model.time(("*",), max(max(send), max(recv))) if any(send) else 0.0
+    return Step("send_recv", (), before, after, op=after.reduce_op, transfers=transfers,
+                send_bytes=tuple(send),
+                recv_bytes=tuple(recv), time_s=time, peak_bytes=peak, mesh=mesh,
+                dst_mesh=dst_mesh)
+
+
+def _contributors_only(mesh: Mesh, layout: Layout) -> list[int]:
+    """Ranks past the first of each pending-reduction group of `layout` (none without one)."""
+    axes = tuple(a for a in mesh.axis_names if a in layout.partial_axes)
+    if not axes:
+        return []
+    return [r for group in mesh.groups(*axes) for r in group[1:]]
+
+
+def _mark_step(dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, before: Layout,
+               after: Layout, itemsize: int) -> Step:
+    axes = tuple(a for a in dst_mesh.axis_names if a in after.partial_axes)
+    sizes = dict(zip(dst_mesh.ranks, local_numels(from_layout(before, dst_mesh, shape), dst_mesh)))
+    zeros = (0,) * len(ranks)
+    peak = tuple(2 * sizes.get(r, 0) * itemsize for r in ranks)
+    return Step("local", axes, before, after, action="mark_partial", op=after.reduce_op,
+                send_bytes=zeros, recv_bytes=zeros, peak_bytes=peak, mesh=dst_mesh)
+
+
+def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
+                 landing: Layout, itemsize: int) -> tuple[int, ...]:
+    """Per rank: the destination elements it needs and does not hold complete (a pending
+    reduction holds none), plus, on the source mesh, an even share of the reduce-scatter
+    bound for resolving a pending reduction over g ranks (each element combined once:
+    (g - 1) * numel messages over the source ranks)."""
+    complete = src.reduce_op is None
+    g = math.prod(mesh.axis_size(a) for a in src.partial_axes)
+    reduce_share = -(-math.prod(shape) * (g - 1) // mesh.size) if not complete else 0
+    idle = set(_contributors_only(dst_mesh, landing))
+    out = []
+    for r in ranks:
+        need_count = 0
+        if r in dst_mesh.ranks and r not in idle:
+            need = [set(ix) for ix in landing.indices(dst_mesh, shape, r)]
+            have = ([set(ix) for ix in src.indices(mesh, shape, r)]
+                    if complete and r in mesh.ranks else [set() for _ in shape])
+            both = math.prod(len(h & n) for h, n in zip(have, need))
+            need_count = math.prod(len(n) for n in need) - both
+        out.append((need_count + (reduce_share if r in mesh.ranks else 0)) * itemsize)
+    return tuple(out)

@@ -1,0 +1,262 @@
+"""Plain-text explanation of a Plan: the table behind `print(plan)` and `plan.explain()`.
+
+This module never imports rich. Its cell and line helpers (`step_cells`,
+`total_lines`, `layout_lines`) are plain strings that `display.render_plan`
+reuses, so the rich table and the plain one say the same thing in the same
+words. Bytes print in binary units ("1.0 KiB"); the exact counts are in
+`plan.to_json()`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ..core.layout import Layout
+from ..core.mesh import Mesh
+
+# A `meshcomm.planner.values.Plan`. This module sits below the plan values (whose
+# `explain()` and `str()` call `format_plan`), so it reads a plan's fields without
+# importing its class.
+Plan = Any
+
+HEADERS = ("#", "step", "axes (group)", "local shape", "sent", "received", "time (µs)",
+           "peak mem")
+NO_STEPS = "(no communication: layouts are equal)"
+RIGHT = frozenset({0, 4, 5, 6, 7})     # numeric columns, right-aligned
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units with about three digits: "48 B", "1.0 KiB", "2.5 MiB", "128 KiB".
+
+    >>> format_bytes(1024), format_bytes(48), format_bytes(3 * 2**20 // 2), format_bytes(2**17)
+    ('1.0 KiB', '48 B', '1.5 MiB', '128 KiB')
+    """
+    if n < 1024:
+        return f"{n} B"
+    k = min(int(math.log(n, 1024)), len(_UNITS) - 1)
+    value = n / 1024**k
+    if round(value, 1) >= 1024 and k + 1 < len(_UNITS):
+        k, value = k + 1, value / 1024
+    return f"{value:.{1 if round(value, 1) < 100 else 0}f} {_UNITS[k]}"
+
+
+def format_us(seconds: float) -> str:
+    """Seconds as microseconds with three significant digits and no exponent.
+
+    >>> format_us(1.024e-08), format_us(2.5e-5), format_us(0.0), format_us(0.0123)
+    ('0.0102', '25.0', '0', '12300')
+    """
+    us = seconds * 1e6
+    if us == 0:
+        return "0"
+    places = max(0, 2 - math.floor(math.log10(abs(us))))
+    return f"{us:.{places}f}"
+
+
+def dtype_name(plan: Plan) -> str:
+    """The plan's dtype without the "torch." prefix, e.g. "float32"."""
+    return str(plan.dtype).removeprefix("torch.")
+
+
+def title_lines(plan: Plan, width: int = 100) -> tuple[str, ...]:
+    """'plan "src" -> "dst": shape (8, 6) float32 on Mesh(dp=2, tp=2)', in two lines
+    (the shape on the second) when one would be wider than `width`."""
+    head = f'plan "{plan.src}" -> "{plan.dst}"'
+    tail = f"shape {tuple(plan.shape)} {dtype_name(plan)} on {plan.mesh!r}"
+    if plan.dst_mesh is not None:
+        tail += f" -> {plan.dst_mesh!r}"
+    one = f"{head}: {tail}"
+    return (one,) if len(one) <= width else (f"{head}:", f"  {tail}")
+
+
+def step_name(row: dict[str, Any]) -> str:
+    """The step column: the collective, or the local action, plus its reduce op if any."""
+    name = row["action"] if row["kind"] == "local" else row["kind"]
+    return f"{name} {row['op']}" if row["op"] else name
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    return str(tuple(shape))
+
+
+def step_cells(row: dict[str, Any]) -> tuple[str, ...]:
+    """The cells of one `plan.rows()` row, in `HEADERS` order."""
+    axes = f"{','.join(row['axes'])} ({row['group_size']})" if row["axes"] else "-"
+    shapes = f"{_shape_text(row['local_shape_before'])} -> {_shape_text(row['local_shape_after'])}"
+    return (str(row["step"]), step_name(row), axes, shapes, format_bytes(row["send_bytes"]),
+            format_bytes(row["recv_bytes"]), format_us(row["time_s"]),
+            format_bytes(row["peak_bytes"]))
+
+
+def step_layouts(row: dict[str, Any]) -> str:
+    """'"before" -> "after"': the layouts around one step."""
+    return f'"{row["before"]}" -> "{row["after"]}"'
+
+
+def bound_text(plan: Plan) -> str:
+    """'1.00x of the lower bound (1024 B)', from the busiest rank's received bytes."""
+    s = plan.summary()
+    ratio = plan.bound_ratio
+    if math.isinf(ratio):
+        return f"receives {s['recv_bytes']} B where the lower bound is 0 B"
+    return f"{ratio:.2f}x of the lower bound ({s['lower_bound_bytes']} B)"
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def total_lines(plan: Plan) -> tuple[str, ...]:
+    """The totals: the bound, the busiest rank's and all ranks' traffic, memory and time."""
+    s = plan.summary()
+    return (
+        f"total: {_count(s['collectives'], 'collective')} in {_count(s['steps'], 'step')},"
+        f" {bound_text(plan)}",
+        f"  busiest rank sends {format_bytes(s['send_bytes'])} and receives"
+        f" {format_bytes(s['recv_bytes'])} (all ranks receive {format_bytes(s['recv_bytes_sum'])})",
+        f"  peak memory {format_bytes(s['peak_bytes'])} per rank;"
+        f" modelled time {format_us(s['cost_s'])} µs",
+    )
+
+
+def _layout_note(plan: Plan, layout: Layout, mesh: Mesh) -> str:
+    shape = max((layout.local_shape(mesh, plan.shape, r) for r in mesh.ranks), key=math.prod)
+    parts = [f"local {_shape_text(shape)}"]
+    if plan.dst_mesh is not None:
+        parts.append(f"on {mesh!r}")
+    for word, axes in (("sharded", layout.sharded_axes(mesh)),
+                       ("replicated", layout.replicated_axes(mesh))):
+        if axes:
+            parts.append(f"{word} over {', '.join(axes)}")
+    note = "; ".join(parts)
+    if layout.reduce_op is not None:
+        note += f"; pending {layout.reduce_op} over {', '.join(layout.partial_axes)}"
+    return note
+
+
+def layout_lines(plan: Plan) -> tuple[str, ...]:
+    """'before: "src"  local (4, 6); sharded over dp' and the same for after."""
+    pairs = (("before:", plan.src, plan.mesh), ("after:", plan.dst, plan.dst_mesh or plan.mesh))
+    quoted = [f'"{layout}"' for _, layout, _ in pairs]
+    pad = max(map(len, quoted))
+    return tuple(f"{word:<7} {text:<{pad}}  {_layout_note(plan, layout, mesh)}"
+                 for (word, layout, mesh), text in zip(pairs, quoted))
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Fixed-width table lines: a header, then each step and its layouts indented below."""
+    cells = [step_cells(row) for row in rows]
+    widths = [max(len(c[i]) for c in [HEADERS, *cells]) for i in range(len(HEADERS))]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if i in RIGHT else v.ljust(w)
+                 for i, (v, w) in enumerate(zip(values, widths))]
+        return "  ".join(parts).rstrip()
+
+    out = [line(HEADERS)]
+    for row, values in zip(rows, cells):
+        out.append(line(values))
+        out.append(" " * (widths[0] + 2) + step_layouts(row))
+    return out
+
+
+# -- steps between two meshes: who sends what to whom, and how evenly ---------------
+def index_text(indices: Sequence[int]) -> str:
+    """Global indices as slice text: "0:4", "1:8:2", "0:2,4:6" (runs), "∅" when empty.
+
+    >>> index_text((0, 1, 2, 3)), index_text((1, 3, 5)), index_text((0, 1, 4, 5)), index_text(())
+    ('0:4', '1:7:2', '0:2,4:6', '∅')
+    """
+    ix = tuple(indices)
+    if not ix:
+        return "∅"
+    step = ix[1] - ix[0] if len(ix) > 1 else 1
+    if step > 0 and all(b - a == step for a, b in zip(ix, ix[1:])):
+        return f"{ix[0]}:{ix[-1] + 1}" if step == 1 else f"{ix[0]}:{ix[-1] + step}:{step}"
+    runs, start = [], 0
+    for k in range(1, len(ix) + 1):
+        if k == len(ix) or ix[k] != ix[k - 1] + 1:
+            runs.append(f"{ix[start]}:{ix[k - 1] + 1}")
+            start = k
+    return ",".join(runs)
+
+
+def transfer_rows(plan: Plan) -> tuple[dict[str, Any], ...]:
+    """One plain row per (sender, receiver) pair of each step between two meshes: the step
+    number, the ranks, the blocks sent (global index ranges per dim, e.g. "[0:4, 0:8]") and
+    their bytes. What a rank keeps for itself moves nothing and has no row."""
+    out = []
+    for i, step in enumerate(plan.steps, 1):
+        if step.dst_mesh is None:
+            continue
+        pairs: dict[tuple[int, int], list[str]] = {}
+        sizes: dict[tuple[int, int], int] = {}
+        for t in step.transfers:
+            if t.src == t.dst:
+                continue
+            where = step.after.indices(step.dst_mesh, plan.shape, t.dst)
+            block = [index_text([w[k] for k in ix]) for w, ix in zip(where, t.dst_index)]
+            pairs.setdefault((t.src, t.dst), []).append(f"[{', '.join(block)}]")
+            sizes[t.src, t.dst] = sizes.get((t.src, t.dst), 0) + t.numel * plan.dtype.itemsize
+        out += [{"step": i, "src": s, "dst": r, "blocks": blocks, "bytes": sizes[s, r]}
+                for (s, r), blocks in pairs.items()]
+    return tuple(out)
+
+
+def balance(plan: Plan) -> tuple[dict[str, Any], ...]:
+    """Per step between two meshes: the busiest sender's bytes against the ideal, the total
+    sent spread evenly over the source mesh's ranks (`ideal_bytes` = total / senders)."""
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    out = []
+    for i, step in enumerate(plan.steps, 1):
+        if step.dst_mesh is None:
+            continue
+        senders = (step.mesh or plan.mesh).ranks
+        sends = [step.send_bytes[pos[r]] for r in senders]
+        out.append({"step": i, "send_bytes_max": max(sends), "send_bytes_total": sum(sends),
+                    "senders": len(senders), "ideal_bytes": sum(sends) / len(senders)})
+    return tuple(out)
+
+
+def transfer_lines(plan: Plan, max_blocks: int = 3) -> tuple[str, ...]:
+    """Per step between two meshes: one line per (sender, receiver) pair with its blocks and
+    bytes, then the balance line. Empty for a plan on one mesh."""
+    rows = transfer_rows(plan)
+    lines: list[str] = []
+    for b in balance(plan):
+        mine = [row for row in rows if row["step"] == b["step"]]
+        lines.append(f"step {b['step']}, sender -> receiver: block (global index ranges), bytes")
+        pairs = [f"r{row['src']} -> r{row['dst']}" for row in mine]
+        blocks = [" + ".join(row["blocks"][:max_blocks])
+                  + (f" + … ({len(row['blocks'])} blocks)" if len(row["blocks"]) > max_blocks
+                     else "") for row in mine]
+        sizes = [format_bytes(row["bytes"]) for row in mine]
+        widths = [max(map(len, col), default=0) for col in (pairs, blocks, sizes)]
+        lines += [f"  {p:<{widths[0]}}  {k:<{widths[1]}}  {n:>{widths[2]}}"
+                  for p, k, n in zip(pairs, blocks, sizes)]
+        if not mine:
+            lines.append("  (nothing to send: every receiver already holds its block)")
+        ideal, busiest = b["ideal_bytes"], b["send_bytes_max"]
+        ratio = f"{busiest / ideal:.2f}x" if ideal else "1.00x"
+        lines.append(f"  balance: busiest sender sends {format_bytes(busiest)}, ideal"
+                     f" {format_bytes(math.ceil(ideal))} ({format_bytes(b['send_bytes_total'])}"
+                     f" over {_count(b['senders'], 'source rank')}): {ratio}")
+    return tuple(lines)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as fixed-width text: title, one row per step, totals, layouts before and after.
+
+    >>> import meshcomm as mc
+    >>> p = mc.plan(mc.Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
+    >>> print(format_plan(p).splitlines()[2])
+    1  all_to_all  dp (2)        (4, 16, 8) -> (8, 8, 8)  1.0 KiB   1.0 KiB     0.0102   4.0 KiB
+    """
+    rows = plan.rows()
+    lines = list(title_lines(plan))
+    lines += _table(rows) if rows else [NO_STEPS]
+    lines += [*total_lines(plan), *transfer_lines(plan), *layout_lines(plan)]
+    return "\n".join(lines)

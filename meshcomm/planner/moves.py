@@ -1,0 +1,570 @@
+"""The planner's move set: every single step from one state, with its exact traffic.
+
+This module never communicates. A move is one collective (or one local
+operation) that turns a state into another. Each carries what an executor
+needs to run it (local rearranges before and after, the collective's group
+axes and arguments) and the bytes every rank sends and receives, from the
+algorithm each collective is modelled with:
+
+- all_gather: every block reaches every other group member once (ring):
+  rank i sends (g-1)*L_i and receives the sum of the other blocks.
+- reduce_scatter: ring; rank i sends its input less its own output chunk and
+  receives (g-1) times its output chunk.
+- all_reduce: ring reduce_scatter then ring all_gather of the flattened tensor
+  in `torch.chunk` chunks c_i: rank i sends and receives (T - c_i) + (g-1)*c_i.
+- all_to_all: pairwise; a rank sends every chunk but its own and receives one
+  chunk from every other member.
+- collective_permute: direct; a rank sends its block to one partner and
+  receives one (nothing when it is its own partner).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ..core.mesh import AxisName, Mesh
+from .blocks import (
+    block_sizes,
+    combos,
+    coords_table,
+    digit_rows,
+    flat_index,
+    group_positions,
+    in_mesh_order,
+    pair_counts,
+    rank_blocks,
+)
+from .rearrange import Rearrange
+from .states import (
+    DimState,
+    Shard,
+    State,
+    as_chunks,
+    chunk_dim,
+    even_dim,
+    is_chain,
+    local_numels,
+    to_layout,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One step between states: what runs, and the per-rank traffic in elements."""
+
+    kind: str                      # a Step kind: "local", "all_gather", ...
+    axes: tuple[AxisName, ...]     # group axes, major first
+    after: State
+    action: str = ""               # for "local": "slice", "mark_partial", "reindex"
+    op: str | None = None          # reduce op of reduce_scatter / all_reduce / mark_partial
+    dim: int | None = None         # tensor dim of an uneven (chunk) collective, else None
+    pre: Rearrange | None = None   # local rearrange before the collective
+    post: Rearrange | None = None  # local rearrange after it
+    pairs: tuple[tuple[int, int], ...] = ()
+    indexed: bool = False          # driven by per-rank index blocks (send_recv, select, reindex)
+    estimate: bool = False         # `send` is a stand-in (the search prices it exactly if needed)
+    send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
+    recv: tuple[int, ...] = ()
+
+
+# -- rearranges ---------------------------------------------------------------------
+Piece = tuple[int, int, int]   # (dim, lo, hi)
+
+
+def _refine(runs: list[tuple[int, int]], cuts: set[int]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in runs:
+        points = sorted({p for p in cuts if lo < p < hi} | {lo, hi}, reverse=True)
+        out.extend((b, a) for a, b in zip(points, points[1:]))
+    return out
+
+
+def _rearrange(before: State, after: State, lead_in: tuple[Shard, ...],
+               lead_out: tuple[Shard, ...], lead_dims: dict[AxisName, int]) -> Rearrange | None:
+    """Rearrange from `before`'s local tensor (plus leading `lead_in` blocks) to `after`'s."""
+    flat_in: list[Piece] = []
+    flat_out: list[Piece] = []
+    split: list[tuple[int, ...] | None] = []
+    merge: list[int] = []
+    per_dim_in: list[list[Piece] | None] = []
+    per_dim_out: list[list[Piece] | None] = []
+    for d, (b, a) in enumerate(zip(before.dims, after.dims)):
+        if b.chunks or a.chunks or b.size == 0:  # runtime size: uneven or empty
+            per_dim_in.append(None)
+            per_dim_out.append(None)
+            continue
+        cuts = set(b.bounds()) | set(a.bounds())
+        per_dim_in.append([(d, lo, hi) for lo, hi in _refine(list(b.local_runs()), cuts)])
+        per_dim_out.append([(d, lo, hi) for lo, hi in _refine(list(a.local_runs()), cuts)])
+
+    def lead(shards: tuple[Shard, ...], per_dim: list[list[Piece] | None]) -> list[Piece]:
+        pieces: list[Piece] = []
+        for lo, hi, axis in shards:
+            d = lead_dims[axis]
+            cuts = set(before.dims[d].bounds()) | set(after.dims[d].bounds())
+            pieces += [(d, plo, phi) for plo, phi in _refine([(lo, hi)], cuts)]
+        return pieces
+
+    if lead_in:
+        pieces = lead(lead_in, per_dim_in)
+        flat_in += pieces
+        split.append(tuple(p[2] // p[1] for p in pieces))
+    for d, dim_pieces in enumerate(per_dim_in):
+        if dim_pieces is None:
+            flat_in.append((d, -1, -1))
+            split.append(None)
+        else:
+            flat_in += dim_pieces
+            split.append(tuple(p[2] // p[1] for p in dim_pieces))
+    if lead_out:
+        pieces = lead(lead_out, per_dim_out)
+        flat_out += pieces
+        merge.append(len(pieces))
+    for d, dim_pieces in enumerate(per_dim_out):
+        chosen = [(d, -1, -1)] if dim_pieces is None else dim_pieces
+        flat_out += chosen
+        merge.append(len(chosen))
+    perm = tuple(flat_in.index(p) for p in flat_out)
+    r = Rearrange(tuple(split), perm, tuple(merge))
+    return None if r.is_identity else r
+
+
+# -- helpers -------------------------------------------------------------------------
+def _set_dim(state: State, d: int, dim: DimState, **changes: object) -> State:
+    dims = state.dims[:d] + (dim,) + state.dims[d + 1:]
+    fields = {"dims": dims, "partial": state.partial, "op": state.op}
+    fields.update(changes)  # type: ignore[arg-type]
+    return State(**fields)  # type: ignore[arg-type]
+
+
+def _without(dim: DimState, axis: AxisName, mesh: Mesh) -> DimState:
+    if dim.chunks:
+        return chunk_dim(dim.size, tuple(a for a in dim.chunks if a != axis), mesh)
+    return even_dim(dim.size, tuple(s for s in dim.shards if s[2] != axis))
+
+
+def _shard_of(dim: DimState, axis: AxisName) -> Shard:
+    return next(s for s in dim.shards if s[2] == axis)
+
+
+def _fits(dim: DimState, shard: Shard) -> bool:
+    """True if `shard`'s interval is local in even `dim` and keeps a valid factorization."""
+    if dim.chunks:
+        return False
+    lo, hi, _ = shard
+    if any(not (hi <= s[0] or lo >= s[1]) for s in dim.shards):
+        return False
+    return is_chain(tuple(sorted(set(dim.bounds()) | {lo, hi})))
+
+
+def _group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
+    return math.prod(mesh.axis_size(a) for a in axes)
+
+
+# -- traffic ---------------------------------------------------------------------------
+# Per-rank values are tuples in mesh order; where ranks differ (uneven shards) the
+# arithmetic runs on tensors of the mesh's shape, so it costs O(ranks) in C, not Python.
+def _uniform(sizes: tuple[int, ...]) -> bool:
+    return sizes.count(sizes[0]) == len(sizes)
+
+
+def _on_mesh(mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.long).reshape(mesh.shape)
+
+
+def _axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
+    return tuple(mesh.axis_names.index(a) for a in axes)
+
+
+def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                    sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = _group_size(mesh, axes)
+    if _uniform(sizes):
+        return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
+    mine = _on_mesh(mesh, sizes)
+    total = mine.sum(_axis_dims(mesh, axes), keepdim=True)
+    return (tuple(((g - 1) * mine).reshape(-1).tolist()),
+            tuple((total - mine).reshape(-1).tolist()))
+
+
+def _scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
+                     outs: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = _group_size(mesh, axes)
+    send = tuple(i - o for i, o in zip(ins, outs))
+    recv = tuple((g - 1) * o for o in outs)
+    return send, recv
+
+
+def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                        sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = _group_size(mesh, axes)
+    if _uniform(sizes) and sizes[0] % g == 0:
+        each = sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g)
+        return (each,) * mesh.size, (each,) * mesh.size
+    total = _on_mesh(mesh, sizes)
+    pos = group_positions(mesh, axes)
+    step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`
+    c = torch.clamp(torch.minimum((pos + 1) * step, total) - torch.minimum(pos * step, total), min=0)
+    out = tuple(((total - c) + (g - 1) * c).reshape(-1).tolist())
+    return out, out
+
+
+# -- move generators --------------------------------------------------------------
+def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """all_gather of one axis, or of several even axes at once (one flattened group)."""
+    sizes = local_numels(state, mesh)
+    even: list[AxisName] = []
+    for d, dim in enumerate(state.dims):
+        for axis in dim.axes:
+            if dst.dims[d].axes and _same_place(state, dst, d, axis):
+                continue
+            if dim.chunks:
+                if axis == dim.chunks[-1]:
+                    after = _set_dim(state, d, _without(dim, axis, mesh))
+                    send, recv = _gather_traffic(mesh, (axis,), sizes)
+                    yield Move("all_gather", (axis,), after, dim=d, send=send, recv=recv)
+                continue
+            even.append(axis)
+    order = [a for a in mesh.axis_names if a in even]
+    for k in range(1, len(order) + 1):
+        for group in itertools.combinations(order, k):
+            yield _even_gather(state, group, mesh, sizes)
+
+
+def _same_place(state: State, dst: State, d: int, axis: AxisName) -> bool:
+    a, b = state.dims[d], dst.dims[d]
+    if a.chunks or b.chunks:
+        ca, cb = as_chunks(a), as_chunks(b)
+        return ca is not None and cb is not None and axis in ca and ca[:ca.index(axis) + 1] == cb[:ca.index(axis) + 1]
+    return any(s[2] == axis for s in b.shards) and _shard_of(a, axis) == _shard_of(b, axis)
+
+
+def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
+                 sizes: tuple[int, ...]) -> Move:
+    after = state
+    shards: list[Shard] = []
+    dims: dict[AxisName, int] = {}
+    for axis in group:
+        d = after.axis_dim(axis)
+        assert d is not None, f"{axis} shards no dim of {state}"
+        shards.append(_shard_of(after.dims[d], axis))
+        dims[axis] = d
+        after = _set_dim(after, d, _without(after.dims[d], axis, mesh))
+    post = _rearrange(state, after, tuple(shards), (), dims)
+    send, recv = _gather_traffic(mesh, group, sizes)
+    return Move("all_gather", group, after, post=post, send=send, recv=recv)
+
+
+def _even_target(dst: State, axis: AxisName) -> tuple[int, Shard] | None:
+    d = dst.axis_dim(axis)
+    if d is None or dst.dims[d].chunks:
+        return None
+    return d, _shard_of(dst.dims[d], axis)
+
+
+def _chunk_next(state: State, dst: State, axis: AxisName) -> int | None:
+    """The dim where appending `axis` to the chunk chain moves toward uneven `dst`."""
+    d = dst.axis_dim(axis)
+    if d is None or not dst.dims[d].chunks:
+        return None
+    have = as_chunks(state.dims[d])
+    want = dst.dims[d].chunks
+    if have is None or want[:len(have)] != have or len(want) <= len(have):
+        return None
+    return d if want[len(have)] == axis else None
+
+
+def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Free local moves: replicated axes take their destination factors (one or all at once)."""
+    zeros = (0,) * mesh.size
+    together: list[tuple[AxisName, int, Shard]] = []
+    after_all = state
+    for axis in mesh.axis_names:
+        if axis in state.used_axes():
+            continue
+        target = _even_target(dst, axis)
+        if target and _fits(state.dims[target[0]], target[1]):
+            d, shard = target
+            after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
+            pre = _rearrange(state, after, (), (shard,), {axis: d})
+            yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
+            if _fits(after_all.dims[d], shard):
+                after_all = _set_dim(after_all, d, even_dim(
+                    after_all.dims[d].size, after_all.dims[d].shards + (shard,)))
+                together.append((axis, d, shard))
+        chunk_d = _chunk_next(state, dst, axis)
+        if chunk_d is not None:
+            chain = (as_chunks(state.dims[chunk_d]) or ()) + (axis,)
+            after = _set_dim(state, chunk_d, chunk_dim(state.dims[chunk_d].size, chain, mesh))
+            yield Move("local", (axis,), after, action="slice", dim=chunk_d, send=zeros, recv=zeros)
+    if len(together) > 1:
+        axes = tuple(a for a, _, _ in together)
+        pre = _rearrange(state, after_all, (), tuple(s for _, _, s in together),
+                         {a: d for a, d, _ in together})
+        yield Move("local", axes, after_all, action="slice", pre=pre, send=zeros, recv=zeros)
+
+
+def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Free local moves while a reduction is pending: an axis that replicates both layouts
+    takes a factor of a local run, so that the coming reduce_scatter or all_reduce works on
+    1/n of the data on each of the n replicas (an all_gather over the axis follows).
+
+    This is how a plan meets the reduce-scatter bound when the destination is replicated:
+    the combining work is shared by every rank that will need the result.
+    """
+    if not [a for a in state.partial if a not in dst.partial]:
+        return
+    zeros = (0,) * mesh.size
+    used = state.used_axes() | dst.used_axes()
+    for axis in mesh.axis_names:
+        n = mesh.axis_size(axis)
+        if axis in used or n == 1:
+            continue
+        # One place per axis (the first that fits): where the factor sits changes no byte.
+        place = next(((d, shard) for d, dim in enumerate(state.dims) if not dim.chunks
+                      for lo, hi in _refine(list(dim.local_runs()), set(dst.dims[d].bounds()))
+                      if (hi // lo) % n == 0
+                      for shard in ((hi // n, hi, axis), (lo, lo * n, axis))
+                      if _fits(dim, shard) and _fits(dst.dims[d], shard)), None)
+        if place is None:
+            continue
+        d, shard = place
+        after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
+        pre = _rearrange(state, after, (), (shard,), {axis: d})
+        yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
+
+
+def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """all_to_all moving one even axis from its factor to its destination factor."""
+    sizes = local_numels(state, mesh)
+    for d1, dim in enumerate(state.dims):
+        for lo, hi, axis in dim.shards:
+            target = _even_target(dst, axis)
+            if target is None or target == (d1, (lo, hi, axis)):
+                continue
+            d2, shard2 = target
+            if not _fits(state.dims[d2], shard2):
+                continue
+            tag = "\0" + axis
+            mid = _set_dim(state, d2, even_dim(state.dims[d2].size,
+                                               state.dims[d2].shards + ((shard2[0], shard2[1], tag),)))
+            removed = _set_dim(state, d1, _without(state.dims[d1], axis, mesh))
+            after = _set_dim(removed, d2, even_dim(removed.dims[d2].size,
+                                                   removed.dims[d2].shards + (shard2,)))
+            if not is_chain(after.dims[d2].bounds()):
+                continue
+            pre = _rearrange(state, mid, (), ((shard2[0], shard2[1], tag),), {tag: d2})
+            post = _rearrange(mid, after, ((lo, hi, axis),), (), {axis: d1})
+            g = mesh.axis_size(axis)
+            traffic = tuple(s - s // g for s in sizes)
+            yield Move("all_to_all", (axis,), after, pre=pre, post=post, send=traffic, recv=traffic)
+
+
+def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """collective_permute swapping the factors of two equal axes (or handing one to a replicated axis)."""
+    sizes = local_numels(state, mesh)
+    placed = [(d, s) for d, dim in enumerate(state.dims) for s in dim.shards]
+    free = [a for a in mesh.axis_names if a not in state.used_axes() and mesh.axis_size(a) > 1]
+    # Partners: each placed shard's (dim, axis), then each free axis with no dim.
+    partners: list[tuple[int | None, AxisName]] = [(d, s[2]) for d, s in placed]
+    partners += [(None, a) for a in free]
+    for (d1, s1), (d2, b) in itertools.product(placed, partners):
+        a = s1[2]
+        if (d2 is not None and a >= b) or a == b or mesh.axis_size(a) != mesh.axis_size(b):
+            continue
+        swap = {a: b, b: a}
+        after = state
+        for d in {d1} | ({d2} if d2 is not None else set()):
+            dim = after.dims[d]
+            after = _set_dim(after, d, even_dim(dim.size, tuple(
+                (lo, hi, swap.get(x, x)) for lo, hi, x in dim.shards)))
+        if not any(_even_target(dst, x) == (dx, _shard_of(after.dims[dx], x))
+                   for x in (a, b) if (dx := after.axis_dim(x)) is not None):
+            continue
+        g = mesh.axis_size(a)
+        pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
+        moving = _off_diagonal(mesh, sizes, a, b)
+        axes = tuple(x for x in mesh.axis_names if x in (a, b))  # symmetric pairs: any order
+        yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
+
+
+def _off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -> tuple[int, ...]:
+    """`sizes`, zero at ranks whose coordinates on `a` and `b` agree (they keep their block)."""
+    ca, cb = group_positions(mesh, (a,)), group_positions(mesh, (b,))
+    return tuple(torch.where(ca == cb, 0, _on_mesh(mesh, sizes)).reshape(-1).tolist())
+
+
+def _drop_partial(state: State, axes: tuple[AxisName, ...]) -> tuple[tuple[AxisName, ...], str | None]:
+    left = tuple(a for a in state.partial if a not in axes)
+    return left, state.op if left else None
+
+
+def reductions(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """reduce_scatter of pending axes into their destination factors, and all_reduce."""
+    pending = [a for a in state.partial if a not in dst.partial]
+    sizes = local_numels(state, mesh)
+    for k in range(1, len(pending) + 1):
+        for group in itertools.combinations(pending, k):
+            left, op = _drop_partial(state, group)
+            after = State(state.dims, left, op)
+            send, recv = _all_reduce_traffic(mesh, group, sizes)
+            yield Move("all_reduce", group, after, op=state.op, send=send, recv=recv)
+            yield from _reduce_scatters(state, dst, mesh, group, sizes)
+
+
+def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName, ...],
+                     sizes: tuple[int, ...]) -> Iterator[Move]:
+    left, op = _drop_partial(state, group)
+    if len(group) == 1:
+        d = _chunk_next(state, dst, group[0])
+        if d is not None:
+            chain = (as_chunks(state.dims[d]) or ()) + group
+            after = State(state.dims, left, op)
+            after = _set_dim(after, d, chunk_dim(state.dims[d].size, chain, mesh))
+            send, recv = _scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
+            yield Move("reduce_scatter", group, after, op=state.op, dim=d, send=send, recv=recv)
+    after = State(state.dims, left, op)
+    shards, dims = [], {}
+    for axis in group:
+        target = _even_target(dst, axis)
+        if target is None or not _fits(after.dims[target[0]], target[1]):
+            return
+        d, shard = target
+        after = _set_dim(after, d, even_dim(after.dims[d].size, after.dims[d].shards + (shard,)))
+        shards.append(shard)
+        dims[axis] = d
+    pre = _rearrange(state, after, (), tuple(shards), dims)
+    send, recv = _scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
+    yield Move("reduce_scatter", group, after, op=state.op, pre=pre, send=send, recv=recv)
+
+
+def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Free local moves: a replicated axis becomes a pending reduction the destination asks for
+    (one rank of each group keeps the values for "sum", every rank for the other ops)."""
+    if not dst.partial or (state.partial and state.op != dst.op):
+        return
+    zeros = (0,) * mesh.size
+    used = state.used_axes()
+    for axis in dst.partial:
+        if axis in state.partial:
+            continue
+        partial = tuple(a for a in mesh.axis_names if a in state.partial or a == axis)
+        if axis not in used:
+            after = State(state.dims, partial, dst.op)
+            yield Move("local", (axis,), after, action="mark_partial", op=dst.op,
+                       send=zeros, recv=zeros)
+
+
+def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """One collective_permute straight to `dst` when every rank's destination block is
+    exactly the current block of the rank that agrees with it on every axis not sharding
+    `state` (e.g. shard orders of unequal axes). Pending partial values thus stay at
+    their reduction coordinates."""
+    if state.partial != dst.partial or state == dst or not _same_block_shape(state, dst, mesh):
+        return
+    source = _block_sources(state, dst, mesh)
+    if source is None:
+        return
+    coords = coords_table(mesh)
+    moved = (coords[source] != coords).any(0).tolist()
+    axes = tuple(a for a, m in zip(mesh.axis_names, moved) if m)
+    zeros = (0,) * mesh.size
+    if not axes:  # every rank already holds its block: only the description changes
+        yield Move("local", (), dst, action="relabel", send=zeros, recv=zeros)
+        return
+    pos = group_positions(mesh, axes).reshape(-1)
+    g = _group_size(mesh, axes)
+    rest = [k for k, a in enumerate(mesh.axis_names) if a not in axes]
+    dims = rest + [mesh.axis_names.index(a) for a in axes]
+    # Source position of each destination position, one row per group (group order).
+    by_group = pos[source].reshape(mesh.shape).permute(dims).reshape(-1, g)
+    if not bool((by_group == by_group[0]).all()):
+        return
+    pairs = tuple(sorted(zip(by_group[0].tolist(), range(g))))
+    sizes = local_numels(state, mesh)
+    kept = (source == torch.arange(mesh.size)).tolist()
+    recv = tuple(0 if k else sizes[s] for k, s in zip(kept, source.tolist()))
+    send = tuple(0 if k else n for k, n in zip(kept, sizes))   # a permutation: senders = receivers
+    yield Move("collective_permute", axes, dst, pairs=pairs, send=send, recv=recv)
+
+
+def _same_block_shape(state: State, dst: State, mesh: Mesh) -> bool:
+    """Cheap necessary condition for a block permute: each dim is cut into as many blocks."""
+    for a, b in zip(state.dims, dst.dims):
+        if bool(a.chunks) != bool(b.chunks) or a.size == 0:
+            return False
+        if _group_size(mesh, a.axes) != _group_size(mesh, b.axes):
+            return False
+    return True
+
+
+def _block_sources(state: State, dst: State, mesh: Mesh) -> torch.Tensor | None:
+    """For each rank (mesh position), the position of the rank holding in `state` exactly
+    the block it needs in `dst` and agreeing with it on every axis not sharding `state`;
+    None unless that is a permutation of the ranks."""
+    coords = coords_table(mesh)
+    source = coords.clone()
+    for a, b in zip(state.dims, dst.dims):
+        match = _equal_blocks(a, b, mesh)
+        if match is None:
+            return None
+        h = match[rank_blocks(b, mesh)]
+        for axis in reversed(in_mesh_order(mesh, a.axes)):
+            k, n = mesh.axis_names.index(axis), mesh.axis_size(axis)
+            source[:, k] = h % n
+            h = h // n
+    flat = flat_index(source, mesh, mesh.axis_names)
+    if len(set(flat.tolist())) != mesh.size:
+        return None
+    return flat
+
+
+def _equal_blocks(a: DimState, b: DimState, mesh: Mesh) -> torch.Tensor | None:
+    """For each block of `b`, the block of `a` holding the same (non-empty) indices, or
+    None if some block of `b` has no equal."""
+    a_at = {(lo, hi): axis for lo, hi, axis in a.shards}
+    b_at = {(lo, hi): axis for lo, hi, axis in b.shards}
+    if not a.chunks and not b.chunks and a_at.keys() == b_at.keys():
+        # The same stride intervals: a block of `b` is the block of `a` whose axis on each
+        # interval takes the value that `b`'s axis there has.
+        b_axes = in_mesh_order(mesh, b.axes)
+        grid = combos(mesh, b_axes)
+        match = torch.zeros(len(grid), dtype=torch.long)
+        for lo, hi, axis in sorted(a.shards, key=lambda s: mesh.axis_names.index(s[2])):
+            match = match * mesh.axis_size(axis) + grid[:, b_axes.index(b_at[lo, hi])]
+        return match
+    rows = digit_rows(a, b, mesh)
+    if rows is not None:   # equal blocks have equal digit rows: match rows by value
+        where = {tuple(r): i for i, r in enumerate(rows[0].tolist())}
+        found = [where.get(tuple(r)) for r in rows[1].tolist()]
+        if any(f is None for f in found) or not int(block_sizes(b, mesh).min()):
+            return None
+        return torch.tensor(found, dtype=torch.long)
+    table = pair_counts(a, b, mesh)
+    have, need = table.sum(1), table.sum(0)
+    same = (table == have[:, None]) & (table == need[None, :]) & (need[None, :] > 0)
+    if not bool(same.any(0).all()):
+        return None
+    return same.long().argmax(0)
+
+
+def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...], ...]:
+    """Per dim, the global indices `rank` holds in `state`, in local order (cross-mesh)."""
+    names = tuple(f"d{i}" for i in range(len(state.dims)))
+    layout = to_layout(state, names, mesh)
+    shape = tuple(d.size for d in state.dims)
+    return layout.indices(mesh, shape, rank)
+
+
+GENERATORS = (gathers, slices, replica_slices, all_to_alls, permutes, reductions, partial_marks, block_permutes)
+
+
+def expand(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
+    """Every move of the move set from `state` toward `dst`."""
+    for generate in GENERATORS:
+        yield from generate(state, dst, mesh)

@@ -1,0 +1,110 @@
+"""Plans: the cheapest exact sequence of collectives between two layouts.
+
+This module never communicates. `plan()` searches the move set of
+`meshcomm.planner.moves` (Dijkstra with Pareto labels over planner states) for the
+path of least modelled time under a `CostModel`; ties go to the lower peak
+memory, then to fewer steps. Plans are frozen values, cached on their inputs,
+and every rank computes the same one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..core.errors import PlanError
+from ..core.layout import Layout, Shape, as_layout
+from ..core.mesh import Mesh
+from . import crossmesh, search
+from .values import CostModel, Plan
+
+_DEFAULT_COST = CostModel()
+
+
+def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
+         dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None,
+         dst_mesh: Mesh | None = None) -> Plan:
+    """Cheapest exact sequence of collectives that turns layout `src` into `dst`.
+
+    With `dst_mesh`, `dst` lives on that other mesh (disjoint, overlapping or nested):
+    see `meshcomm.planner.crossmesh`.
+
+    >>> p = plan(Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
+    >>> [step.kind for step in p.steps]
+    ['all_to_all']
+    """
+    if type(shape) is not tuple:
+        shape = _as_shape(shape)
+    return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST, dst_mesh)
+
+
+def _as_shape(shape: object) -> Shape:
+    try:
+        return tuple(shape)  # type: ignore[arg-type, call-overload, no-any-return, unused-ignore]
+    except TypeError:
+        raise PlanError(f"shape must be a sequence of ints such as (8, 16), got {shape!r}") from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
+               dtype: torch.dtype, cost_model: CostModel, dst_mesh: Mesh | None) -> Plan:
+    """`plan` keyed on the arguments as given, so a repeated call is one dict lookup."""
+    for name, value in (("mesh", mesh), ("dst_mesh", dst_mesh)):
+        if value is not None and not isinstance(value, Mesh):
+            raise PlanError(f"{name} must be a meshcomm Mesh, got {type(value).__name__};"
+                            ' fix: mc.Mesh("dp=2 tp=4")')
+    if mesh is None:
+        raise PlanError('mesh must be a meshcomm Mesh, got None; fix: mc.Mesh("dp=2 tp=4")')
+    if not isinstance(dtype, torch.dtype):
+        raise PlanError(f"dtype must be a torch.dtype, got {dtype!r}")
+    if not isinstance(cost_model, CostModel):
+        raise PlanError(f"cost_model must be a meshcomm CostModel, got {cost_model!r};"
+                        " fix: mc.CostModel(latency_s=..., bandwidth=...)")
+    bad = [s for s in shape if isinstance(s, bool) or not isinstance(s, int)]
+    if bad and not all(hasattr(s, "__index__") and not isinstance(s, bool) for s in bad):
+        raise PlanError(f"shape must hold ints, got {tuple(shape)!r} ({bad[0]!r} is a"
+                        f" {type(bad[0]).__name__}); fix: pass sizes such as (8, 16)")
+    shape = tuple(int(s) for s in shape)
+    src_l, dst_l = as_layout(src, "src"), as_layout(dst, "dst")
+    if dst_mesh is not None and dst_mesh != mesh:
+        return crossmesh.cross_plan(mesh, dst_mesh, shape, dtype, src_l, dst_l, cost_model)
+    return search.single_plan(mesh, shape, dtype, src_l, dst_l, cost_model)
+
+
+
+DEFAULT_PLAN_CACHE_SIZE = 4096
+
+
+def set_plan_cache_size(size: int) -> None:
+    """Bound each of the two plan caches at `size` entries (default 4096), emptying them.
+
+    `plan()` caches its results twice: keyed on the arguments as given (`_plan_args`) and
+    on the normalized layouts (`search.single_plan`); each drops its least recently used plan beyond
+    `size`. `size=0` turns caching off (every call plans again). Process-wide: call it
+    once at start-up, on every rank.
+
+    >>> set_plan_cache_size(256); plan_cache_info()["maxsize"]
+    256
+    >>> set_plan_cache_size(DEFAULT_PLAN_CACHE_SIZE)
+    """
+    global _plan_args
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise PlanError(f"plan cache size must be an int >= 0, got {size!r};"
+                        f" fix: e.g. set_plan_cache_size({DEFAULT_PLAN_CACHE_SIZE})")
+    _plan_args = functools.lru_cache(maxsize=size)(_plan_args.__wrapped__)
+    search.set_cache_size(size)
+
+
+def plan_cache_info() -> dict[str, int]:
+    """The plan caches' bound and fill, as plain data.
+
+    `maxsize` bounds each cache; `plans` counts distinct plans held (`search.single_plan`), `calls` the
+    distinct argument spellings (`_plan_args`); `hits` and `misses` count `plan()` calls.
+
+    >>> sorted(plan_cache_info())
+    ['calls', 'hits', 'maxsize', 'misses', 'plans']
+    """
+    calls, plans = _plan_args.cache_info(), search.single_plan.cache_info()
+    return {"maxsize": int(calls.maxsize or 0), "plans": plans.currsize,
+            "calls": calls.currsize, "hits": calls.hits, "misses": calls.misses}

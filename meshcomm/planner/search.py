@@ -1,0 +1,203 @@
+"""The search: the least-cost path of moves between two planner states, and one-mesh plans.
+
+`single_plan` (cached) turns two layouts on one mesh into a Plan: Dijkstra with Pareto
+labels over planner states (A* on large meshes and long searches) for the path of least
+modelled time under a CostModel; ties go to the lower peak memory, then to fewer steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+from ..core.errors import PlanError
+from ..core.layout import Layout, Shape
+from ..core.mesh import Mesh
+from . import bounds
+from .moves import Move, expand
+from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
+from .transfers import reindex_move, send_recv_move, send_recv_targets
+from .values import CostModel, Plan, Step
+
+
+@functools.lru_cache(maxsize=4096)
+def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout,
+          cost_model: CostModel) -> Plan:
+    start, goal = from_layout(src, mesh, shape), from_layout(dst, mesh, shape)
+    _check_ops(src, dst)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    moves = _search(start, goal, mesh, itemsize, cost_model)
+    names = dst.dim_names(mesh)
+    steps = []
+    state, layout = start, src
+    src_sizes = _times(local_numels(start, mesh), itemsize)
+    for i, move in enumerate(moves):
+        after = dst if move.after == goal else to_layout(move.after, names, mesh)
+        steps.append(_step(move, state, layout, after, mesh, itemsize, cost_model,
+                           src_sizes if i else None))
+        state, layout = move.after, after
+    zeros = (0,) * mesh.size
+    send = tuple(map(sum, zip(zeros, *(s.send_bytes for s in steps))))
+    recv = tuple(map(sum, zip(zeros, *(s.recv_bytes for s in steps))))
+    peak = tuple(map(max, zip(src_sizes, *(s.peak_bytes for s in steps))))
+    lower = _times(bounds.lower_bound_elements(mesh, shape, src, dst), itemsize)
+    return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peak,
+                sum(s.time_s for s in steps), cost_model)
+
+
+def _times(values: tuple[int, ...], factor: int) -> tuple[int, ...]:
+    """Per-rank counts times `factor` (one multiplication when every rank is alike)."""
+    if values.count(values[0]) == len(values):
+        return (values[0] * factor,) * len(values)
+    return tuple(map(factor.__mul__, values))
+
+
+def _check_ops(src: Layout, dst: Layout) -> None:
+    shared = [a for a in src.partial_axes if a in dst.partial_axes]
+    if shared and src.reduce_op != dst.reduce_op:
+        raise PlanError(
+            f'src "{src}" has a pending {src.reduce_op} over {", ".join(shared)} but dst "{dst}"'
+            f" asks for a pending {dst.reduce_op} there; one axis cannot mix two reductions."
+            f" fix: resolve the {src.reduce_op} first (reshard to a layout without"
+            f" | {src.reduce_op}({', '.join(shared)})), then mark the new one"
+        )
+
+
+def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, itemsize: int,
+          cost_model: CostModel, held: tuple[int, ...] | None) -> Step:
+    live = (local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)).reshape(-1)
+    live = live * itemsize + (torch.tensor(held) if held else 0)
+    peak = tuple(live.tolist())
+    send, recv = _times(move.send, itemsize), _times(move.recv, itemsize)
+    time = 0.0 if move.kind == "local" else cost_model.time(
+        move.axes, max(max(send), max(recv)))
+    return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
+                move.post, move.pairs, (), send, recv, time, peak)
+
+
+def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
+            cost_model: CostModel) -> tuple[Move, ...]:
+    """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels).
+
+    On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
+    than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
+    the queue then orders paths by time so far plus a lower bound of the time still
+    needed (the lower bound on bytes from the state to the goal over the fastest link). The bound holds for every correct plan, so the first path to reach the
+    goal is the least one in all four criteria either way (peak, steps and index-list
+    steps only grow along a path); A* expands far fewer states on large searches, and
+    small ones skip the cost of bounding every state.
+    """
+    if mesh.size <= _UNGUIDED_RANKS:
+        try:
+            return _search_from(start, goal, mesh, itemsize, cost_model, guided=False)
+        except _TooLong:
+            pass
+    return _search_from(start, goal, mesh, itemsize, cost_model, guided=True)
+
+
+# Bounding a state costs about as much as expanding it; on small meshes most searches pop
+# a handful of states, so they go unguided; large meshes and long searches use A*.
+_UNGUIDED_RANKS = 64
+_UNGUIDED_POPS = 12
+
+
+class _TooLong(Exception):
+    """An unguided search popped more than `_UNGUIDED_POPS` states."""
+
+
+def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
+                 cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
+    src_numels = local_numels_tensor(start, mesh)
+    first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0)
+    counter = itertools.count()
+    per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
+    pops = 0
+
+    def ahead(key: Key, state: State) -> Key:
+        if not guided:
+            return key
+        rest = max(bounds.state_bound(state, goal, mesh)) * itemsize * per_byte
+        return (round(key[0] + rest, 15),) + key[1:]
+
+    heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None]] = [
+        (ahead(first, start), next(counter), first, start, (), None)]
+    labels: dict[State, list[Key]] = {start: [first]}
+
+    def relax(key: Key, state: State, move: Move, path: tuple[Move, ...]) -> None:
+        nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_numels, bool(path))
+        if move.estimate:   # a lower bound of its key: price it when it is popped
+            heapq.heappush(heap, (ahead(nkey, move.after), next(counter), nkey, move.after,
+                                  path + (move,), key))
+            return
+        if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
+            return
+        kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
+        labels[move.after] = kept + [nkey]
+        heapq.heappush(heap, (ahead(nkey, move.after), next(counter), nkey, move.after,
+                              path + (move,), None))
+
+    while heap:
+        _, _, key, state, path, before = heapq.heappop(heap)
+        if before is not None:   # an estimated send_recv: price it exactly, then queue it
+            *head, last = path
+            exact = send_recv_move(head[-1].after if head else start, last.after, mesh)
+            assert exact is not None, f"no send_recv to {last.after}"
+            relax(before, head[-1].after if head else start, exact, tuple(head))
+            continue
+        if state == goal:
+            return path
+        if key not in labels.get(state, ()):
+            continue
+        pops += 1
+        if pops > _UNGUIDED_POPS and not guided:
+            raise _TooLong
+        for move in _moves(state, goal, mesh, cost_model.native):
+            relax(key, state, move, path)
+    raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug, please report it")
+
+
+Key = tuple[float, int, int, int]
+
+
+def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> Iterator[Move]:
+    for move in _all_moves(state, goal, mesh):
+        if move.kind == "local" or move.kind in native:
+            yield move
+
+
+def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
+    yield from expand(state, goal, mesh)
+    moves = [send_recv_move(state, t, mesh, exact=False) for t in send_recv_targets(state, goal, mesh)]
+    moves.append(reindex_move(state, goal, mesh))
+    yield from (m for m in moves if m is not None)
+
+
+def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
+            cost_model: CostModel, src_numels: torch.Tensor, held: bool) -> Key:
+    # Per-rank counts as tensors of the mesh's shape: O(ranks) in C, not in Python.
+    live_t = local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)
+    if held:
+        live_t = live_t + src_numels
+    live = int(live_t.max()) * itemsize
+    time = 0.0
+    if move.kind != "local":
+        busiest = max(max(move.send), max(move.recv)) * itemsize
+        time = cost_model.time(move.axes, busiest)
+    # Last tie-break: fewer steps driven by index lists (send_recv, select, reindex).
+    return (round(key[0] + time, 15), max(key[1], live), key[2] + 1,
+            key[3] + move.indexed)
+
+
+def _dominates(a: Key, b: Key) -> bool:
+    return all(x <= y for x, y in zip(a, b))
+
+
+
+def set_cache_size(size: int) -> None:
+    """Bound the cache of `single_plan` at `size` entries, emptying it."""
+    global single_plan
+    single_plan = functools.lru_cache(maxsize=size)(single_plan.__wrapped__)

@@ -1,0 +1,206 @@
+"""Planner states: a layout resolved on a mesh and shape, in a form moves can edit.
+
+This module never communicates. A dim of global size n is described by the
+mesh axes that shard it. Where its size divides, an axis owns a factor of the
+dim written as a stride interval [lo, hi): global index i has digit
+(i // lo) % (hi // lo) equal to the rank's coordinate (einops' factor
+semantics). Where the size does not divide (uneven), the dim is a chain of
+axes applied as nested `torch.chunk`s, major first. Everything not owned by an
+axis is local. Every state is canonical: equal distributions compare equal.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..core.layout import DimPlacement, Layout, Shape
+from ..core.mesh import AxisName, Mesh
+from ..core.notation import Dim, Factor, Pattern
+
+Shard = tuple[int, int, AxisName]   # (lo, hi, axis): the axis owns stride interval [lo, hi)
+
+
+@dataclass(frozen=True, slots=True)
+class DimState:
+    """One dim: even shards (stride intervals, major first) or an uneven chunk chain."""
+
+    size: int
+    shards: tuple[Shard, ...] = ()
+    chunks: tuple[AxisName, ...] = ()
+
+    @property
+    def axes(self) -> tuple[AxisName, ...]:
+        return self.chunks if self.chunks else tuple(s[2] for s in self.shards)
+
+    @property
+    def is_local(self) -> bool:
+        return not self.shards and not self.chunks
+
+    def bounds(self) -> tuple[int, ...]:
+        """Every stride boundary of the dim, ascending (1 and size included)."""
+        points = {1, self.size} | {s[0] for s in self.shards} | {s[1] for s in self.shards}
+        return tuple(sorted(points))
+
+    def local_runs(self) -> tuple[tuple[int, int], ...]:
+        """Local stride intervals, major first, adjacent ones merged."""
+        runs = []
+        hi = self.size
+        for lo_s, hi_s, _ in self.shards:
+            if hi_s < hi:
+                runs.append((hi_s, hi))
+            hi = lo_s
+        if hi > 1:
+            runs.append((1, hi))
+        return tuple(runs)
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """A whole layout on a mesh: its dims and its pending reduction."""
+
+    dims: tuple[DimState, ...]
+    partial: tuple[AxisName, ...] = ()
+    op: str | None = None
+
+    def axis_dim(self, axis: AxisName) -> int | None:
+        for d, dim in enumerate(self.dims):
+            if axis in dim.axes:
+                return d
+        return None
+
+    def used_axes(self) -> frozenset[AxisName]:
+        return frozenset(a for dim in self.dims for a in dim.axes) | frozenset(self.partial)
+
+
+def is_chain(points: tuple[int, ...]) -> bool:
+    """True if each sorted point divides the next (a valid mixed-radix factorization)."""
+    return all(b % a == 0 for a, b in zip(points, points[1:]))
+
+
+def even_dim(size: int, shards: tuple[Shard, ...]) -> DimState:
+    return DimState(size, tuple(sorted(shards, key=lambda s: -s[0])))
+
+
+def chunk_dim(size: int, chunks: tuple[AxisName, ...], mesh: Mesh) -> DimState:
+    """The canonical DimState of a chunk chain (even intervals when the sizes divide)."""
+    total = math.prod(mesh.axis_size(a) for a in chunks)
+    if size % total or (size == 0 and chunks):  # an empty dim has no stride intervals
+        return DimState(size, (), chunks)
+    shards = []
+    hi = size
+    for a in chunks:
+        lo = hi // mesh.axis_size(a)
+        shards.append((lo, hi, a))
+        hi = lo
+    return even_dim(size, tuple(shards))
+
+
+def as_chunks(dim: DimState) -> tuple[AxisName, ...] | None:
+    """The chunk chain equal to `dim` (even shards packed from the top), else None."""
+    if dim.chunks or dim.is_local:
+        return dim.chunks
+    hi = dim.size
+    for lo, hi_s, _ in dim.shards:
+        if hi_s != hi:
+            return None
+        hi = lo
+    return tuple(s[2] for s in dim.shards)
+
+
+def _dim_from_placement(p: DimPlacement, mesh: Mesh) -> DimState:
+    # A size-1 axis shards nothing: it is left out, so that states stay canonical.
+    if p.uneven or p.size == 0:
+        return chunk_dim(p.size, tuple(a for a in p.axes if mesh.axis_size(a) > 1), mesh)
+    shards = []
+    stride = 1
+    for part in reversed(p.parts):
+        if part.axis and part.size > 1:
+            shards.append((stride, stride * part.size, part.name))
+        stride *= part.size
+    return even_dim(p.size, tuple(shards))
+
+
+def from_layout(layout: Layout, mesh: Mesh, shape: Shape) -> State:
+    """The planner state of `layout` (validates it on `mesh` and `shape`).
+
+    Axes of size 1 are left out: sharding over one rank keeps everything, and a pending
+    reduction over one rank is already its result, so no step ever runs over them.
+    """
+    return _from_layout(layout, mesh, tuple(shape))
+
+
+@functools.lru_cache(maxsize=8192)
+def _from_layout(layout: Layout, mesh: Mesh, shape: Shape) -> State:
+    dims = tuple(_dim_from_placement(p, mesh) for p in layout.placements(mesh, shape))
+    partial = tuple(a for a in mesh.axis_names
+                    if a in layout.partial_axes and mesh.axis_size(a) > 1)
+    return State(dims, partial, layout.reduce_op if partial else None)
+
+
+def to_layout(state: State, names: tuple[str, ...], mesh: Mesh) -> Layout:
+    """A Layout for `state`, naming each dim's minor local factor after `names`."""
+    taken = set(mesh.axis_names) | set(names)
+    dims = tuple(_dim_pattern(dim, name, taken) for dim, name in zip(state.dims, names))
+    partial = tuple(state.partial)
+    return Layout._from_pattern(Pattern(dims, state.op if partial else None, partial))
+
+
+def _fresh(base: str, taken: set[str]) -> str:
+    k = 1
+    while f"{base}{k}" in taken:
+        k += 1
+    taken.add(f"{base}{k}")
+    return f"{base}{k}"
+
+
+def _dim_pattern(dim: DimState, name: str, taken: set[str]) -> Dim:
+    if dim.chunks:
+        return Dim(tuple(Factor(a) for a in dim.chunks) + (Factor(name),))
+    items: list[tuple[int, Factor | None]] = [(s[0], Factor(s[2])) for s in dim.shards]
+    runs = dim.local_runs()
+    items += [(lo, None) for lo, _ in runs]
+    items.sort(key=lambda t: -t[0])
+    sizes = {lo: hi // lo for lo, hi in runs}
+    factors: list[Factor] = []
+    minor_local = min((lo for lo, _ in runs), default=None)
+    for lo, factor in items:
+        if factor is not None:
+            factors.append(factor)
+        elif lo == minor_local:
+            factors.append(Factor(name))
+        else:
+            factors.append(Factor(_fresh(name, taken), sizes[lo]))
+    if minor_local is None:
+        factors.append(Factor(name))
+    return Dim(tuple(factors))
+
+
+@functools.lru_cache(maxsize=16384)
+def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
+    """Elements each rank holds in `state`, in mesh order."""
+    return tuple(local_numels_tensor(state, mesh).reshape(-1).tolist())
+
+
+@functools.lru_cache(maxsize=16384)
+def local_numels_tensor(state: State, mesh: Mesh) -> torch.Tensor:
+    """`local_numels` as a tensor of the mesh's shape (chunk chains counted for all ranks
+    at once, as nested `torch.chunk`s of coordinate tensors)."""
+    out = torch.ones(mesh.shape, dtype=torch.long)
+    for dim in state.dims:
+        if not dim.chunks:
+            out = out * (dim.size // math.prod(s[1] // s[0] for s in dim.shards))
+            continue
+        length = torch.full(mesh.shape, dim.size, dtype=torch.long)
+        for a in dim.chunks:
+            n = mesh.axis_size(a)
+            view = [1] * len(mesh.shape)
+            view[mesh.axis_names.index(a)] = n
+            coord = torch.arange(n).view(view)
+            step = (length + n - 1) // n
+            length = torch.minimum((coord + 1) * step, length) - torch.minimum(coord * step, length)
+        out = out * length
+    return out

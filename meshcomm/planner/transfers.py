@@ -1,0 +1,315 @@
+"""Point-to-point redistribution: any layout change as balanced block transfers.
+
+This module never communicates. `send_recv_move` plans a single step in which
+every rank receives exactly the elements it needs and does not hold (so a
+rank's received bytes equal the lower bound), each from one holder, spreading
+the sending over the ranks that hold replicas. Executors run the step as one
+all_to_all with uneven splits, using `meshcomm.executors.local.pack` and
+`unpack`, so that the simulated and the real executor move the same bytes in the
+same order. `step_transfers` computes one rank's blocks of a step when it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+from ..core.layout import Layout
+from ..core.mesh import AxisName, Mesh
+from .blocks import block, in_mesh_order, own_and_need, summed_overlap
+from .bounds import missing, sharding_axes, state_bound
+from .moves import Move, block_indices
+from .states import DimState, State, chunk_dim, even_dim, from_layout, is_chain
+from .values import Step, Transfer
+
+Index = tuple[tuple[int, ...], ...]
+
+
+def _atoms(sets: list[tuple[int, ...]], size: int) -> list[tuple[int, ...]]:
+    """Classes of indices 0..size-1 that belong to exactly the same sets."""
+    members = [frozenset(s) for s in {tuple(sorted(s)) for s in sets}]
+    classes: dict[tuple[bool, ...], list[int]] = defaultdict(list)
+    for i in range(size):
+        classes[tuple(i in m for m in members)].append(i)
+    return [tuple(c) for c in classes.values()]
+
+
+def _cells_of(need: Index, atoms: list[list[tuple[int, ...]]]) -> list[tuple[tuple[int, ...], ...]]:
+    per_dim = []
+    for d, ix in enumerate(need):
+        want = set(ix)
+        per_dim.append([a for a in atoms[d] if a and a[0] in want])
+    cells: list[tuple[tuple[int, ...], ...]] = [()]
+    for options in per_dim:
+        cells = [c + (a,) for c in cells for a in options]
+    return cells
+
+
+def _holds(have: Index, cell: tuple[tuple[int, ...], ...]) -> bool:
+    return all(a[0] in set(h) for h, a in zip(have, cell))
+
+
+Blocks = dict[int, Index]
+Cell = tuple[tuple[int, ...], ...]
+
+
+def cross_blocks(state: State, dst: State, mesh: Mesh,
+            dst_mesh: Mesh | None = None) -> tuple[Blocks, Blocks, list[list[tuple[int, ...]]]]:
+    """Per rank the indices held in `state` (on `mesh`) and in `dst` (on `dst_mesh`, by
+    default the same mesh), and per dim the atoms of both."""
+    dst_mesh = dst_mesh or mesh
+    have = {r: block_indices(state, mesh, r) for r in mesh.ranks}
+    need = {r: block_indices(dst, dst_mesh, r) for r in dst_mesh.ranks}
+    shape = tuple(d.size for d in state.dims)
+    atoms = [_atoms([h[d] for h in have.values()] + [n[d] for n in need.values()], size)
+             for d, size in enumerate(shape)]
+    return have, need, atoms
+
+
+def assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
+           same_group: Callable[[int, int], bool]) -> tuple[Transfer, ...] | None:
+    """Transfers giving every receiver in `need` its block: what it holds itself is a local
+    copy, the rest comes from the least-loaded holder `s` with `same_group(s, receiver)`.
+    Whole blocks first; if a sender then does more than an even share, replicated blocks
+    are split over their holders.
+
+    Returns None when some block has no such holder.
+    """
+    whole = _assign(have, need, atoms, same_group, split=False)
+    if whole is None:
+        return None
+    transfers, load = whole
+    total = sum(load.values())
+    if max(load.values(), default=0) * len(have) > total:
+        # Some sender does more than its share: split replicated blocks over their holders.
+        split = _assign(have, need, atoms, same_group, split=True)
+        assert split is not None, "splitting cannot lose a holder"
+        if max(split[1].values()) < max(load.values()):
+            transfers = split[0]
+    return tuple(transfers)
+
+
+def _assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
+            same_group: Callable[[int, int], bool],
+            split: bool) -> tuple[list[Transfer], dict[int, int]] | None:
+    load = dict.fromkeys(have, 0)
+    transfers = []
+    for r in need:
+        for cell in _cells_of(need[r], atoms):
+            if r in have and _holds(have[r], cell):
+                transfers.append(_transfer(r, r, cell, have, need))
+                continue
+            holders = [s for s in have if same_group(s, r) and _holds(have[s], cell)]
+            if not holders:
+                return None
+            for piece in _split(cell, len(holders)) if split else [cell]:
+                src = min(holders, key=lambda s: load[s])   # least loaded, then mesh order
+                transfers.append(_transfer(src, r, piece, have, need))
+                load[src] += transfers[-1].numel
+    return transfers, load
+
+
+def _split(cell: Cell, parts: int) -> list[Cell]:
+    """`cell` cut into up to `parts` pieces along its longest atom (one piece if it is 1 long)."""
+    if parts == 1 or not cell:
+        return [cell]
+    d = max(range(len(cell)), key=lambda i: len(cell[i]))
+    atom = cell[d]
+    step = -(-len(atom) // parts)
+    return [cell[:d] + (atom[i:i + step],) + cell[d + 1:] for i in range(0, len(atom), step)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _where(index: Index) -> tuple[dict[int, int], ...]:
+    """Per dim, global index -> local position."""
+    return tuple({g: k for k, g in enumerate(ix)} for ix in index)
+
+
+def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Transfer:
+    """The Transfer of `cell` from `src`'s local positions to `dst`'s."""
+    from .values import Transfer
+
+    def positions(index: Index) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(p[g] for g in atom) for p, atom in zip(_where(index), cell))
+
+    return Transfer(src, dst, positions(have[src]), positions(need[dst]))
+
+
+# -- send_recv and reindex on one mesh: planned from block counts -------------------------
+def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Per rank, the elements it sends and receives when every rank r gets each element it
+    needs and lacks from its twin: the holder that agrees with r on every axis that does
+    not shard `state` (so a step runs over the axes sharding `state` only).
+
+    Holders that differ on an axis sharding `state` hold disjoint blocks, so the twins of r
+    cover the tensor exactly once and r receives exactly what it lacks (the lower bound).
+    A sender s sends each twin r of its group what r needs of s's block: a sum over the
+    group of products of per-dim intersection tables, counted for all ranks at once.
+    """
+    own, need = own_and_need(state, dst, mesh)
+    # Sender p's receivers are p with its coordinates on the axes sharding `state`
+    # replaced by any values.
+    sent = summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True)
+    return tuple((sent - own).tolist()), tuple((need - own).tolist())
+
+
+@functools.lru_cache(maxsize=1024)
+def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> Move | None:
+    """One send_recv step from `state` straight to `dst` over the axes sharding `state`
+    (each rank receives exactly what it lacks, from its twin: `pair_traffic`), or a local
+    select when no rank lacks anything; None where it does not apply.
+
+    With `exact=False` the sent counts are only estimated (as the received ones, which
+    are exact and cheap): the search prices a send_recv exactly only when it may win.
+    """
+    if state.partial != dst.partial or state.op != dst.op or state == dst:
+        return None
+    recv = missing(state, dst, mesh)
+    zeros = (0,) * mesh.size
+    if not any(recv):
+        return Move("local", (), dst, action="select", indexed=True, send=zeros, recv=zeros)
+    axes = in_mesh_order(mesh, sharding_axes(state))
+    if not exact:
+        return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
+    send, recv = pair_traffic(state, dst, mesh)
+    return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
+
+
+@functools.lru_cache(maxsize=1024)
+def reindex_move(state: State, dst: State, mesh: Mesh) -> Move | None:
+    """A free local step straight to a pending reduction in `dst`: each rank keeps the part of
+    its block that it needs, and the other elements hold the op's identity, or None.
+
+    It applies when every element a destination reduction group needs is held by one of
+    its members (the lower bound is 0); of members holding the same block, the first in
+    group order keeps it, so the reduction gives every element back exactly once.
+    """
+    new = tuple(a for a in dst.partial if a not in state.partial)
+    if not new or dst.op == "avg" or (state.partial and state.op != dst.op):
+        return None
+    if any(a not in dst.partial for a in state.partial) or state == dst:
+        return None
+    if any(state_bound(state, dst, mesh)):
+        return None
+    zeros = (0,) * mesh.size
+    return Move("local", new, dst, action="reindex", op=dst.op, indexed=True,
+                send=zeros, recv=zeros)
+
+
+def send_recv_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
+    """Where a send_recv from `state` may go: the goal itself; the goal's dims keeping the
+    current pending reduction (when the goal's extra pending axes are marked after, or,
+    without the axes still to be reduced, when a reduce_scatter into them follows), also
+    with the axes the goal does not use left where they are (gathered after a cheaper
+    reduction); and the spreads of a goal with new pending axes (`spread_targets`)."""
+    targets = [goal]
+    resolve = {a for a in state.partial if a not in goal.partial}
+    kept = State(tuple(_before_reduction(dim, resolve, mesh) for dim in goal.dims),
+                 state.partial, state.op)
+    for target in (kept, _keep_extra(state, kept, mesh)):
+        if target not in targets:
+            targets.append(target)
+    return targets + spread_targets(state, goal, mesh)
+
+
+def _before_reduction(dim: DimState, resolve: set[AxisName], mesh: Mesh) -> DimState:
+    """`dim` without the axes a later reduce_scatter puts in place (and, in a chunk chain,
+    without what follows them: those links come after the reduction)."""
+    if dim.chunks:
+        chain = list(dim.chunks)
+        cut = next((i for i, a in enumerate(chain) if a in resolve), len(chain))
+        return chunk_dim(dim.size, tuple(chain[:cut]), mesh)
+    return even_dim(dim.size, tuple(s for s in dim.shards if s[2] not in resolve))
+
+
+def _keep_extra(state: State, target: State, mesh: Mesh) -> State:
+    """`target` with every even shard of `state` whose axis `target` leaves free kept in
+    place where it fits (that axis is gathered later, on less data)."""
+    free = {a for a in mesh.axis_names} - target.used_axes()
+    dims = list(target.dims)
+    for d, (have, want) in enumerate(zip(state.dims, dims)):
+        if have.chunks or want.chunks:
+            continue
+        for shard in have.shards:
+            grown = even_dim(want.size, want.shards + (shard,))
+            if shard[2] in free and _fits_shard(want, shard) and is_chain(grown.bounds()):
+                want = grown
+        dims[d] = want
+    return State(tuple(dims), target.partial, target.op)
+
+
+def _fits_shard(dim: DimState, shard: tuple[int, int, AxisName]) -> bool:
+    lo, hi, _ = shard
+    return all(hi <= s[0] or lo >= s[1] for s in dim.shards)
+
+
+def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
+    """States from which a free `reindex` reaches a `goal` with new pending axes: the
+    goal's dims with those axes sharding a local run, so that each member of a reduction
+    group holds a g-th of what the group needs (a send_recv there receives about the
+    lower bound, where gathering whole blocks first would receive up to g times more)."""
+    new = tuple(a for a in goal.partial if a not in state.partial)
+    if not new or goal.op == "avg" or (state.partial and state.op != goal.op) or \
+            any(a not in goal.partial for a in state.partial):
+        return []
+    out = []
+    n = math.prod(mesh.axis_size(a) for a in new)
+    for d, dim in enumerate(goal.dims):
+        if dim.chunks or dim.size == 0:
+            continue
+        for lo, hi in dim.local_runs():
+            if (hi // lo) % n:
+                continue
+            shards, top = [], hi
+            for a in new:   # major first, from the top of the run
+                shards.append((top // mesh.axis_size(a), top, a))
+                top //= mesh.axis_size(a)
+            spread = even_dim(dim.size, dim.shards + tuple(shards))
+            if is_chain(spread.bounds()):
+                dims = goal.dims[:d] + (spread,) + goal.dims[d + 1:]
+                out.append(State(dims, state.partial, state.op))
+    return out
+
+
+# -- a rank's own blocks, at execution time -----------------------------------------------
+def step_transfers(step: Step, mesh: Mesh, shape: tuple[int, ...],
+                   rank: int) -> tuple[Transfer, ...]:
+    """The transfers of `step` that `rank` sends or receives (a send_recv), or keeps (a
+    select or reindex). Between two meshes they are the plan's; on one mesh they are
+    computed here, for this rank only, from the step's layouts, and cached."""
+    if step.transfers or step.dst_mesh is not None:
+        return step.transfers
+    return _rank_transfers(step.kind, step.action, step.before, step.after, mesh, shape, rank)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_transfers(kind: str, action: str, before: Layout, after: Layout, mesh: Mesh,
+                    shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
+    state, dst = from_layout(before, mesh, shape), from_layout(after, mesh, shape)
+    coords = mesh.coords(rank)
+    if action == "reindex":
+        new = [a for a in dst.partial if a not in state.partial]
+        first = all(coords[a] == 0 for a in new if a not in sharding_axes(state))
+        return (_cell(rank, rank, state, dst, mesh),) if first else ()
+    if kind != "send_recv":   # select: every rank holds what it needs
+        return (_cell(rank, rank, state, dst, mesh),)
+    group = next(g for g in mesh.groups(*in_mesh_order(mesh, sharding_axes(state))) if rank in g)
+    out = [_cell(rank, r, state, dst, mesh) for r in group]
+    out += [_cell(s, rank, state, dst, mesh) for s in group if s != rank]
+    return tuple(t for t in out if t.numel)
+
+
+def _cell(src: int, dst_rank: int, state: State, dst: State, mesh: Mesh) -> Transfer:
+    """The block `src` holds in `state` that `dst_rank` needs in `dst`, at local positions."""
+    have = block(state, mesh, mesh.coords(src))
+    need = block(dst, mesh, mesh.coords(dst_rank))
+    src_pos, dst_pos = [], []
+    for h, n in zip(have, need):
+        common = (h & n).indices()
+        src_pos.append(tuple(torch.searchsorted(h.indices(), common).tolist()))
+        dst_pos.append(tuple(torch.searchsorted(n.indices(), common).tolist()))
+    return Transfer(src, dst_rank, tuple(src_pos), tuple(dst_pos))

@@ -1,0 +1,241 @@
+"""The plan values: CostModel, Transfer, Step and Plan (frozen, pure, below every planner module).
+
+Nothing here searches or communicates. `Plan.explain()` and `print(plan)` format through
+`meshcomm.planner.explain`, which reads a plan's fields only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core.errors import PlanError
+from ..core.layout import Layout, Shape
+from ..core.mesh import AxisName, Mesh
+from .explain import format_plan
+from .rearrange import Rearrange
+
+STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all",
+              "collective_permute", "broadcast", "send_recv")
+
+
+def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), float(v)) for k, v in value.items()))
+    if isinstance(value, tuple):
+        return tuple(sorted(value))
+    return (("*", float(value)),)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Latency and bandwidth per mesh axis: step time = latency + max-rank bytes / bandwidth.
+
+    A collective over several axes pays the largest latency and the smallest
+    bandwidth among them. Local steps cost nothing. The default has no latency,
+    so bytes decide and ties go to memory, then to fewer steps.
+
+    `native` names the step kinds the backend runs as real collectives (NCCL and
+    gloo run them all). The planner never uses a kind outside it: nothing is
+    emulated behind the cost model's back.
+
+    >>> cm = CostModel(latency_s={"dp": 20e-6, "tp": 2e-6}, bandwidth={"dp": 25e9, "tp": 450e9})
+    >>> cm.time(("dp",), 25_000) > cm.time(("tp",), 25_000)
+    True
+    """
+
+    latency_s: Any = 0.0
+    bandwidth: Any = 100e9
+    backend: str = "nccl"
+    native: Any = STEP_KINDS
+    _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
+    _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "latency_s", _pairs(self.latency_s))
+        object.__setattr__(self, "bandwidth", _pairs(self.bandwidth))
+        if any(v <= 0 for _, v in self.bandwidth) or any(v < 0 for _, v in self.latency_s):
+            raise PlanError(f"CostModel needs bandwidth > 0 and latency >= 0, got {self}")
+        unknown = set(self.native) - set(STEP_KINDS)
+        if unknown:
+            raise PlanError(f"CostModel(native=...) names unknown step kinds {sorted(unknown)};"
+                            f" kinds are {', '.join(STEP_KINDS)}")
+        object.__setattr__(self, "native", tuple(k for k in STEP_KINDS if k in set(self.native)))
+        object.__setattr__(self, "_hash", hash((self.latency_s, self.bandwidth, self.backend,
+                                                self.native)))
+        object.__setattr__(self, "_lat", self.latency_s)
+        object.__setattr__(self, "_bw", self.bandwidth)
+
+    def __hash__(self) -> int:  # computed once: plans are cached on the cost model
+        return self._hash
+
+    def _get(self, table: tuple[tuple[str, float], ...], axis: str, default: float) -> float:
+        found = dict(table)
+        return found.get(axis, found.get("*", default))
+
+    def bandwidth_of(self, axis: AxisName) -> float:
+        """Bytes per second of `axis`."""
+        return self._get(self._bw, axis, 100e9)
+
+    def time(self, axes: tuple[AxisName, ...], max_bytes: int) -> float:
+        """Modelled seconds of one collective over `axes` whose busiest rank moves `max_bytes`."""
+        latency = max(self._get(self._lat, a, 0.0) for a in axes)
+        bandwidth = min(self._get(self._bw, a, 100e9) for a in axes)
+        return latency + max_bytes / bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Part of a send_recv step: `src` sends `dst` the cartesian block of its local tensor at
+    per-dim positions `src_index`; `dst` writes it at per-dim positions `dst_index` of its output.
+
+    Ranks are global. A pair may have several transfers; they travel in tuple order.
+    `src == dst` is a local copy and moves no bytes. `mc.sim.send_recv` takes these too
+    (it reads `src_index` only).
+    """
+
+    src: int
+    dst: int
+    src_index: tuple[tuple[int, ...], ...]
+    dst_index: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(len(ix) for ix in self.src_index)
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One step of a plan: a collective (or local move) over `axes`, from `before` to `after`.
+
+    `pre`/`post` are the local rearranges around the collective; `dim` is the
+    tensor dim of an uneven (chunk) collective; `pairs` the (source, destination)
+    group positions of a permute; `transfers` the blocks of a send_recv step (run
+    as one all_to_all with uneven splits over the step's flattened group, so it
+    traces like any other collective; between two meshes, as batched point-to-point
+    sends). Bytes are per rank, in the order of the plan's `ranks`.
+    """
+
+    kind: str
+    axes: tuple[AxisName, ...]
+    before: Layout
+    after: Layout
+    action: str = ""
+    op: str | None = None
+    dim: int | None = None
+    pre: Rearrange | None = None
+    post: Rearrange | None = None
+    pairs: tuple[tuple[int, int], ...] = ()
+    transfers: tuple[Transfer, ...] = ()
+    send_bytes: tuple[int, ...] = ()
+    recv_bytes: tuple[int, ...] = ()
+    time_s: float = 0.0
+    peak_bytes: tuple[int, ...] = ()
+    mesh: Mesh | None = None       # mesh of `before` when it is not the plan's source mesh
+    dst_mesh: Mesh | None = None   # mesh of `after` when it differs from that of `before`
+
+    def __str__(self) -> str:
+        what = self.action if self.kind == "local" else self.kind
+        over = f"({', '.join(self.axes)})" if self.axes else ""
+        return f"{what}{over}: {self.before} -> {self.after}"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The steps from `src` to `dst` and their modelled traffic, memory and time.
+
+    Byte tuples are per rank in the order of `ranks`: the mesh's ranks, or for a plan
+    between two meshes (`dst_mesh` set) the ranks of both, ascending.
+    """
+
+    mesh: Mesh
+    shape: Shape
+    dtype: torch.dtype
+    src: Layout
+    dst: Layout
+    steps: tuple[Step, ...]
+    send_bytes: tuple[int, ...]
+    recv_bytes: tuple[int, ...]
+    lower_bound_bytes: tuple[int, ...]
+    peak_bytes: tuple[int, ...]
+    cost: float
+    cost_model: CostModel
+    dst_mesh: Mesh | None = None
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The global ranks that the byte tuples describe, in order."""
+        if self.dst_mesh is None:
+            return self.mesh.ranks
+        return tuple(sorted(set(self.mesh.ranks) | set(self.dst_mesh.ranks)))
+
+    @property
+    def collectives(self) -> tuple[Step, ...]:
+        """The steps that communicate."""
+        return tuple(s for s in self.steps if s.kind != "local")
+
+    @property
+    def bound_ratio(self) -> float:
+        """Max-rank received bytes over the max-rank lower bound (1.0 when both are 0)."""
+        got, bound = max(self.recv_bytes, default=0), max(self.lower_bound_bytes, default=0)
+        return 1.0 if got == bound else (math.inf if bound == 0 else got / bound)
+
+    def rows(self) -> tuple[dict[str, Any], ...]:
+        """One plain row per step (what `explain()` and `--json` show); bytes are max over ranks."""
+        out = []
+        for i, step in enumerate(self.steps, 1):
+            before = step.mesh or self.mesh
+            after = step.dst_mesh or before
+            g = (math.prod(before.axis_size(a) for a in step.axes) if step.axes
+                 else len(set(before.ranks) | set(after.ranks)))
+            out.append({
+                "step": i, "kind": step.kind, "action": step.action, "axes": list(step.axes),
+                "group_size": g, "op": step.op,
+                "before": str(step.before), "after": str(step.after),
+                "local_shape_before": list(_local_shape(self, before, step.before)),
+                "local_shape_after": list(_local_shape(self, after, step.after)),
+                "send_bytes": max(step.send_bytes), "recv_bytes": max(step.recv_bytes),
+                "time_s": step.time_s, "peak_bytes": max(step.peak_bytes),
+            })
+        return tuple(out)
+
+    def summary(self) -> dict[str, Any]:
+        """Totals of the plan as plain data (max over ranks unless named `_sum`)."""
+        return {
+            "mesh": str(self.mesh), "shape": list(self.shape), "dtype": str(self.dtype),
+            "src": str(self.src), "dst": str(self.dst),
+            "collectives": len(self.collectives), "steps": len(self.steps),
+            "send_bytes": max(self.send_bytes), "recv_bytes": max(self.recv_bytes),
+            "recv_bytes_sum": sum(self.recv_bytes),
+            "lower_bound_bytes": max(self.lower_bound_bytes),
+            "bound_ratio": self.bound_ratio if math.isfinite(self.bound_ratio) else None,
+            "peak_bytes": max(self.peak_bytes),
+            "cost_s": self.cost,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON-ready data: summary plus one row per step."""
+        return {**self.summary(), "plan": list(self.rows())}
+
+    def explain(self) -> str:
+        """The plan as a plain-text table: one row per step, then totals against the bound.
+
+        `print(plan)` prints the same; `mc.show_plan(plan)` draws it with rich and adds
+        the pictures of the layouts before and after.
+        """
+        return format_plan(self)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def _local_shape(p: Plan, mesh: Mesh, layout: Layout) -> Shape:
+    """The largest local shape any rank holds under `layout` (ranks differ when uneven)."""
+    shapes = [layout.local_shape(mesh, p.shape, r) for r in mesh.ranks]
+    return max(shapes, key=math.prod)
+

@@ -1,0 +1,407 @@
+"""The public runtime API: reshard a local shard, Sharded values, distribute, reshard_many.
+
+Thin: each function normalizes its arguments, gets the cached plan from `mc.plan`
+and hands it to the executor (`meshcomm.executors.distributed`). Nothing here communicates except
+through a plan, and nothing communicates to learn a shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union, overload
+
+import torch
+from torch import Tensor
+
+from . import display
+from .core.errors import InteropError, MeshMismatchError, PlanError, ShapeError
+from .core.layout import Layout, Shape, as_layout
+from .core.mesh import Mesh
+from .executors.distributed.autograd import plan_untraced, reshard_autograd
+from .executors.distributed.bind import BoundMesh
+from .executors.distributed.checks import SWITCH as CHECKS
+from .executors.distributed.checks import agree_many, agree_reshard
+from .executors.distributed.cross import execute_cross
+from .executors.distributed.execute import ByteTrace, execute_many
+from .executors.local import take
+from .executors.sim.shards import scatter
+from .interop.placements import from_placements, to_placements
+from .interop.runtime import bind_device_mesh, is_dtensor, placements_of, wrap
+from .planner.plan import plan
+from .planner.values import CostModel, Plan
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
+
+
+@overload
+def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
+            shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> Tensor: ...
+@overload
+def reshard(x_local: Tensor | None, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
+            dst_mesh: BoundMesh, shape: Sequence[int] | None = None,
+            dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
+            trace: ByteTrace | None = None) -> Tensor | None: ...
+@overload
+def reshard(x_local: DTensor, dst: str | Layout | Sequence[Placement], /, *,
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> DTensor: ...
+def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
+            dst: str | Layout | None = None, *,
+            dst_mesh: BoundMesh | None = None, shape: Sequence[int] | None = None,
+            dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
+            trace: ByteTrace | None = None) -> Tensor | None:
+    """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
+    `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
+
+    >>> bound = mc.init_mesh("dp=2 tp=2")                         # doctest: +SKIP
+    >>> y = mc.reshard(x, bound, "(dp b) s (tp h)", "b (dp s) (tp h)")  # doctest: +SKIP
+
+    `shape` is the global shape; without it every shard is assumed even (global size =
+    local size times the sizes of the dim's mesh axes), so pass it for uneven layouts.
+    `dtype` defaults to `x_local.dtype`. `trace` records the bytes of each collective call
+    (eager only).
+
+    `dst_mesh` (another BoundMesh) puts `dst` on that mesh: call it on every rank of the
+    world. Ranks only in `mesh` return None; ranks only in `dst_mesh` pass None as
+    `x_local` and must pass `shape=` and `dtype=`; ranks in neither do nothing and return
+    None. Not differentiable: send gradients back with a second reshard (docs/crossmesh.md).
+
+    `mc.reshard(dtensor, dst)` takes a DTensor and `dst` (a layout or placements) and
+    returns a DTensor (`meshcomm.interop.reshard_dtensor`, docs/dtensor.md).
+    """
+    if is_dtensor(x_local):
+        if (src, dst, dst_mesh, shape, dtype) != (None,) * 5:
+            raise ShapeError("mc.reshard(dtensor, dst) takes the destination only (a layout or"
+                             " placements): the DTensor carries its mesh, layout and shape")
+        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace)
+    if src is None or dst is None:
+        raise ShapeError("mc.reshard(x_local, mesh, src, dst): give both layouts, src and dst")
+    if dst_mesh is not None and not (isinstance(mesh, BoundMesh) and
+                                     isinstance(dst_mesh, BoundMesh) and dst_mesh.mesh == mesh.mesh):
+        return _reshard_cross(x_local, mesh, src, dst, dst_mesh, shape, dtype, cost_model, trace)
+    if torch.compiler.is_compiling():
+        if trace is not None:
+            raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
+                             " leave it out (the plan's send_bytes/recv_bytes are the same)")
+        return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
+    p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+    if CHECKS.on:
+        agree_reshard(x_local, mesh, p)   # check mode: the ranks agree on the call first
+    return reshard_autograd(x_local, mesh, p, trace)
+
+
+def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+                   dst_bound: BoundMesh, shape: Sequence[int] | None, dtype: torch.dtype | None,
+                   cost_model: CostModel | None, trace: ByteTrace | None) -> Tensor | None:
+    """`reshard` onto another mesh (see `meshcomm.executors.distributed.cross`)."""
+    for name, b in (("mesh", bound), ("dst_mesh", dst_bound)):
+        if not isinstance(b, BoundMesh):
+            what = f"the Mesh {b!r}" if isinstance(b, Mesh) else f"a {type(b).__name__}"
+            raise MeshMismatchError(
+                f"reshard(..., dst_mesh=...) needs both meshes bound to torch.distributed, got"
+                f" {what} as {name}; fix: mc.init_mesh(...) both meshes on every rank")
+    rank = bound.rank
+    if not bound.in_mesh and not dst_bound.in_mesh:
+        return None
+    if bound.in_mesh:
+        p = _plan_for(x, bound, src, dst, shape, dtype, cost_model, dst_bound.mesh)
+    elif shape is None or dtype is None:
+        raise ShapeError(
+            f"rank {rank} is only in the destination mesh {dst_bound.mesh!r}: it has no shard"
+            " to read the global shape and dtype from. fix: pass shape=(...) and dtype=..."
+            " (those of the source) on every rank")
+    else:
+        p = plan_untraced(bound.mesh, tuple(shape), as_layout(src, "src"), as_layout(dst, "dst"),
+                          dtype=dtype, cost_model=cost_model, dst_mesh=dst_bound.mesh)
+    if x is not None and torch.is_grad_enabled() and x.requires_grad:
+        raise PlanError(
+            "reshard(..., dst_mesh=...) is not differentiable: ranks outside the destination"
+            " mesh get no output to call backward on. fix: pass x.detach(), and send the"
+            " gradient back with mc.reshard(grad, dst_mesh, dst, src, dst_mesh=mesh)")
+    return execute_cross(p, x, bound, dst_bound, trace=trace)
+
+
+# Under torch.compile, Dynamo never traces the planner: `_static_args` only reads plain values
+# (strings, ints, tuples) off the bound mesh, and `_reshard_traced` is one opaque call for
+# Dynamo that AOTAutograd traces down to the functional collectives it makes, planning with
+# real Python on the way (outside the fake-tensor mode; see `plan_untraced`).
+def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
+                 shape: Sequence[int] | None, dtype: torch.dtype | None,
+                 cost_model: CostModel | None) -> tuple[Any, ...]:
+    """Everything `_reshard_traced` needs besides the tensor, as plain values."""
+    if not isinstance(bound, BoundMesh):
+        _plan_for(torch.empty(0), bound, src, dst, shape, dtype, cost_model)  # raises
+    mesh = bound.mesh
+    names = tuple((axes, bound.group_name(axes)) for k in range(1, len(mesh.axis_names) + 1)
+                  for axes in itertools.combinations(mesh.axis_names, k))
+    # None is no graph input: an absent shape, dtype or cost model is an empty tuple.
+    cost = () if cost_model is None else tuple(
+        (f.name, getattr(cost_model, f.name)) for f in dataclasses.fields(cost_model) if f.init)
+    return (mesh.axis_names, mesh.shape, mesh.ranks, bound.backend, str(bound.device), bound.rank,
+            names, str(src), str(dst), () if shape is None else (tuple(int(s) for s in shape),),
+            () if dtype is None else (dtype,), cost)
+
+
+@torch._dynamo.nonstrict_trace
+def _reshard_traced(x: Tensor, static: tuple[Any, ...]) -> Tensor:
+    axes, sizes, ranks, backend, device, rank, names, src, dst, shape, dtype, cost = static
+    bound = BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
+                      torch.device(device), rank, dict(names))
+    cost_model = CostModel(**dict(cost)) if cost else None
+    p = _plan_for(x, bound, src, dst, shape[0] if shape else None, dtype[0] if dtype else None,
+                  cost_model)
+    return reshard_autograd(x, bound, p)
+
+
+def _plan_for(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+              shape: Sequence[int] | None, dtype: torch.dtype | None,
+              cost_model: CostModel | None, dst_mesh: Mesh | None = None) -> Plan:
+    if not isinstance(bound, BoundMesh):
+        what = f"the Mesh {bound!r}" if isinstance(bound, Mesh) else f"a {type(bound).__name__}"
+        raise MeshMismatchError(
+            f"reshard needs a mesh bound to torch.distributed, got {what};"
+            f" fix: bound = mc.init_mesh({str(bound)!r}) on every rank, then pass bound")
+    if not bound.in_mesh:
+        raise MeshMismatchError(
+            f"reshard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
+            f" {list(bound.mesh.ranks)}), so it holds no shard of a tensor on it."
+            " fix: call reshard on the mesh's ranks only (if mesh.in_mesh: ...)")
+    if not isinstance(x, Tensor):
+        hint = "; fix: s.reshard(dst) for a Sharded s" if isinstance(x, Sharded) else ""
+        raise ShapeError(f"reshard needs a local torch.Tensor, got {type(x).__name__}{hint}")
+    src_layout = as_layout(src, "src")
+    if shape is None:
+        shape = infer_shape(bound.mesh, src_layout, tuple(x.shape), bound.rank)
+    return plan_untraced(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
+                         dtype=x.dtype if dtype is None else dtype, cost_model=cost_model,
+                         dst_mesh=dst_mesh)
+
+
+def infer_shape(mesh: Mesh, layout: Layout, local_shape: Shape, rank: int) -> Shape:
+    """The global shape of even shards: each local size times the sizes of its dim's axes.
+
+    Local only (never communicates). Raises where this rank's shard shows the layout is
+    uneven (an empty shard of a sharded dim), asking for `shape=`.
+
+    >>> infer_shape(Mesh("dp=2 tp=2"), Layout("(dp b) s | sum(tp)"), (4, 6), 0)
+    (8, 6)
+    """
+    if len(local_shape) != layout.ndim:
+        raise ShapeError(f'local tensor on rank {rank} has {len(local_shape)} dims but layout'
+                         f' "{layout}" has {layout.ndim}; fix: pass a tensor with one dim per'
+                         " layout dim")
+    axes = set(mesh.axis_names)
+    shape = []
+    for i, (dim, n) in enumerate(zip(layout.dims, local_shape)):
+        sizes = [mesh.axis_size(f.name) for f in dim.factors if f.name in axes]
+        if sizes and n == 0:
+            raise ShapeError(
+                f'cannot infer the global shape of layout "{layout}" on {mesh!r}: rank {rank}'
+                f" holds 0 elements of dim {i}, so its shards are uneven."
+                f" fix: pass shape=(...) (the global shape) on every rank")
+        shape.append(n * math.prod(sizes))
+    layout.check_local(mesh, tuple(shape), rank, local_shape, "local tensor")
+    return tuple(shape)
+
+
+def replicated(layout: Layout, mesh: Mesh) -> Layout:
+    """The fully replicated layout with the dims (and names, where unique) of `layout`."""
+    names = layout.dim_names(mesh)
+    if len(set(names)) != len(names):
+        names = tuple(f"d{i}" for i in range(len(names)))
+    return Layout(" ".join(names))
+
+
+@dataclass(frozen=True, eq=False)
+class Sharded:
+    """This rank's shard `local` of a global tensor of `shape` under `layout` on `mesh`.
+
+    >>> s = mc.distribute(torch.arange(8.0), bound, "(tp b)")    # doctest: +SKIP
+    >>> s.reshard("b").local.tolist()                            # doctest: +SKIP
+    [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    """
+
+    local: Tensor
+    mesh: BoundMesh
+    layout: Layout
+    shape: Shape
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, BoundMesh):
+            raise MeshMismatchError(f"Sharded needs a mesh from mc.init_mesh, got"
+                                    f" {type(self.mesh).__name__}; fix: bound ="
+                                    f" mc.init_mesh({str(self.mesh)!r}) on every rank")
+        object.__setattr__(self, "layout", as_layout(self.layout))
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        self.layout.check_local(self.mesh.mesh, self.shape, self.mesh.rank,
+                                tuple(self.local.shape), "Sharded.local")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.local.dtype
+
+    def reshard(self, dst: str | Layout, *, cost_model: CostModel | None = None) -> Sharded:
+        """The same global tensor under layout `dst` (call it on every rank)."""
+        out = reshard(self.local, self.mesh, self.layout, dst, shape=self.shape,
+                      cost_model=cost_model)
+        return Sharded(out, self.mesh, as_layout(dst, "dst"), self.shape)
+
+    def full(self) -> Tensor:
+        """The global tensor, on every rank (a reshard to the replicated layout)."""
+        return self.reshard(replicated(self.layout, self.mesh.mesh)).local
+
+    def to_dtensor(self, *, device_mesh: Any = None) -> DTensor:
+        """A DTensor with this local tensor (no copy) and the placements of this layout;
+        raises InteropError for a layout DTensor cannot express (docs/dtensor.md)."""
+        return to_dtensor(self, device_mesh=device_mesh)
+
+    def show(self, **kwargs: Any) -> None:
+        """Print which rank holds which part (`mc.show` of the layout)."""
+        display.show(self.mesh.mesh, self.shape, self.layout, **kwargs)
+
+    def __repr__(self) -> str:
+        return (f"Sharded(layout={str(self.layout)!r}, shape={self.shape}, mesh={self.mesh.mesh!r},"
+                f" rank={self.mesh.rank}, local={tuple(self.local.shape)} {self.dtype})")
+
+
+def distribute(global_tensor: Tensor, mesh: BoundMesh, layout: str | Layout) -> Sharded:
+    """This rank's shard of `global_tensor` under `layout`, sliced locally (no communication).
+
+    Every rank must pass the same global tensor. For a partial layout each element is
+    held by one rank of its reduction group, the others hold the op's identity (as
+    `mc.sim.scatter`).
+
+    >>> s = mc.distribute(torch.arange(8.0), bound, "(tp b)")    # doctest: +SKIP
+    """
+    if not isinstance(mesh, BoundMesh):
+        raise MeshMismatchError(f"distribute needs a mesh from mc.init_mesh, got"
+                                f" {type(mesh).__name__}; fix: mc.init_mesh({str(mesh)!r})")
+    layout = as_layout(layout)
+    m, shape = mesh.mesh, tuple(global_tensor.shape)
+    if layout.reduce_op is None:
+        local = take(global_tensor, layout.indices(m, shape, mesh.rank))
+    else:
+        local = scatter(global_tensor, m, layout)[m.position(mesh.rank)]
+    return Sharded(local, mesh, layout, shape)
+
+
+Item = Union[tuple[Sharded, Union[str, Layout]],
+             tuple[Tensor, BoundMesh, Union[str, Layout], Union[str, Layout], Sequence[int]]]
+
+
+def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
+                 cost_model: CostModel | None = None,
+                 trace: ByteTrace | None = None) -> list[Any]:
+    """Each item resharded, with one collective per step for each bucket of items whose
+    plans share a collective shape (FSDP-style flat buffers of up to `bucket_bytes`).
+
+    Items are `(sharded, dst)` (gives a Sharded) or `(x_local, mesh, src, dst, shape)`
+    (gives a Tensor). Call it on every rank with the same items in the same order.
+    Outputs equal `reshard` item by item. When a gradient is needed, items run one by
+    one through `reshard`.
+
+    >>> ws = mc.reshard_many([(w, "b h") for w in shards])       # doctest: +SKIP
+    """
+    jobs: list[tuple[Tensor, BoundMesh, Plan]] = []
+    for k, item in enumerate(items):
+        if len(item) == 2 and isinstance(item[0], Sharded):
+            s, dst = item
+            jobs.append((s.local, s.mesh, _plan_for(s.local, s.mesh, s.layout, dst, s.shape,
+                                                    None, cost_model)))
+        elif len(item) == 5:
+            x, bound, src, dst, shape = item
+            jobs.append((x, bound, _plan_for(x, bound, src, dst, shape, None, cost_model)))
+        else:
+            raise ShapeError(f"reshard_many: items[{k}] is neither (Sharded, dst) nor"
+                             " (x_local, mesh, src, dst, shape)")
+    if CHECKS.on:
+        agree_many(jobs)
+    if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
+        outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
+    else:
+        outs = execute_many(jobs, bucket_bytes=bucket_bytes, trace=trace)
+    return [Sharded(out, bound, p.dst, p.shape) if isinstance(item[0], Sharded) else out
+            for item, out, (_, bound, p) in zip(items, outs, jobs)]
+
+
+# -- DTensor <-> Sharded (no copy, no communication) and mc.reshard on DTensors ------
+def from_dtensor(dt: Any, *, mesh: BoundMesh | None = None,
+                 names: str | Sequence[str] | None = None) -> Sharded:
+    """The Sharded with `dt`'s local tensor (the same tensor: no copy, no communication).
+
+    >>> s = mc.dtensor.from_dtensor(dt, names="b h")                       # doctest: +SKIP
+    >>> s.layout, s.shape                                            # doctest: +SKIP
+    (Layout('(dp b) (tp h)'), (8, 6))
+
+    `mesh` is the BoundMesh to run later reshards on (e.g. from `mc.init_mesh`); it must
+    be the DeviceMesh's mesh (names, sizes, ranks). Without it, the Sharded is bound to
+    the DeviceMesh's own groups (`bind_device_mesh`). `names` names the dims.
+    """
+    if not is_dtensor(dt):
+        raise InteropError(f"from_dtensor needs a torch DTensor, got {type(dt).__name__};"
+                           " fix: for a local shard use mc.Sharded(local, bound, layout, shape)")
+    dm = dt.device_mesh
+    if mesh is None:
+        mesh = bind_device_mesh(dm)
+    elif Mesh.from_device_mesh(dm) != mesh.mesh:
+        raise MeshMismatchError(
+            f"from_dtensor(mesh=...) got a BoundMesh of {mesh.mesh!r} but the DTensor lives on"
+            f" {Mesh.from_device_mesh(dm)!r}; fix: leave mesh= out, or bind"
+            " mc.init_mesh(mc.Mesh.from_device_mesh(dt.device_mesh))")
+    shape = tuple(dt.shape)
+    layout = from_placements(mesh.mesh, shape, placements_of(dt), names=names)
+    return Sharded(dt.to_local(), mesh, layout, shape)
+
+
+def to_dtensor(sharded: Sharded, *, device_mesh: Any = None) -> Any:
+    """A DTensor with `sharded`'s local tensor and the placements of its layout (no copy).
+
+    >>> dt = mc.distribute(torch.arange(8.0), bound, "(tp dp b)").to_dtensor()  # doctest: +SKIP
+    >>> dt.placements                                                            # doctest: +SKIP
+    (_StridedShard(dim=0, sf=2), Shard(dim=0))
+
+    Raises `InteropError`, before anything else, for a layout DTensor cannot express.
+    `device_mesh` defaults to `sharded.mesh.device_mesh`; another must be over the same mesh.
+    """
+    placements = to_placements(sharded.mesh.mesh, sharded.shape, sharded.layout)
+    dm = sharded.mesh.device_mesh if device_mesh is None else device_mesh
+    if device_mesh is not None and Mesh.from_device_mesh(dm) != sharded.mesh.mesh:
+        raise MeshMismatchError(f"to_dtensor(device_mesh=...) is over"
+                                f" {Mesh.from_device_mesh(dm)!r}, the Sharded over"
+                                f" {sharded.mesh.mesh!r}; fix: leave device_mesh= out")
+    return wrap(sharded.local, dm, placements, sharded.shape)
+
+
+def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
+                    cost_model: CostModel | None = None, trace: Any = None) -> Any:
+    """`dt` resharded by a meshcomm plan to `dst` (a layout or DTensor placements): a DTensor.
+
+    >>> y = mc.reshard(dt, "(dp b) (tp h)")                       # doctest: +SKIP
+    >>> y = mc.reshard(dt, [Shard(0), Shard(1)])                  # doctest: +SKIP
+
+    Equals `dt.redistribute(dt.device_mesh, placements)` where DTensor gets that right;
+    differentiable. A `dst` DTensor cannot express raises `InteropError` before any
+    communication.
+    """
+    src = from_dtensor(dt)
+    mesh, shape = src.mesh.mesh, src.shape
+    if isinstance(dst, (str, Layout)):
+        layout = as_layout(dst, "dst")
+        placements = to_placements(mesh, shape, layout)
+    else:
+        placements = tuple(dst)
+        layout = from_placements(mesh, shape, placements, names=src.layout.dim_names(mesh))
+    steps = plan(mesh, shape, src.layout, layout, dtype=src.dtype, cost_model=cost_model).steps
+    for step in steps:    # every group first: a missing one raises before any communication
+        if step.kind != "local":
+            src.mesh.group_name(mesh.axis_names if step.kind == "send_recv" else step.axes)
+    out = reshard(src.local, src.mesh, src.layout, layout, shape=shape, cost_model=cost_model,
+                  trace=trace)
+    return wrap(out, dt.device_mesh, placements, shape)
+
