@@ -114,26 +114,25 @@ def check_cost(bound: mc.BoundMesh, reps: int) -> dict[str, dict[str, float]]:
     """Median µs per call with check mode off and on, in alternating blocks of reps/10."""
     x = torch.ones(4, 8)
     calls = {
-        "reshard_all_gather": lambda: mc.reshard(x, bound, "(dp b) h", "b h"),
-        "reshard_no_step": lambda: mc.reshard(x, bound, "(dp b) h", "(dp b) h"),
+        "reshard_all_gather": lambda on: mc.reshard(x, bound, "(dp b) h", "b h", check=on),
+        "reshard_no_step": lambda on: mc.reshard(x, bound, "(dp b) h", "(dp b) h", check=on),
         # `+ 0` waits for the functional collective's result
-        "all_reduce_1_elem": lambda: mc.collectives.all_reduce(x[0, :1], bound, ("dp", "tp")) + 0,
+        "all_reduce_1_elem": lambda on: mc.collectives.all_reduce(x[0, :1], bound, ("dp", "tp"),
+                                                                  check=on) + 0,
     }
     out = {}
     block = max(1, reps // 10)
     for name, call in calls.items():
         times: dict[bool, list[float]] = {False: [], True: []}
         for _ in range(3):                      # warm-up: plans, fingerprints, groups
-            with mc.checks(True):
-                call()
-            call()
+            call(True)
+            call(False)
         for b in range(10):
             for on in (b % 2 == 0, b % 2 == 1):
-                with mc.checks(on):
-                    for _ in range(block):
-                        t = time.perf_counter()
-                        call()
-                        times[on].append(time.perf_counter() - t)
+                for _ in range(block):
+                    t = time.perf_counter()
+                    call(on)
+                    times[on].append(time.perf_counter() - t)
         off, on_ = statistics.median(times[False]) * 1e6, statistics.median(times[True]) * 1e6
         out[name] = {"off_us": round(off, 1), "on_us": round(on_, 1),
                      "added_us": round(on_ - off, 1)}

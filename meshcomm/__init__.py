@@ -24,7 +24,6 @@ from .core.mesh import Mesh
 from .display import show, show_plan
 from .executors import sim
 from .executors.distributed import BoundMesh, ByteTrace, init_mesh
-from .executors.distributed.checks import checks
 from .planner.plan import plan
 from .planner.values import CostModel, Plan, Step
 from .recipes import Recipe, logical, recipe
@@ -34,7 +33,7 @@ __all__ = [
     # values
     "BoundMesh", "ByteTrace", "CostModel", "Layout", "Mesh", "Plan", "Recipe", "Sharded", "Step",
     # functions
-    "checks", "distribute", "init_mesh", "logical", "plan", "recipe", "reshard", "reshard_many",
+    "distribute", "init_mesh", "logical", "plan", "recipe", "reshard", "reshard_many",
     "show", "show_plan",
     # namespaces
     "collectives", "dtensor", "errors", "nn", "sim",
@@ -54,6 +53,9 @@ _MOVED = {
                     "InteropError", "LayoutSyntaxError", "MeshAxisError", "MeshcommError",
                     "MeshMismatchError", "PlanError", "RankFailure", "RecipeError", "ShapeError")},
     "as_layout": ("meshcomm.core.layout", "mc.Layout(...)"),
+    "checks": ("meshcomm.executors.distributed.checks",
+               "mc.init_mesh(..., check=True) or check=True on a call (MESHCOMM_CHECK=1 sets the"
+               " default)"),
     "plan_cache_info": ("meshcomm.planner.plan", "meshcomm.planner.plan_cache_info"),
     "set_plan_cache_size": ("meshcomm.planner.plan", "meshcomm.planner.set_plan_cache_size"),
     "dist": ("meshcomm.executors.distributed", "meshcomm.executors.distributed"),

@@ -23,8 +23,7 @@ from .core.layout import Layout, Shape, as_layout
 from .core.mesh import Mesh
 from .executors.distributed.autograd import plan_untraced, reshard_autograd
 from .executors.distributed.bind import BoundMesh
-from .executors.distributed.checks import SWITCH as CHECKS
-from .executors.distributed.checks import agree_many, agree_reshard
+from .executors.distributed.checks import agree_many, agree_reshard, checking
 from .executors.distributed.cross import execute_cross
 from .executors.distributed.execute import ByteTrace, execute_many
 from .executors.local import take
@@ -42,20 +41,22 @@ if TYPE_CHECKING:
 @overload
 def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> Tensor: ...
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None,
+            check: bool | None = None) -> Tensor: ...
 @overload
 def reshard(x_local: Tensor | None, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             dst_mesh: BoundMesh, shape: Sequence[int] | None = None,
             dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
-            trace: ByteTrace | None = None) -> Tensor | None: ...
+            trace: ByteTrace | None = None, check: bool | None = None) -> Tensor | None: ...
 @overload
 def reshard(x_local: DTensor, dst: str | Layout | Sequence[Placement], /, *,
-            cost_model: CostModel | None = None, trace: ByteTrace | None = None) -> DTensor: ...
+            cost_model: CostModel | None = None, trace: ByteTrace | None = None,
+            check: bool | None = None) -> DTensor: ...
 def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
             dst: str | Layout | None = None, *,
             dst_mesh: BoundMesh | None = None, shape: Sequence[int] | None = None,
             dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
-            trace: ByteTrace | None = None) -> Tensor | None:
+            trace: ByteTrace | None = None, check: bool | None = None) -> Tensor | None:
     """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
     `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
 
@@ -65,7 +66,8 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     `shape` is the global shape; without it every shard is assumed even (global size =
     local size times the sizes of the dim's mesh axes), so pass it for uneven layouts.
     `dtype` defaults to `x_local.dtype`. `trace` records the bytes of each collective call
-    (eager only).
+    (eager only). `check` turns check mode on or off for this call (default: the mesh's,
+    `init_mesh(check=...)`; docs/errors.md).
 
     `dst_mesh` (another BoundMesh) puts `dst` on that mesh: call it on every rank of the
     world. Ranks only in `mesh` return None; ranks only in `dst_mesh` pass None as
@@ -73,13 +75,13 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     None. Not differentiable: send gradients back with a second reshard (docs/crossmesh.md).
 
     `mc.reshard(dtensor, dst)` takes a DTensor and `dst` (a layout or placements) and
-    returns a DTensor (`meshcomm.interop.reshard_dtensor`, docs/dtensor.md).
+    returns a DTensor (`meshcomm.sharded.reshard_dtensor`, docs/dtensor.md).
     """
     if is_dtensor(x_local):
         if (src, dst, dst_mesh, shape, dtype) != (None,) * 5:
             raise ShapeError("mc.reshard(dtensor, dst) takes the destination only (a layout or"
                              " placements): the DTensor carries its mesh, layout and shape")
-        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace)
+        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace, check=check)
     if src is None or dst is None:
         raise ShapeError("mc.reshard(x_local, mesh, src, dst): give both layouts, src and dst")
     if dst_mesh is not None and not (isinstance(mesh, BoundMesh) and
@@ -91,7 +93,7 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
                              " leave it out (the plan's send_bytes/recv_bytes are the same)")
         return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
     p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
-    if CHECKS.on:
+    if checking(mesh, check):
         agree_reshard(x_local, mesh, p)   # check mode: the ranks agree on the call first
     return reshard_autograd(x_local, mesh, p, trace)
 
@@ -246,10 +248,11 @@ class Sharded:
     def dtype(self) -> torch.dtype:
         return self.local.dtype
 
-    def reshard(self, dst: str | Layout, *, cost_model: CostModel | None = None) -> Sharded:
+    def reshard(self, dst: str | Layout, *, cost_model: CostModel | None = None,
+                check: bool | None = None) -> Sharded:
         """The same global tensor under layout `dst` (call it on every rank)."""
         out = reshard(self.local, self.mesh, self.layout, dst, shape=self.shape,
-                      cost_model=cost_model)
+                      cost_model=cost_model, check=check)
         return Sharded(out, self.mesh, as_layout(dst, "dst"), self.shape)
 
     def full(self) -> Tensor:
@@ -297,7 +300,7 @@ Item = Union[tuple[Sharded, Union[str, Layout]],
 
 def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
                  cost_model: CostModel | None = None,
-                 trace: ByteTrace | None = None) -> list[Any]:
+                 trace: ByteTrace | None = None, check: bool | None = None) -> list[Any]:
     """Each item resharded, with one collective per step for each bucket of items whose
     plans share a collective shape (FSDP-style flat buffers of up to `bucket_bytes`).
 
@@ -320,7 +323,7 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
         else:
             raise ShapeError(f"reshard_many: items[{k}] is neither (Sharded, dst) nor"
                              " (x_local, mesh, src, dst, shape)")
-    if CHECKS.on:
+    if jobs and checking(jobs[0][1], check):
         agree_many(jobs)
     if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
         outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
@@ -379,7 +382,8 @@ def to_dtensor(sharded: Sharded, *, device_mesh: Any = None) -> Any:
 
 
 def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
-                    cost_model: CostModel | None = None, trace: Any = None) -> Any:
+                    cost_model: CostModel | None = None, trace: Any = None,
+                    check: bool | None = None) -> Any:
     """`dt` resharded by a meshcomm plan to `dst` (a layout or DTensor placements): a DTensor.
 
     >>> y = mc.reshard(dt, "(dp b) (tp h)")                       # doctest: +SKIP
@@ -402,6 +406,6 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
         if step.kind != "local":
             src.mesh.group_name(mesh.axis_names if step.kind == "send_recv" else step.axes)
     out = reshard(src.local, src.mesh, src.layout, layout, shape=shape, cost_model=cost_model,
-                  trace=trace)
+                  trace=trace, check=check)
     return wrap(out, dt.device_mesh, placements, shape)
 

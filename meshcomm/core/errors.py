@@ -58,7 +58,15 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
 
 
 class CollectiveMismatchError(CollectiveError):
-    """Check mode: the ranks of a group asked for different operations (see `mc.checks`)."""
+    """Check mode: the ranks of a group asked for different operations (docs/errors.md)."""
+
+
+# Users meet these as `mc.errors.<Name>` (the module `meshcomm.errors`): tracebacks and
+# pickles name that public home rather than this module.
+for _cls in (MeshcommError, LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError,
+             RecipeError, PlanError, InteropError, RankFailure, CollectiveError,
+             CollectiveTimeout, CollectiveMismatchError):
+    _cls.__module__ = "meshcomm.errors"
 
 
 def caret(text: str, start: int, end: int | None = None, note: str = "") -> str:

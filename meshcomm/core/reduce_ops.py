@@ -7,7 +7,7 @@ torch.chunk sizes that reduce_scatter and all_reduce split by. Pure torch, no co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import reduce
 from typing import Literal, get_args
 
@@ -55,6 +55,22 @@ def chunk_sizes(n: int, g: int) -> tuple[int, ...]:
     return tuple(min((j + 1) * c, n) - min(j * c, n) for j in range(g))
 
 
+def _add(a: Tensor, b: Tensor) -> Tensor:
+    return torch.add(a, b)
+
+
+def _max(a: Tensor, b: Tensor) -> Tensor:
+    return torch.maximum(a, b)
+
+
+def _min(a: Tensor, b: Tensor) -> Tensor:
+    return torch.minimum(a, b)
+
+
+_STEPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "sum": _add, "avg": _add, "max": _max, "min": _min}
+
+
 def op_reduce(tensors: Sequence[Tensor], op: str) -> Tensor:
     """Elementwise reduction of `tensors` by `op`, left to right in order, as a new tensor.
 
@@ -72,6 +88,6 @@ def op_reduce(tensors: Sequence[Tensor], op: str) -> Tensor:
         if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
             raise ShapeError(f"op_reduce: tensors[{i}] is {t.dtype} {tuple(t.shape)} on {t.device}"
                              f" but tensors[0] is {first.dtype} {tuple(first.shape)}")
-    step = {"sum": torch.add, "avg": torch.add, "max": torch.maximum, "min": torch.minimum}[op]
-    acc = reduce(step, tensors[1:], first.clone())  # a left fold: ((t0 op t1) op t2) ...
+    step = _STEPS[op]
+    acc: Tensor = reduce(step, tensors[1:], first.clone())  # a left fold: ((t0 op t1) op t2)
     return acc / len(tensors) if op == "avg" else acc

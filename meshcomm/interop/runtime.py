@@ -16,7 +16,7 @@ from torch import Tensor
 from ..core.errors import InteropError, MeshMismatchError
 from ..core.layout import Shape
 from ..core.mesh import Mesh
-from ..executors.distributed.bind import BoundMesh
+from ..executors.distributed.bind import BoundMesh, check_default
 from .placements import Placements
 
 
@@ -26,7 +26,7 @@ def is_dtensor(x: object) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
-def bind_device_mesh(device_mesh: Any) -> BoundMesh:
+def bind_device_mesh(device_mesh: Any, *, check: bool | None = None) -> BoundMesh:
     """A BoundMesh over a DeviceMesh's existing process groups (creates none, sends nothing).
 
     >>> bound = mc.dtensor.bind_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
@@ -36,6 +36,7 @@ def bind_device_mesh(device_mesh: Any) -> BoundMesh:
     that flattened group in mesh order: the world group, groups made by `mc.init_mesh`
     or by `DeviceMesh._flatten()`. A plan that needs one that does not exist raises
     before it communicates (every rank sees the same groups, so every rank raises).
+    `check` is the mesh's check mode, as `mc.init_mesh(check=...)`.
     """
     import torch.distributed as dist
 
@@ -56,7 +57,7 @@ def bind_device_mesh(device_mesh: Any) -> BoundMesh:
     device = (torch.device("cpu") if device_mesh.device_type == "cpu" else
               torch.device(device_mesh.device_type, torch.get_device_module(
                   device_mesh.device_type).current_device()))
-    bound = BoundMesh(mesh, dist.get_backend(group), device, rank, names)
+    bound = BoundMesh(mesh, dist.get_backend(group), device, rank, names, check_default(check))
     vars(bound)["device_mesh"] = device_mesh   # BoundMesh.device_mesh is this mesh itself
     return bound
 

@@ -30,6 +30,7 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from ..executors.distributed.autograd import without_reduction
 from ..executors.distributed.bind import BoundMesh
+from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
 from ..planner.values import Plan
 from ..recipes import RecipeLike, logical
@@ -419,6 +420,5 @@ def _columns(rows: Sequence[tuple[str, ...]]) -> list[str]:
 
 
 def _bucketed(plans: Sequence[Plan]) -> int:
-    shapes = {tuple((s.kind, s.axes, s.op, s.action, s.dim is None) for s in p.steps)
-              for p in plans if p.collectives}
+    shapes = {step_shape(p) for p in plans if p.collectives}
     return sum(sum(1 for s in steps if s[0] != "local") for steps in shapes)

@@ -127,6 +127,7 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
     peak = tuple((ins.get(r, 0) + outs.get(r, 0)) * itemsize for r in ranks)
     time = cost_model.time(("*",), max(max(send), max(recv))) if any(send) else 0.0
     return Step("send_recv", (), before, after, op=after.reduce_op, transfers=transfers,
+                wire="send/recv",
                 send_bytes=tuple(send),
                 recv_bytes=tuple(recv), time_s=time, peak_bytes=peak, mesh=mesh,
                 dst_mesh=dst_mesh)

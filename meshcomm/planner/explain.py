@@ -92,8 +92,11 @@ def step_cells(row: dict[str, Any]) -> tuple[str, ...]:
 
 
 def step_layouts(row: dict[str, Any]) -> str:
-    """'"before" -> "after"': the layouts around one step."""
-    return f'"{row["before"]}" -> "{row["after"]}"'
+    """'"before" -> "after"': the layouts around one step, and the collective it runs as
+    where that is not its own kind ('; as all_to_all')."""
+    wire = row.get("wire") or ""
+    how = f"; as {wire}" if wire and wire != row["kind"] else ""
+    return f'"{row["before"]}" -> "{row["after"]}"{how}'
 
 
 def bound_text(plan: Plan) -> str:

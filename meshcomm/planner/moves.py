@@ -21,7 +21,6 @@ algorithm each collective is modelled with:
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -50,6 +49,14 @@ from .states import (
     is_chain,
     local_numels,
     to_layout,
+)
+from .traffic import (
+    all_reduce_traffic,
+    all_to_all_traffic,
+    gather_traffic,
+    group_size,
+    off_diagonal,
+    scatter_traffic,
 )
 
 
@@ -162,58 +169,6 @@ def _fits(dim: DimState, shard: Shard) -> bool:
     return is_chain(tuple(sorted(set(dim.bounds()) | {lo, hi})))
 
 
-def _group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
-    return math.prod(mesh.axis_size(a) for a in axes)
-
-
-# -- traffic ---------------------------------------------------------------------------
-# Per-rank values are tuples in mesh order; where ranks differ (uneven shards) the
-# arithmetic runs on tensors of the mesh's shape, so it costs O(ranks) in C, not Python.
-def _uniform(sizes: tuple[int, ...]) -> bool:
-    return sizes.count(sizes[0]) == len(sizes)
-
-
-def _on_mesh(mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.long).reshape(mesh.shape)
-
-
-def _axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
-    return tuple(mesh.axis_names.index(a) for a in axes)
-
-
-def _gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
-                    sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    g = _group_size(mesh, axes)
-    if _uniform(sizes):
-        return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
-    mine = _on_mesh(mesh, sizes)
-    total = mine.sum(_axis_dims(mesh, axes), keepdim=True)
-    return (tuple(((g - 1) * mine).reshape(-1).tolist()),
-            tuple((total - mine).reshape(-1).tolist()))
-
-
-def _scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
-                     outs: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    g = _group_size(mesh, axes)
-    send = tuple(i - o for i, o in zip(ins, outs))
-    recv = tuple((g - 1) * o for o in outs)
-    return send, recv
-
-
-def _all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
-                        sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    g = _group_size(mesh, axes)
-    if _uniform(sizes) and sizes[0] % g == 0:
-        each = sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g)
-        return (each,) * mesh.size, (each,) * mesh.size
-    total = _on_mesh(mesh, sizes)
-    pos = group_positions(mesh, axes)
-    step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`
-    c = torch.clamp(torch.minimum((pos + 1) * step, total) - torch.minimum(pos * step, total), min=0)
-    out = tuple(((total - c) + (g - 1) * c).reshape(-1).tolist())
-    return out, out
-
-
 # -- move generators --------------------------------------------------------------
 def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """all_gather of one axis, or of several even axes at once (one flattened group)."""
@@ -226,7 +181,7 @@ def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             if dim.chunks:
                 if axis == dim.chunks[-1]:
                     after = _set_dim(state, d, _without(dim, axis, mesh))
-                    send, recv = _gather_traffic(mesh, (axis,), sizes)
+                    send, recv = gather_traffic(mesh, (axis,), sizes)
                     yield Move("all_gather", (axis,), after, dim=d, send=send, recv=recv)
                 continue
             even.append(axis)
@@ -256,7 +211,7 @@ def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
         dims[axis] = d
         after = _set_dim(after, d, _without(after.dims[d], axis, mesh))
     post = _rearrange(state, after, tuple(shards), (), dims)
-    send, recv = _gather_traffic(mesh, group, sizes)
+    send, recv = gather_traffic(mesh, group, sizes)
     return Move("all_gather", group, after, post=post, send=send, recv=recv)
 
 
@@ -360,8 +315,7 @@ def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
                 continue
             pre = _rearrange(state, mid, (), ((shard2[0], shard2[1], tag),), {tag: d2})
             post = _rearrange(mid, after, ((lo, hi, axis),), (), {axis: d1})
-            g = mesh.axis_size(axis)
-            traffic = tuple(s - s // g for s in sizes)
+            traffic = all_to_all_traffic(mesh, (axis,), sizes)
             yield Move("all_to_all", (axis,), after, pre=pre, post=post, send=traffic, recv=traffic)
 
 
@@ -388,15 +342,9 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             continue
         g = mesh.axis_size(a)
         pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
-        moving = _off_diagonal(mesh, sizes, a, b)
+        moving = off_diagonal(mesh, sizes, a, b)
         axes = tuple(x for x in mesh.axis_names if x in (a, b))  # symmetric pairs: any order
         yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
-
-
-def _off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -> tuple[int, ...]:
-    """`sizes`, zero at ranks whose coordinates on `a` and `b` agree (they keep their block)."""
-    ca, cb = group_positions(mesh, (a,)), group_positions(mesh, (b,))
-    return tuple(torch.where(ca == cb, 0, _on_mesh(mesh, sizes)).reshape(-1).tolist())
 
 
 def _drop_partial(state: State, axes: tuple[AxisName, ...]) -> tuple[tuple[AxisName, ...], str | None]:
@@ -412,7 +360,7 @@ def reductions(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         for group in itertools.combinations(pending, k):
             left, op = _drop_partial(state, group)
             after = State(state.dims, left, op)
-            send, recv = _all_reduce_traffic(mesh, group, sizes)
+            send, recv = all_reduce_traffic(mesh, group, sizes)
             yield Move("all_reduce", group, after, op=state.op, send=send, recv=recv)
             yield from _reduce_scatters(state, dst, mesh, group, sizes)
 
@@ -426,7 +374,7 @@ def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName
             chain = (as_chunks(state.dims[d]) or ()) + group
             after = State(state.dims, left, op)
             after = _set_dim(after, d, chunk_dim(state.dims[d].size, chain, mesh))
-            send, recv = _scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
+            send, recv = scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
             yield Move("reduce_scatter", group, after, op=state.op, dim=d, send=send, recv=recv)
     after = State(state.dims, left, op)
     shards, dims = [], {}
@@ -439,7 +387,7 @@ def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName
         shards.append(shard)
         dims[axis] = d
     pre = _rearrange(state, after, (), tuple(shards), dims)
-    send, recv = _scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
+    send, recv = scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
     yield Move("reduce_scatter", group, after, op=state.op, pre=pre, send=send, recv=recv)
 
 
@@ -478,7 +426,7 @@ def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         yield Move("local", (), dst, action="relabel", send=zeros, recv=zeros)
         return
     pos = group_positions(mesh, axes).reshape(-1)
-    g = _group_size(mesh, axes)
+    g = group_size(mesh, axes)
     rest = [k for k, a in enumerate(mesh.axis_names) if a not in axes]
     dims = rest + [mesh.axis_names.index(a) for a in axes]
     # Source position of each destination position, one row per group (group order).
@@ -498,7 +446,7 @@ def _same_block_shape(state: State, dst: State, mesh: Mesh) -> bool:
     for a, b in zip(state.dims, dst.dims):
         if bool(a.chunks) != bool(b.chunks) or a.size == 0:
             return False
-        if _group_size(mesh, a.axes) != _group_size(mesh, b.axes):
+        if group_size(mesh, a.axes) != group_size(mesh, b.axes):
             return False
     return True
 

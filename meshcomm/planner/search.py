@@ -21,7 +21,7 @@ from . import bounds
 from .moves import Move, expand
 from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
 from .transfers import reindex_move, send_recv_move, send_recv_targets
-from .values import CostModel, Plan, Step
+from .values import CostModel, Plan, Step, wire_of
 
 
 @functools.lru_cache(maxsize=4096)
@@ -76,7 +76,8 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
     time = 0.0 if move.kind == "local" else cost_model.time(
         move.axes, max(max(send), max(recv)))
     return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
-                move.post, move.pairs, (), send, recv, time, peak)
+                move.post, move.pairs, (), send, recv, time, peak,
+                wire="" if move.kind == "local" else wire_of(move.kind, move.dim))
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,

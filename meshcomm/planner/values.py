@@ -20,7 +20,34 @@ from .explain import format_plan
 from .rearrange import Rearrange
 
 STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all",
-              "collective_permute", "broadcast", "send_recv")
+              "collective_permute", "send_recv")
+# How each step kind is carried out: the collective its steps hand their buffers to
+# (`Step.wire`). The planner decides it (`wire_of`) and `explain()` shows it; executors
+# only follow it. "send/recv" is a batch of point-to-point messages (between meshes).
+WIRES: dict[str, tuple[str, ...]] = {
+    "local": ("",),
+    "all_gather": ("all_gather", "all_to_all"),
+    "reduce_scatter": ("reduce_scatter", "all_to_all"),
+    "all_reduce": ("all_reduce",),
+    "all_to_all": ("all_to_all",),
+    "collective_permute": ("all_to_all",),
+    "send_recv": ("all_to_all", "send/recv"),
+}
+
+
+def wire_of(kind: str, dim: int | None = None, between_meshes: bool = False) -> str:
+    """The collective a step of `kind` runs as: an uneven (chunk) all_gather or
+    reduce_scatter, a permute and a send_recv as one all_to_all with uneven splits (every
+    backend has one), a send_recv between meshes as point-to-point messages.
+
+    >>> wire_of("all_gather"), wire_of("all_gather", dim=0), wire_of("collective_permute")
+    ('all_gather', 'all_to_all', 'all_to_all')
+    """
+    if kind == "send_recv":
+        return "send/recv" if between_meshes else "all_to_all"
+    if kind in ("all_gather", "reduce_scatter") and dim is not None:
+        return "all_to_all"
+    return WIRES[kind][0]
 
 
 def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
@@ -115,10 +142,11 @@ class Step:
 
     `pre`/`post` are the local rearranges around the collective; `dim` is the
     tensor dim of an uneven (chunk) collective; `pairs` the (source, destination)
-    group positions of a permute; `transfers` the blocks of a send_recv step (run
-    as one all_to_all with uneven splits over the step's flattened group, so it
-    traces like any other collective; between two meshes, as batched point-to-point
-    sends). Bytes are per rank, in the order of the plan's `ranks`.
+    group positions of a permute; `transfers` the blocks of a send_recv step between
+    meshes (on one mesh each rank computes its own when the step runs). `wire` is the
+    collective the step runs as (`wire_of`: e.g. an uneven all_gather as an
+    all_to_all), "" for a local step. Bytes are per rank, in the order of the plan's
+    `ranks`.
     """
 
     kind: str
@@ -138,6 +166,7 @@ class Step:
     peak_bytes: tuple[int, ...] = ()
     mesh: Mesh | None = None       # mesh of `before` when it is not the plan's source mesh
     dst_mesh: Mesh | None = None   # mesh of `after` when it differs from that of `before`
+    wire: str = ""
 
     def __str__(self) -> str:
         what = self.action if self.kind == "local" else self.kind
@@ -195,7 +224,7 @@ class Plan:
                  else len(set(before.ranks) | set(after.ranks)))
             out.append({
                 "step": i, "kind": step.kind, "action": step.action, "axes": list(step.axes),
-                "group_size": g, "op": step.op,
+                "group_size": g, "op": step.op, "wire": step.wire,
                 "before": str(step.before), "after": str(step.after),
                 "local_shape_before": list(_local_shape(self, before, step.before)),
                 "local_shape_after": list(_local_shape(self, after, step.after)),

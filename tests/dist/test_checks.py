@@ -1,4 +1,4 @@
-"""Check mode (`mc.checks`, MESHCOMM_CHECK=1): the ranks of a group agree on each call first.
+"""Check mode (`init_mesh(check=True)`, `check=True`, MESHCOMM_CHECK=1): the ranks of a group agree on each call first.
 
 On 4 gloo processes (dp=2 tp=2): calls that agree run as without checks; calls that differ
 (layouts, dtype, item count, shape, op) raise the same CollectiveMismatchError on every rank
@@ -18,9 +18,10 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.executors.distributed import checks as checks_module
+from meshcomm.executors.distributed.bind import check_default
 from meshcomm.executors.distributed.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text,
-                                                   decode, encode, mismatch_message, reshard_fields)
+                                                   checking, decode, encode, mismatch_message,
+                                                   reshard_fields)
 from meshcomm.executors.distributed.launch import run_ranks
 
 MESH = "dp=2 tp=2"
@@ -28,32 +29,40 @@ TIMEOUT_S = 2.0
 RUN_TIMEOUT_S = 60.0
 FIX = ("  fix: every rank of the group must make the same calls in the same order; look for a"
        " branch on the rank, or on data that differs between ranks, before this call")
-SWITCH = checks_module.SWITCH
 
 
 # -- in this process ---------------------------------------------------------------------------
-def test_checks_is_a_switch_and_a_context_manager() -> None:
-    before = SWITCH.on
-    try:
-        mc.checks(True)
-        assert SWITCH.on
-        with mc.checks(False):
-            assert not SWITCH.on
-            with mc.checks():
-                assert SWITCH.on
-            assert not SWITCH.on
-        assert SWITCH.on
-        assert repr(mc.checks(False)) == "checks(False)"
-        assert not SWITCH.on
-    finally:
-        SWITCH.on = before
+def fake(check: bool) -> mc.BoundMesh:
+    return mc.BoundMesh(mc.Mesh(MESH), "gloo", torch.device("cpu"), 0, {}, check)
+
+
+def test_check_mode_is_the_call_s_choice_else_the_mesh_s() -> None:
+    on, off = fake(True), fake(False)
+    assert checking(on, None) and not checking(off, None)
+    assert checking(off, True) and not checking(on, False)
 
 
 @pytest.mark.parametrize("value, on", [("1", True), ("true", True), ("yes", True), ("", False),
                                        ("0", False), ("false", False), ("off", False)])
-def test_the_environment_variable(monkeypatch: pytest.MonkeyPatch, value: str, on: bool) -> None:
+def test_the_environment_variable_is_the_meshes_default(monkeypatch: pytest.MonkeyPatch,
+                                                        value: str, on: bool) -> None:
     monkeypatch.setenv("MESHCOMM_CHECK", value)
-    assert checks_module._from_env() is on
+    assert check_default(None) is on
+    assert check_default(not on) is (not on)     # an explicit choice wins
+    assert checking(None, None) is on            # groups that are not a BoundMesh
+
+
+def test_deprecated_checks_forces_every_call_and_restores() -> None:
+    off = fake(False)
+    with pytest.warns(DeprecationWarning, match="init_mesh"):
+        mode = mc.checks
+    with mode():
+        assert checking(off, None)
+        with mode(False):
+            assert not checking(off, None)
+        assert checking(off, None)
+        assert not checking(off, False)          # a call's own choice still wins
+    assert not checking(off, None)
 
 
 def test_ranks_text() -> None:
@@ -136,7 +145,7 @@ def local(mesh: mc.Mesh, src: str, shape: tuple[int, ...], rank: int) -> torch.T
 
 
 def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
-    bound = mc.init_mesh(MESH, timeout_s=RUN_TIMEOUT_S)
+    bound = mc.init_mesh(MESH, timeout_s=RUN_TIMEOUT_S, check=True)
     mesh, out = bound.mesh, {}
 
     def attempt(name: str, call: Any) -> None:
@@ -147,22 +156,24 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
             out[name] = f"{type(err).__name__}: {err}"
 
     x = local(mesh, "(dp b) h", (8, 6), rank)
-    with mc.checks():
-        y = mc.reshard(x, bound, "(dp b) h", "b h")
-        out["agreed"] = bool(torch.equal(y, expected(mesh, "(dp b) h", "b h", (8, 6), rank)))
-        src = "(tp b) h" if rank == 3 else "(dp b) h"
-        attempt("src", lambda: mc.reshard(x, bound, src, "b h"))
-        attempt("dtype", lambda: mc.reshard(x.double() if rank == 0 else x, bound, "(dp b) h",
-                                            "b h"))
-        items = [(x, bound, "(dp b) h", "b h", (8, 6))] * (1 if rank == 2 else 2)
-        attempt("many", lambda: mc.reshard_many(items))
-        attempt("all_gather", lambda: mc.collectives.all_gather(torch.ones(2, 3 if rank == 0 else 2),
-                                                    bound, "tp") + 0)
-        attempt("all_reduce", lambda: mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp"),
-                                                    op="max" if rank == 3 else "sum") + 0)
-        # the groups are still usable, and agreeing collectives run
-        total = mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp")) + 0
-        out["after"] = total.tolist()
+    y = mc.reshard(x, bound, "(dp b) h", "b h")
+    out["agreed"] = bool(torch.equal(y, expected(mesh, "(dp b) h", "b h", (8, 6), rank)))
+    src = "(tp b) h" if rank == 3 else "(dp b) h"
+    attempt("src", lambda: mc.reshard(x, bound, src, "b h"))
+    # a mesh without check mode, checked for one call
+    plain = mc.init_mesh(MESH, timeout_s=RUN_TIMEOUT_S, check=False)
+    attempt("src_call", lambda: mc.reshard(x, plain, src, "b h", check=True))
+    attempt("dtype", lambda: mc.reshard(x.double() if rank == 0 else x, bound, "(dp b) h",
+                                        "b h"))
+    items = [(x, bound, "(dp b) h", "b h", (8, 6))] * (1 if rank == 2 else 2)
+    attempt("many", lambda: mc.reshard_many(items))
+    attempt("all_gather", lambda: mc.collectives.all_gather(torch.ones(2, 3 if rank == 0 else 2),
+                                                bound, "tp") + 0)
+    attempt("all_reduce", lambda: mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp"),
+                                                op="max" if rank == 3 else "sum") + 0)
+    # the groups are still usable, and agreeing collectives run
+    total = mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp")) + 0
+    out["after"] = total.tolist()
     return out
 
 
@@ -193,23 +204,23 @@ def test_mismatches_raise_on_every_rank_naming_the_ranks_and_the_difference() ->
         " all_gather shape=(2, 2) but rank 0 asked for all_gather shape=(2, 3)")
     assert results[2]["all_gather"] == results[3]["all_gather"] == "ran"
     assert results[0]["src"].endswith(FIX)
+    assert [r["src_call"] for r in results] == [r["src"] for r in results]
 
 
 def skip_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
-    bound = mc.init_mesh(MESH, timeout_s=TIMEOUT_S)
+    bound = mc.init_mesh(MESH, timeout_s=TIMEOUT_S, check=True)
     flag = Path(out_dir, "rank0.json")
     start = time.monotonic()
-    with mc.checks():
-        if rank == 1:   # skips the all_gather: waits until rank 0 has given up on it
-            while not flag.exists() and time.monotonic() - start < RUN_TIMEOUT_S:
-                time.sleep(0.05)
-            return {"skipped": True}
-        try:
-            mc.collectives.all_gather(torch.ones(2), bound, "tp")
-            result = {"ran": True}
-        except mc.errors.MeshcommError as err:
-            result = {"error": type(err).__name__, "message": str(err),
-                      "seconds": time.monotonic() - start}
+    if rank == 1:   # skips the all_gather: waits until rank 0 has given up on it
+        while not flag.exists() and time.monotonic() - start < RUN_TIMEOUT_S:
+            time.sleep(0.05)
+        return {"skipped": True}
+    try:
+        mc.collectives.all_gather(torch.ones(2), bound, "tp")
+        result = {"ran": True}
+    except mc.errors.MeshcommError as err:
+        result = {"error": type(err).__name__, "message": str(err),
+                  "seconds": time.monotonic() - start}
     flag.parent.joinpath(f"rank{rank}.json").write_text(json.dumps(result))
     return result
 

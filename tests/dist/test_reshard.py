@@ -11,7 +11,6 @@ BoundMesh with no process groups: they must fire before any communication.
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import re
@@ -22,7 +21,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 import meshcomm as mc
 from meshcomm.sharded import infer_shape
@@ -31,7 +29,8 @@ from meshcomm.executors.distributed.execute import ByteTrace, execute
 from meshcomm.core.errors import MeshMismatchError, ShapeError
 from meshcomm.executors.sim import execute as sim_execute
 from meshcomm.testing import random_layout
-from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import ints, run_scaled, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = "ijk"
@@ -81,12 +80,6 @@ def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...]
             continue
         out.append((mesh_spec, shape, src, dst, torch.float32))
     return out
-
-
-def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
-    """Integer-valued data, so every reduction order gives the same bits."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-9, 10, shape, generator=gen).to(dtype)
 
 
 # -- what every rank runs ----------------------------------------------------------------
@@ -197,13 +190,6 @@ def test_sharded_distribute_and_full_on_4_ranks(four: list[dict[str, Any]]) -> N
 def fake_bound(spec: str = "dp=2 tp=2", rank: int = 1) -> BoundMesh:
     """A BoundMesh with no process groups: any collective would fail, checks must not."""
     return BoundMesh(mc.Mesh(spec), "gloo", torch.device("cpu"), rank, {})
-
-
-def test_handlers_mirror_the_simulator() -> None:
-    # `meshcomm.executors.distributed.execute` the attribute is the function; the modules are in sys.modules.
-    dist_module = importlib.import_module("meshcomm.executors.distributed.execute")
-    sim_module = importlib.import_module("meshcomm.executors.sim.execute")
-    assert set(dist_module._RUN) == set(sim_module._RUN) | set(sim_module._SHAPED)
 
 
 def test_wrong_local_shape_fails_before_communication() -> None:

@@ -42,6 +42,7 @@ class BoundMesh:
     device: torch.device
     rank: int
     _names: dict[tuple[AxisName, ...], str] = field(repr=False)
+    check: bool = False   # check mode for calls on this mesh (docs/errors.md § Check mode)
 
     @property
     def in_mesh(self) -> bool:
@@ -128,11 +129,12 @@ def _close_world() -> None:
 
 
 def init_mesh(mesh: Mesh | str, *, backend: str | None = None,
-              timeout_s: float | None = None) -> BoundMesh:
+              timeout_s: float | None = None, check: bool | None = None) -> BoundMesh:
     """Bind `mesh` to process groups on every rank (call it on every rank of the world).
 
     Initializes the default group from the standard environment variables when
-    needed (backend nccl with CUDA, else gloo, unless `backend` says).
+    needed (backend nccl with CUDA, else gloo, unless `backend` says). `check` turns check
+    mode on for calls on this mesh (default: the environment's `MESHCOMM_CHECK`).
 
     >>> bound = init_mesh("dp=2 tp=2")          # doctest: +SKIP  (inside a 4-rank job)
     >>> bound.group_name("tp")                  # doctest: +SKIP
@@ -161,4 +163,12 @@ def init_mesh(mesh: Mesh | str, *, backend: str | None = None,
                 if rank in group:
                     names[subset] = pg.group_name
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    return BoundMesh(mesh, backend, device, rank, names)
+    return BoundMesh(mesh, backend, device, rank, names, check_default(check))
+
+
+def check_default(check: bool | None) -> bool:
+    """`check`, or the environment's MESHCOMM_CHECK when it is None."""
+    if check is not None:
+        return bool(check)
+    value = os.environ.get("MESHCOMM_CHECK", "").strip().lower()
+    return value not in ("", "0", "false", "no", "off")

@@ -1,25 +1,29 @@
 """Check mode: before a reshard or collective, the ranks of its group agree on what they call.
 
-Executor layer. Off by default. `MESHCOMM_CHECK=1` in the environment, or `mc.checks(True)`,
-turns it on: a deliberate process-wide switch rather than an argument, so that a whole
-program can be checked without touching its calls (turn it on on every rank, or the ranks
-that check wait for a collective the others never make). While it is on, `mc.reshard`,
-`mc.reshard_many`, `Sharded.reshard` and the group collectives (`mc.collectives.all_gather`,
-`mc.collectives.reduce_scatter`, `mc.collectives.all_reduce`, `mc.collectives.all_to_all`, `mc.collectives.collective_permute`,
-`mc.collectives.broadcast`) first compare a fingerprint of the call across their group: a 16-byte hash
-of the whole call (operation, mesh, layouts, shape, dtype, plan) and the start of its text,
-256 bytes in all. The hashes travel first (one all_reduce of 32 bytes); when they differ,
-the fingerprints are all-gathered and every rank raises the same `CollectiveMismatchError`,
-naming which ranks differ and how, instead of hanging or mixing up data. Point-to-point
-calls (`send`, `recv`, `sendrecv`) are not checked: only two members of the group take
-part. Under `torch.compile` nothing is checked (the traced program has no extra collective).
+Executor layer. Off by default; a choice of each mesh and each call, never a switch that
+code flips behind the caller:
+- per mesh: `mc.init_mesh(..., check=True)` (or `bind_device_mesh(..., check=True)`);
+  `check=None`, the default, takes the environment's `MESHCOMM_CHECK` (1/true/yes/on);
+- per call: `check=True` / `check=False` on `mc.reshard`, `mc.reshard_many`,
+  `Sharded.reshard` and every group collective overrides the mesh's choice.
+Every rank of a group must make the same choice (a rank that checks waits for a
+collective the others never make). When checked, `mc.reshard`, `mc.reshard_many` and the
+group collectives (`all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all`,
+`collective_permute`, `broadcast`) first compare a fingerprint of the call across their
+group: a 16-byte hash of the whole call (operation, mesh, layouts, shape, dtype, plan) and
+the start of its text, 256 bytes in all. The hashes travel first (one all_reduce of 32
+bytes); when they differ, the fingerprints are all-gathered and every rank raises the same
+`CollectiveMismatchError`, naming which ranks differ and how, instead of hanging or mixing
+up data. Point-to-point calls (`send`, `recv`, `sendrecv`) are not checked: only two
+members of the group take part. Under `torch.compile` nothing is checked (the traced
+program has no extra collective). `mc.checks()` (deprecated) still forces check mode on
+for the whole process.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 from collections.abc import Sequence
 from types import TracebackType
 from typing import NamedTuple, cast
@@ -31,7 +35,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from ...core.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
 from ...planner.values import Plan
-from .bind import BoundMesh
+from . import wire
+from .bind import BoundMesh, check_default
 from .execute import check_local
 
 FINGERPRINT_BYTES = 256
@@ -40,50 +45,52 @@ TEXT_BYTES = FINGERPRINT_BYTES - HASH_BYTES
 Fields = tuple[tuple[str, str], ...]   # (name, value) pairs, in the order they are shown
 
 
-def _from_env() -> bool:
-    return os.environ.get("MESHCOMM_CHECK", "").strip().lower() not in ("", "0", "false", "no",
-                                                                         "off")
-
-
-class Switch:
-    """The process-wide switch; callers read `SWITCH.on` before each call (one attribute
-    read when off)."""
+class _Forced:
+    """Set only by the deprecated `checks()`: check every call of this process."""
 
     __slots__ = ("on",)
 
-    def __init__(self, on: bool) -> None:
-        self.on = on
+    def __init__(self) -> None:
+        self.on = False
 
 
-SWITCH = Switch(_from_env())
+_FORCED = _Forced()
+
+
+def checking(mesh: object, check: bool | None) -> bool:
+    """Whether a call on `mesh` (a BoundMesh, or another group) with `check=` is checked:
+    the call's choice, else the mesh's (`init_mesh(check=...)`), else the environment's."""
+    if check is not None:
+        return bool(check)
+    if _FORCED.on:
+        return True
+    return mesh.check if isinstance(mesh, BoundMesh) else check_default(None)
 
 
 class CheckMode:
-    """What `checks(on)` returns: check mode is already set; leaving a `with` block restores
-    the state from before the call."""
+    """What the deprecated `checks(on)` returns: forced check mode is already set; leaving
+    a `with` block restores the state from before the call."""
 
     def __init__(self, on: bool) -> None:
-        self.before, self.on = SWITCH.on, bool(on)
-        SWITCH.on = self.on
+        self.before, self.on = _FORCED.on, bool(on)
+        _FORCED.on = self.on
 
     def __enter__(self) -> CheckMode:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
                  tb: TracebackType | None) -> None:
-        SWITCH.on = self.before
+        _FORCED.on = self.before
 
     def __repr__(self) -> str:
         return f"checks({self.on})"
 
 
 def checks(on: bool = True) -> CheckMode:
-    """Turn check mode on (or off) for this process; also a context manager that restores
-    the previous state on exit. Call it the same way on every rank.
+    """Deprecated: force check mode on (or off again) for every call of this process; also
+    a context manager that restores the previous state on exit.
 
-    >>> mc.checks(True)                              # doctest: +SKIP  (the rest of the run)
-    >>> with mc.checks():                            # doctest: +SKIP  (this block only)
-    ...     y = mc.reshard(x, bound, "(dp b) h", "b h")
+    Use `mc.init_mesh(..., check=True)` (one mesh) or `check=True` on a call instead.
     """
     return CheckMode(on)
 
@@ -193,10 +200,10 @@ def agree(group: str, ranks: Sequence[int], mine: Fingerprint, what: str) -> Non
     a rank instead of 256). Only then are the rows gathered, to say who asked for what."""
     name = cast(c10d.GroupName, group)
     try:
-        seen = _waited(funcol.all_reduce(mine.probe, "max", name))
+        seen = wire.waited(funcol.all_reduce(mine.probe, "max", name))
         if torch.equal(seen, mine.probe):
             return
-        got = _waited(funcol.all_gather_single(mine.row, 0, name))
+        got = wire.waited(funcol.all_gather_single(mine.row, 0, name))
     except RuntimeError as err:
         kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
         raise kind(f"{what}: check mode could not compare the call across the group"
@@ -205,10 +212,6 @@ def agree(group: str, ranks: Sequence[int], mine: Fingerprint, what: str) -> Non
                    " for a rank that failed earlier or skipped this call (its own error comes"
                    " first)") from err
     raise CollectiveMismatchError(mismatch_message(what, ranks, got.cpu().tolist()))
-
-
-def _waited(t: Tensor) -> Tensor:
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def mismatch_message(what: str, ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> str:

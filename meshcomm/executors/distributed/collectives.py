@@ -27,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
 from ...core.mesh import AxisName, Mesh
 from ...core.reduce_ops import REDUCE_OPS, chunk_sizes, op_reduce
+from . import wire
 from .bind import BoundMesh
-from .checks import SWITCH as CHECKS
-from .checks import agree_collective
+from .checks import agree_collective, checking
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute", "recv",
            "reduce_scatter", "send", "sendrecv"]
@@ -256,13 +256,6 @@ def _reorder(t: Tensor, dim: int, sizes: Sequence[int], perm: Sequence[int]) -> 
     return torch.cat([t.narrow(dim, starts[p], sizes[p]) for p in perm], dim)
 
 
-def _a2a(rows: Tensor, out_splits: Sequence[int], in_splits: Sequence[int], g: _Group) -> Tensor:
-    """all_to_all_single over `g` with splits (rows of dim 0) in process-group order."""
-    out: Tensor = funcol.all_to_all_single(rows.contiguous(), list(out_splits), list(in_splits),
-                                           g.name)
-    return out
-
-
 def _check(fn: str, g: _Group, x: Tensor, *args: tuple[str, object]) -> None:
     """Check mode: the members agree on this call (and on `args`) before it runs."""
     if not torch.compiler.is_compiling():
@@ -273,7 +266,7 @@ def _check(fn: str, g: _Group, x: Tensor, *args: tuple[str, object]) -> None:
 # ---- collectives -------------------------------------------------------------------------------
 
 def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int = 0,
-               sizes: Sequence[int] | None = None) -> Tensor:
+               sizes: Sequence[int] | None = None, check: bool | None = None) -> Tensor:
     """Every member's `x` concatenated along `dim` in group order.
 
     >>> y = mc.collectives.all_gather(x, bound, "tp", dim=0)     # doctest: +SKIP  (x: (2, 3) -> y: (8, 3))
@@ -292,7 +285,7 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
         if sizes[g.pos] != n:
             raise ShapeError(f"{fn} {_where(g)}: sizes={list(sizes)} says position {g.pos} (this"
                              f" rank) has {sizes[g.pos]} along dim {d}, but x has {n}")
-    if CHECKS.on:
+    if checking(mesh, check):
         shape = tuple(x.shape) if sizes is None else (*x.shape[:d], "*", *x.shape[d + 1:])
         _check(fn, g, x, ("dim", d), ("shape", shape), ("sizes", sizes))
     if sizes is None or len(set(sizes)) == 1:
@@ -300,12 +293,13 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
         return _reorder(out, d, [n] * g.size, g.order)
     rows = x.movedim(d, 0)
     out_pg = [sizes[p] for p in g.inv]
-    out = _a2a(torch.cat([rows] * g.size), out_pg, [n] * g.size, g)
+    out = wire.all_to_all(torch.cat([rows] * g.size), g.name, out_pg, [n] * g.size, wait=False)
     return _reorder(out, 0, out_pg, g.order).movedim(0, d)
 
 
 def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int = 0,
-                   op: str = "sum", splits: Sequence[int] | None = None) -> Tensor:
+                   op: str = "sum", splits: Sequence[int] | None = None,
+                   check: bool | None = None) -> Tensor:
     """Chunk p (along `dim`) of the reduction of every member's `x`, at group position p.
 
     >>> y = mc.collectives.reduce_scatter(x, bound, "tp", dim=0, op="sum")  # doctest: +SKIP  (8 -> 2 rows)
@@ -324,7 +318,7 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
     chunks = (chunk_sizes(n, g.size) if splits is None
               else _sizes(fn, g, "splits", splits, n, f"dim {d} of x"))
     wire_op = "sum" if op == "avg" else op
-    if CHECKS.on:
+    if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("dim", d), ("op", op), ("splits", splits))
     if len(set(chunks)) == 1:
         moved = _reorder(x, d, chunks, g.inv)
@@ -332,12 +326,13 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
         return out / g.size if op == "avg" else out
     rows = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
     own = chunks[g.pos]
-    got = _a2a(rows, [own] * g.size, [chunks[p] for p in g.inv], g)
+    got = wire.all_to_all(rows, g.name, [own] * g.size, [chunks[p] for p in g.inv], wait=False)
     blocks = torch.split(got, own) if own else [got] * g.size
     return op_reduce([blocks[q] for q in g.order], op).movedim(0, d)
 
 
-def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str = "sum") -> Tensor:
+def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str = "sum",
+               check: bool | None = None) -> Tensor:
     """The reduction (`op`: sum, avg, max, min) of every member's `x`, on every member.
 
     >>> y = mc.collectives.all_reduce(x, bound, ("dp", "tp"), op="sum")   # doctest: +SKIP
@@ -350,7 +345,7 @@ def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str 
     x = _tensor(fn, x)
     g = _group(fn, mesh, axes)
     op = _op(fn, g, op, x.dtype)
-    if CHECKS.on:
+    if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("op", op))
     out: Tensor = funcol.all_reduce(x, "sum" if op == "avg" else op, g.name)
     return out / g.size if op == "avg" else out
@@ -358,7 +353,8 @@ def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str 
 
 def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_dim: int = 0,
                concat_dim: int = 0, input_splits: Sequence[int] | None = None,
-               output_splits: Sequence[int] | None = None) -> Tensor:
+               output_splits: Sequence[int] | None = None,
+               check: bool | None = None) -> Tensor:
     """Block p of `x` along `split_dim` goes to position p; the blocks received are joined
     along `concat_dim` in group order.
 
@@ -397,12 +393,12 @@ def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_di
             raise ShapeError(f"{fn} {_where(g)}: output_splits={list(outs)} differ, so the"
                              f" received blocks differ along split_dim={split} and cannot be"
                              f" joined along concat_dim={concat}; fix: concat_dim={split}")
-    if CHECKS.on:
+    if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape) if input_splits is None else "uneven"),
                ("split_dim", split), ("concat_dim", concat))
     rows = _reorder(x.movedim(split, 0), 0, ins, g.inv)
     outs_pg = [outs[p] for p in g.inv]
-    got = _a2a(rows, outs_pg, [ins[p] for p in g.inv], g)
+    got = wire.all_to_all(rows, g.name, outs_pg, [ins[p] for p in g.inv], wait=False)
     if concat == split:
         return _reorder(got, 0, outs_pg, g.order).movedim(0, split)
     blocks = torch.split(got, outs_pg[0]) if outs_pg[0] else [got] * g.size
@@ -432,7 +428,7 @@ def _permute_pairs(fn: str, g: _Group, pairs: object, shift: object
 
 def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
                        pairs: Sequence[tuple[int, int]] | None = None,
-                       shift: int | None = None) -> Tensor:
+                       shift: int | None = None, check: bool | None = None) -> Tensor:
     """The `x` of the position that sends here, per (src, dst) in `pairs`, or zeros.
 
     >>> y = mc.collectives.collective_permute(x, bound, "pp", shift=1)   # doctest: +SKIP  (p gets p-1's)
@@ -445,7 +441,7 @@ def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
     x = _tensor(fn, x)
     g = _group(fn, mesh, axes)
     plan = _permute_pairs(fn, g, pairs, shift)
-    if CHECKS.on:
+    if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("pairs", plan))
     to = tuple(sorted(d for s, d in plan if s == g.pos))
     frm = tuple(s for s, d in plan if d == g.pos)
@@ -465,7 +461,8 @@ def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> T
     frm_pg = sorted([g.order[p] for p in frm])
     ins = [n if q in to_pg else 0 for q in range(g.size)]
     outs = [n if q in frm_pg else 0 for q in range(g.size)]
-    got = _a2a(torch.cat([flat] * len(to)) if to else flat[:0], outs, ins, g)
+    got = wire.all_to_all(torch.cat([flat] * len(to)) if to else flat[:0], g.name, outs, ins,
+                          wait=False)
     if len(frm) <= 1 or n == 0:
         return torch.cat([got, flat.new_zeros(n - got.numel())]).view(x.shape)
     blocks = dict(zip(frm_pg, torch.split(got, n)))
@@ -503,7 +500,8 @@ class _Broadcast(torch.autograd.Function):
         return _route(grad, g, (src,), tuple(range(g.size)) if g.pos == src else ()), None, None
 
 
-def broadcast(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int = 0) -> Tensor:
+def broadcast(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int = 0,
+              check: bool | None = None) -> Tensor:
     """A copy of the `x` of group position `src`, on every member.
 
     >>> y = mc.collectives.broadcast(x, bound, "tp", src=0)   # doctest: +SKIP
@@ -515,7 +513,7 @@ def broadcast(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int 
     x = _tensor(fn, x)
     g = _group(fn, mesh, axes)
     src = _position(fn, g, "src", src)
-    if CHECKS.on:
+    if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("src", src))
     if torch.is_grad_enabled() and x.requires_grad:
         return cast(Tensor, _Broadcast.apply(x, g, src))  # type: ignore[no-untyped-call]

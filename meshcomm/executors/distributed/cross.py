@@ -20,6 +20,7 @@ from torch import Tensor
 from ...core.errors import MeshMismatchError, ShapeError
 from ...planner.values import Plan, Step
 from ..local import pack, recv_splits, unpack
+from . import wire
 from .bind import BoundMesh
 from .execute import _RUN, ByteTrace, _Run
 
@@ -101,9 +102,9 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
     wanted = recv_splits(step.transfers, ranks, rank)
     out = flat.new_empty(sum(wanted))
     sends, recvs = flat.split(send_splits), out.split(wanted)
-    ops = [dist.P2POp(dist.isend, _wire(sends[j]), peer)
+    ops = [dist.P2POp(dist.isend, wire.as_real(sends[j]), peer)
            for j, peer in enumerate(ranks) if j != me and send_splits[j]]
-    ops += [dist.P2POp(dist.irecv, _wire(recvs[j]), peer)
+    ops += [dist.P2POp(dist.irecv, wire.as_real(recvs[j]), peer)
             for j, peer in enumerate(ranks) if j != me and wanted[j]]
     works = dist.batch_isend_irecv(ops) if ops else []
     recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
@@ -117,8 +118,3 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
         return None
     return unpack(step.transfers, ranks, rank, out,
                       step.after.local_shape(dst.mesh, plan.shape, rank), step.op)
-
-
-def _wire(x: Tensor) -> Tensor:
-    """`x` as the backend sends it: complex tensors as real pairs (a view, no copy)."""
-    return torch.view_as_real(x) if x.is_complex() else x

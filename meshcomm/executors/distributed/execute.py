@@ -33,6 +33,8 @@ from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
 from ..local import local_move, pack, recv_splits, unpack
+from ..steps import Wire
+from . import wire
 from .bind import BoundMesh
 
 
@@ -92,9 +94,10 @@ class _Run(NamedTuple):
         """Global ranks of the step's group, in group order."""
         return group_of(self.bound.mesh, self.bound.rank, step.axes)[0]
 
-    def record(self, step: Step, send_elems: int, recv_elems: int, itemsize: int) -> None:
+    def record(self, step: Step, call: Wire, itemsize: int) -> None:
+        """Record one collective call, measured from the buffers it was handed."""
         if self.trace is not None:
-            self.trace.add(step.kind, step.axes, send_elems * itemsize, recv_elems * itemsize)
+            self.trace.add(step.kind, step.axes, call.sent * itemsize, call.received * itemsize)
 
 
 def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
@@ -110,7 +113,7 @@ def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
         raise MeshMismatchError(
             f"plan goes from {plan.mesh!r} to dst_mesh={plan.dst_mesh!r}, so it runs on the ranks"
             " of both meshes; fix: mc.reshard(x, mesh, src, dst, dst_mesh=bound_dst), which"
-            " runs it with meshcomm.dist.cross.execute_cross")
+            " runs it with meshcomm.executors.distributed.cross.execute_cross")
     if not bound.in_mesh:
         raise MeshMismatchError(f"rank {bound.rank} is not in {bound.mesh!r}; only its ranks"
                                 f" {list(bound.mesh.ranks)} run its plans. fix: execute it on"
@@ -170,6 +173,8 @@ def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: BoundMesh,
 
 
 # -- handlers: (step, this rank's tensor, run) -> this rank's next tensor ---------------
+# Each follows `step.wire` (decided by the planner) and records the buffers it hands to
+# the collective (`Wire`): the trace is measured, never recomputed from the plan.
 def _local(step: Step, x: Tensor, run: _Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
     members, pos = group_of(mesh, rank, step.axes)
@@ -178,11 +183,12 @@ def _local(step: Step, x: Tensor, run: _Run) -> Tensor:
 
 
 def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
-    if step.dim is not None:
+    if step.wire == "all_to_all":
         return _all_gather_v(step, x, run)
-    name, g, _ = run.group(step)
-    y = _wire(funcol.all_gather_single, _as_wire(x.unsqueeze(0).contiguous()), 0, name)
-    run.record(step, (g - 1) * x.numel(), (g - 1) * x.numel(), x.element_size())
+    name, g, pos = run.group(step)
+    buf = x.unsqueeze(0).contiguous()
+    y = wire.call(funcol.all_gather_single, buf, 0, name)
+    run.record(step, Wire("all_gather", g, pos, buf.numel(), y.numel()), x.element_size())
     return step.post.apply(y) if step.post else y
 
 
@@ -193,62 +199,53 @@ def _all_gather_v(step: Step, x: Tensor, run: _Run) -> Tensor:
     assert d is not None, f"an uneven all_gather names its dim: {step}"
     sizes = [step.before.local_shape(mesh, run.shape, r)[d] for r in run.members(step)]
     block = x.movedim(d, 0).contiguous()
-    y = _a2a(block.repeat((g,) + (1,) * (block.dim() - 1)), name, out_splits=sizes,
-             in_splits=[sizes[pos]] * g)
-    row = math.prod(block.shape[1:])
-    run.record(step, (g - 1) * x.numel(), (sum(sizes) - sizes[pos]) * row, x.element_size())
-    return y.movedim(0, d)
+    buf = block.repeat((g,) + (1,) * (block.dim() - 1))
+    return _a2a(step, run, buf, sizes, [sizes[pos]] * g).movedim(0, d)
 
 
 def _reduce_scatter(step: Step, x: Tensor, run: _Run) -> Tensor:
-    if step.dim is not None:
+    if step.wire == "all_to_all":
         return _reduce_scatter_v(step, x, run)
-    name, g, _ = run.group(step)
-    y = step.pre.apply(x) if step.pre else x
+    name, g, pos = run.group(step)
+    y = (step.pre.apply(x) if step.pre else x).contiguous()
     op = step.op or "sum"
-    out = _wire(funcol.reduce_scatter_single, _as_wire(y.contiguous()), _wire_op(op), 0, name)
-    out = out.squeeze(0)
-    run.record(step, y.numel() - out.numel(), (g - 1) * out.numel(), x.element_size())
+    out = wire.call(funcol.reduce_scatter_single, y, _wire_op(op), 0, name).squeeze(0)
+    run.record(step, Wire("reduce_scatter", g, pos, y.numel(), out.numel()), x.element_size())
     return out / g if op == "avg" else out
 
 
 def _reduce_scatter_v(step: Step, x: Tensor, run: _Run) -> Tensor:
     """torch.chunk-sized chunks along `step.dim`: an all_to_all, then the reduction in group
     order (`op_reduce`, as the simulator), so the result is bit-identical to it."""
-    name, g, pos = run.group(step)
+    _, g, pos = run.group(step)
     d = step.dim
     assert d is not None, f"an uneven reduce_scatter names its dim: {step}"
     sizes = list(chunk_sizes(x.shape[d], g))
-    y = _a2a(x.movedim(d, 0).contiguous(), name, out_splits=[sizes[pos]] * g, in_splits=sizes)
+    y = _a2a(step, run, x.movedim(d, 0).contiguous(), [sizes[pos]] * g, sizes)
     c = sizes[pos]
     out = op_reduce([y.narrow(0, j * c, c) for j in range(g)], step.op or "sum")
-    out = out.movedim(0, d)
-    run.record(step, x.numel() - out.numel(), (g - 1) * out.numel(), x.element_size())
-    return out
+    return out.movedim(0, d)
 
 
 def _all_reduce(step: Step, x: Tensor, run: _Run) -> Tensor:
     name, g, pos = run.group(step)
     op = step.op or "sum"
-    out = _wire(funcol.all_reduce, _as_wire(x.contiguous()), _wire_op(op), name)
-    own = chunk_sizes(x.numel(), g)[pos]
-    moved = (x.numel() - own) + (g - 1) * own
-    run.record(step, moved, moved, x.element_size())
+    buf = x.contiguous()
+    out = wire.call(funcol.all_reduce, buf, _wire_op(op), name)
+    run.record(step, Wire("all_reduce", g, pos, buf.numel(), out.numel()), x.element_size())
     return out / g if op == "avg" else out
 
 
 def _all_to_all(step: Step, x: Tensor, run: _Run) -> Tensor:
-    name, g, _ = run.group(step)
-    y = step.pre.apply(x) if step.pre else x
-    out = _a2a(y.contiguous(), name)
-    run.record(step, y.numel() - y.numel() // g, y.numel() - y.numel() // g, x.element_size())
+    y = (step.pre.apply(x) if step.pre else x).contiguous()
+    out = _a2a(step, run, y)
     return step.post.apply(out) if step.post else out
 
 
 def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
     """Pairs as one all_to_all: a position sends its whole tensor to each of its destinations;
     one that receives nothing gets zeros, as in the simulator."""
-    name, g, pos = run.group(step)
+    _, g, pos = run.group(step)
     members = run.members(step)
     dests = [dst for src, dst in step.pairs if src == pos]
     source = next((src for src, dst in step.pairs if dst == pos), None)
@@ -259,22 +256,30 @@ def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
     in_splits = [x.numel() if j in dests else 0 for j in range(g)]
     got = math.prod(out_shape)
     out_splits = [got if j == source else 0 for j in range(g)]
-    y = _a2a(send.contiguous(), name, out_splits=out_splits, in_splits=in_splits)
-    run.record(step, sum(x.numel() for j in dests if j != pos),
-              got if source not in (None, pos) else 0, x.element_size())
+    y = _a2a(step, run, send.contiguous(), out_splits, in_splits)
     return torch.zeros_like(x) if source is None else y.reshape(out_shape)
 
 
 def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
     transfers = step_transfers(step, mesh, run.shape, rank)
-    name, _, me = run.group(step)
     members = run.members(step)
     flat, splits = pack(transfers, members, rank, x)
     wanted = recv_splits(transfers, members, rank)
-    y = _a2a(flat.contiguous(), name, out_splits=wanted, in_splits=splits)
-    run.record(step, sum(splits) - splits[me], sum(wanted) - wanted[me], x.element_size())
+    y = _a2a(step, run, flat.contiguous(), wanted, splits)
     return unpack(transfers, members, rank, y, step.after.local_shape(mesh, run.shape, rank))
+
+
+def _a2a(step: Step, run: _Run, rows: Tensor, out_splits: list[int] | None = None,
+         in_splits: list[int] | None = None) -> Tensor:
+    """all_to_all_single of `rows` along dim 0 over the step's group, recorded as measured."""
+    name, g, pos = run.group(step)
+    y = wire.all_to_all(rows, name, out_splits, in_splits)
+    row = math.prod(rows.shape[1:])
+    run.record(step, Wire("all_to_all", g, pos, rows.numel(), y.numel(),
+                          tuple(s * row for s in in_splits or ()),
+                          tuple(s * row for s in out_splits or ())), rows.element_size())
+    return y
 
 
 _RUN: dict[str, Callable[[Step, Tensor, _Run], Tensor]] = {
@@ -288,30 +293,9 @@ _RUN: dict[str, Callable[[Step, Tensor, _Run], Tensor]] = {
 }
 
 
-# -- the wire: funcol calls, complex tensors as real pairs ------------------------------
 def _wire_op(op: str) -> str:
     """The backend's op: avg runs as sum, then a division by the group size (as `op_reduce`)."""
     return "sum" if op == "avg" else op
-
-
-def _as_wire(x: Tensor) -> tuple[Tensor, bool]:
-    return (torch.view_as_real(x), True) if x.is_complex() else (x, False)
-
-
-def _wire(fn: Callable[..., Tensor], xc: tuple[Tensor, bool], *args: object) -> Tensor:
-    """`fn(x, *args)`, waited on: the local rearranges that follow need the data anyway,
-    and plain tensors skip the async wrapper's per-op dispatch (as DTensor's default)."""
-    x, was_complex = xc
-    y = fn(x, *args)
-    # Eager calls return an AsyncCollectiveTensor; traced ones are already waited on.
-    y = y.wait() if isinstance(y, funcol.AsyncCollectiveTensor) else y
-    return torch.view_as_complex(y) if was_complex else y
-
-
-def _a2a(x: Tensor, name: str, *, out_splits: list[int] | None = None,
-         in_splits: list[int] | None = None) -> Tensor:
-    """all_to_all_single along dim 0 (complex tensors travel as real pairs)."""
-    return _wire(funcol.all_to_all_single, _as_wire(x), out_splits, in_splits, name)
 
 
 # -- many plans at once: one collective per bucket of plans with the same shape ---------
@@ -338,7 +322,7 @@ def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
             steps = [jobs[i][2].steps[k] for i in bucket]
             xs = [outs[i] for i in bucket]
             try:
-                if len(bucket) > 1 and step.kind in _BUCKETED and step.dim is None:
+                if len(bucket) > 1 and step.kind in _BUCKETED and step.wire == step.kind:
                     ys = _RUN_MANY[step.kind](steps, xs, runs[0])
                 else:
                     ys = [_RUN[s.kind](s, x, run) for s, x, run in zip(steps, xs, runs)]
@@ -350,11 +334,15 @@ def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
     return outs
 
 
+def step_shape(plan: Plan) -> tuple[tuple[object, ...], ...]:
+    """Per step its kind, axes, op, local action and wire: what plans of one bucket share
+    besides mesh and dtype (not the tensor sizes)."""
+    return tuple((s.kind, s.axes, s.op, s.action, s.wire) for s in plan.steps)
+
+
 def signature(plan: Plan, bound: BoundMesh) -> tuple[object, ...]:
-    """What plans must share to run in one bucket: mesh, dtype, and per step its kind,
-    axes, op and evenness (not the tensor sizes)."""
-    return (id(bound), plan.dtype,
-            tuple((s.kind, s.axes, s.op, s.action, s.dim is None) for s in plan.steps))
+    """What plans must share to run in one bucket: mesh, dtype and `step_shape`."""
+    return (id(bound), plan.dtype, step_shape(plan))
 
 
 def _buckets(jobs: list[Job], bucket_bytes: int) -> list[list[int]]:
@@ -388,22 +376,23 @@ def _unrows(buf: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
 
 
 def _all_gather_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
-    name, g, _ = run.group(steps[0])
+    name, g, pos = run.group(steps[0])
     flat = _rows(xs, 1)
-    y = _wire(funcol.all_gather_single, _as_wire(flat), 0, name)
-    run.record(steps[0], (g - 1) * flat.numel(), (g - 1) * flat.numel(), flat.element_size())
+    y = wire.call(funcol.all_gather_single, flat, 0, name)
+    run.record(steps[0], Wire("all_gather", g, pos, flat.numel(), y.numel()), flat.element_size())
     parts = _unrows(y, [(g, *x.shape) for x in xs])
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
 
 
 def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
-    name, g, _ = run.group(steps[0])
+    name, g, pos = run.group(steps[0])
     ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
     assert all(y.shape[0] == g for y in ys), f"even reduce_scatter inputs lead with {g}"
     op = steps[0].op or "sum"
     buf = _rows(ys, g)
-    out = _wire(funcol.reduce_scatter_single, _as_wire(buf), _wire_op(op), 0, name)
-    run.record(steps[0], buf.numel() - out.numel(), (g - 1) * out.numel(), buf.element_size())
+    out = wire.call(funcol.reduce_scatter_single, buf, _wire_op(op), 0, name)
+    run.record(steps[0], Wire("reduce_scatter", g, pos, buf.numel(), out.numel()),
+               buf.element_size())
     rows = _unrows(out, [(1, *y.shape[1:]) for y in ys])
     parts = [p.reshape(y.shape[1:]) for p, y in zip(rows, ys)]
     return [p / g for p in parts] if op == "avg" else parts
@@ -413,21 +402,16 @@ def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Ten
     name, g, pos = run.group(steps[0])
     op = steps[0].op or "sum"
     flat = _rows(xs, 1)
-    out = _wire(funcol.all_reduce, _as_wire(flat), _wire_op(op), name)
-    own = chunk_sizes(flat.numel(), g)[pos]
-    moved = (flat.numel() - own) + (g - 1) * own
-    run.record(steps[0], moved, moved, flat.element_size())
+    out = wire.call(funcol.all_reduce, flat, _wire_op(op), name)
+    run.record(steps[0], Wire("all_reduce", g, pos, flat.numel(), out.numel()),
+               flat.element_size())
     parts = [p.reshape(x.shape) for p, x in zip(_unrows(out, [(1, *x.shape) for x in xs]), xs)]
     return [p / g for p in parts] if op == "avg" else parts
 
 
 def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
-    name, g, _ = run.group(steps[0])
     ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
-    buf = _rows(ys, g)
-    out = _a2a(buf, name)
-    run.record(steps[0], buf.numel() - buf.numel() // g, buf.numel() - buf.numel() // g,
-              buf.element_size())
+    out = _a2a(steps[0], run, _rows(ys, run.group(steps[0])[1]))
     parts = _unrows(out, [tuple(y.shape) for y in ys])
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
 

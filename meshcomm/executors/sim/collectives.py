@@ -20,6 +20,7 @@ from ...core.reduce_ops import check_op as _check_op
 from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.values import Transfer
 from ..local import take
+from ..steps import Wire
 
 Groups = Sequence[Sequence[int]]
 Splits = Sequence[int] | Sequence[Sequence[int]]
@@ -169,7 +170,8 @@ def all_gather(xs: Sequence[Tensor], groups: Groups, dim: int = 0) -> SimResult:
     for group, d in zip(groups, dims):
         cat = torch.cat([xs[r] for r in group], dim=d)
         sizes = [_nbytes(xs[r]) for r in group]
-        rows.append([(cat.clone(), (len(group) - 1) * s, sum(sizes) - s) for s in sizes])
+        calls = [Wire("all_gather", len(group), p, s, sum(sizes)) for p, s in enumerate(sizes)]
+        rows.append([(cat.clone(), w.sent, w.received) for w in calls])
     return _result(xs, groups, rows)
 
 
@@ -200,7 +202,8 @@ def reduce_scatter(xs: Sequence[Tensor], groups: Groups, dim: int = 0, op: str =
         total, grows = _nbytes(xs[group[0]]), []
         for start, size in zip(accumulate(sizes, initial=0), sizes):
             out = op_reduce([xs[m].narrow(d, start, size) for m in group], op)
-            grows.append((out, total - _nbytes(out), (len(group) - 1) * _nbytes(out)))
+            w = Wire("reduce_scatter", len(group), len(grows), total, _nbytes(out))
+            grows.append((out, w.sent, w.received))
         rows.append(grows)
     return _result(xs, groups, rows)
 
@@ -224,9 +227,9 @@ def all_reduce(xs: Sequence[Tensor], groups: Groups, op: str = "sum") -> SimResu
     for group in groups:
         x, g = xs[group[0]], len(group)
         out = op_reduce([xs[r] for r in group], op)
-        own = [c * x.element_size() for c in chunk_sizes(x.numel(), g)]
-        moved = [(_nbytes(x) - c) + (g - 1) * c for c in own]
-        rows.append([(out.clone(), m, m) for m in moved])
+        calls = [Wire("all_reduce", g, p, x.numel(), x.numel()) for p in range(g)]
+        rows.append([(out.clone(), w.sent * x.element_size(), w.received * x.element_size())
+                     for w in calls])
     return _result(xs, groups, rows)
 
 
@@ -302,9 +305,11 @@ def all_to_all(xs: Sequence[Tensor], groups: Groups, split_dim: int = 0, concat_
         blocks = [[xs[src].narrow(split, at, s) for at, s in zip(accumulate(row, initial=0), row)]
                   for src, row in zip(group, sizes)]
         moved = [[_nbytes(b) for b in row] for row in blocks]
-        rows.append([(torch.cat([row[j] for row in blocks], dim=concat),
-                      sum(moved[j]) - moved[j][j], sum(row[j] for row in moved) - moved[j][j])
-                     for j in range(len(group))])
+        calls = [Wire("all_to_all", len(group), j, sum(moved[j]), sum(row[j] for row in moved),
+                      tuple(moved[j]), tuple(row[j] for row in moved))
+                 for j in range(len(group))]
+        rows.append([(torch.cat([row[j] for row in blocks], dim=concat), w.sent, w.received)
+                     for j, w in enumerate(calls)])
     return _result(xs, groups, rows)
 
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ...core.errors import MeshMismatchError, ShapeError
 from ...core.mesh import Mesh
+from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
 from ..local import local_move, pack, unpack
@@ -60,9 +61,7 @@ def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> 
 
 def run_step(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
     """One step on every rank of `mesh` (tensors in mesh order)."""
-    if step.kind in _SHAPED:
-        return _SHAPED[step.kind](step, mesh, xs, shape)
-    return _RUN[step.kind](step, mesh, xs)
+    return _RUN[step.kind](step, mesh, xs, shape)
 
 
 def _groups(mesh: Mesh, step: Step) -> tuple[tuple[int, ...], ...]:
@@ -76,61 +75,82 @@ def _size(mesh: Mesh, step: Step) -> int:
     return size
 
 
+def _positions(mesh: Mesh, step: Step) -> list[int]:
+    """Each rank's position in its group over the step's axes (mesh order)."""
+    return [mesh.group_index(r, *step.axes)[1] for r in mesh.ranks]
+
+
 def _map(step: Step, xs: list[Tensor], fn: Callable[[Tensor], Tensor] | None) -> list[Tensor]:
     return xs if fn is None else [fn(x) for x in xs]
 
 
+# -- handlers: (step, mesh, every rank's tensor, global shape) -> SimResult -------------
+# Each follows `step.wire` and hands the simulated collective the same buffers the
+# torch.distributed executor hands the real one; the bytes are the collective's own.
 def _local(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
-    outs = []
     g = _size(mesh, step)
-    for rank, x in zip(mesh.ranks, xs):
-        pos = mesh.group_index(rank, *step.axes)[1]
-        outs.append(local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank,
-                               mesh, shape))
+    outs = [local_move(step, x, pos, g, step.after.local_shape(mesh, shape, rank), rank, mesh,
+                       shape) for rank, pos, x in zip(mesh.ranks, _positions(mesh, step), xs)]
     return SimResult.noop(outs)
 
 
-def _all_gather(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
-    if step.dim is not None:
-        return coll.all_gather(xs, _groups(mesh, step), dim=step.dim)
+def _all_gather(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    if step.wire == "all_to_all":    # uneven blocks: each sent to every member
+        d, g = step.dim, _size(mesh, step)
+        assert d is not None, f"an uneven all_gather names its dim: {step}"
+        bufs = [x.movedim(d, 0).contiguous() for x in xs]
+        bufs = [b.repeat((g,) + (1,) * (b.dim() - 1)) for b in bufs]
+        res = coll.all_to_all(bufs, _groups(mesh, step),
+                              input_splits=[[x.shape[d]] * g for x in xs])
+        return _with(res, [y.movedim(0, d) for y in res.outputs])
     res = coll.all_gather([x.unsqueeze(0) for x in xs], _groups(mesh, step), dim=0)
     return _with(res, _map(step, list(res.outputs), step.post.apply if step.post else None))
 
 
-def _reduce_scatter(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+def _reduce_scatter(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]
+                    ) -> SimResult:
     op = step.op or "sum"
-    if step.dim is not None:
-        return coll.reduce_scatter(xs, _groups(mesh, step), dim=step.dim, op=op)
+    if step.wire == "all_to_all":    # torch.chunk chunks, reduced in group order
+        d, g = step.dim, _size(mesh, step)
+        assert d is not None, f"an uneven reduce_scatter names its dim: {step}"
+        splits = [list(chunk_sizes(x.shape[d], g)) for x in xs]
+        res = coll.all_to_all([x.movedim(d, 0).contiguous() for x in xs], _groups(mesh, step),
+                              input_splits=splits)
+        outs = []
+        for y, pos, own in zip(res.outputs, _positions(mesh, step), splits):
+            c = own[pos]
+            outs.append(op_reduce([y.narrow(0, j * c, c) for j in range(g)], op).movedim(0, d))
+        return _with(res, outs)
     ys = _map(step, xs, step.pre.apply if step.pre else None)
     res = coll.reduce_scatter(ys, _groups(mesh, step), dim=0, op=op)
     return _with(res, [y.squeeze(0) for y in res.outputs])
 
 
-def _all_reduce(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+def _all_reduce(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
     return coll.all_reduce(xs, _groups(mesh, step), op=step.op or "sum")
 
 
-def _all_to_all(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
+def _all_to_all(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
     ys = _map(step, xs, step.pre.apply if step.pre else None)
     res = coll.all_to_all(ys, _groups(mesh, step), split_dim=0, concat_dim=0)
     return _with(res, _map(step, list(res.outputs), step.post.apply if step.post else None))
 
 
-def _permute(step: Step, mesh: Mesh, xs: list[Tensor]) -> SimResult:
-    return coll.collective_permute(xs, _groups(mesh, step), pairs=step.pairs)
-
-
-def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
-    return SimResult(tuple(outputs), res.send_bytes, res.recv_bytes)
-
-
-_RUN: dict[str, Callable[[Step, Mesh, list[Tensor]], SimResult]] = {
-    "all_gather": _all_gather,
-    "reduce_scatter": _reduce_scatter,
-    "all_reduce": _all_reduce,
-    "all_to_all": _all_to_all,
-    "collective_permute": _permute,
-}
+def _permute(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    """Pairs as one all_to_all: a position sends its whole tensor to each destination; one
+    that receives nothing gets zeros."""
+    g, groups = _size(mesh, step), _groups(mesh, step)
+    sends, splits, sources = [], [], []
+    for x, pos in zip(xs, _positions(mesh, step)):
+        dests = [dst for src, dst in step.pairs if src == pos]
+        sends.append(x.reshape(-1).repeat(len(dests)))
+        splits.append([x.numel() if j in dests else 0 for j in range(g)])
+        sources.append(next((src for src, dst in step.pairs if dst == pos), None))
+    res = coll.all_to_all(sends, groups, input_splits=splits)
+    member = {i: group for group in groups for i in group}
+    outs = [torch.zeros_like(x) if src is None else y.reshape(xs[member[i][src]].shape)
+            for i, (x, y, src) in enumerate(zip(xs, res.outputs, sources))]
+    return _with(res, outs)
 
 
 def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
@@ -143,8 +163,17 @@ def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...])
     return _with(res, outs)
 
 
-_SHAPED: dict[str, Callable[[Step, Mesh, list[Tensor], tuple[int, ...]], SimResult]] = {
+def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
+    return SimResult(tuple(outputs), res.send_bytes, res.recv_bytes)
+
+
+_RUN: dict[str, Callable[[Step, Mesh, list[Tensor], tuple[int, ...]], SimResult]] = {
     "local": _local,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
+    "collective_permute": _permute,
     "send_recv": _send_recv,
 }
 

@@ -1,0 +1,81 @@
+"""Traffic: the bytes each rank of a mesh sends and receives in one planned collective.
+
+The planner's one place for these formulas (per-rank element counts, in mesh order). The
+executors never recompute them: they measure the buffers they hand to each collective
+(`meshcomm.executors.steps.Wire`), and the tests compare the two. Where ranks differ
+(uneven shards) the arithmetic runs on tensors of the mesh's shape, so it costs O(ranks)
+in C, not in Python.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..core.mesh import AxisName, Mesh
+from .blocks import group_positions
+
+
+def group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
+    return math.prod(mesh.axis_size(a) for a in axes)
+
+
+# Per-rank values are tuples in mesh order; where ranks differ (uneven shards) the
+# arithmetic runs on tensors of the mesh's shape, so it costs O(ranks) in C, not Python.
+def uniform(sizes: tuple[int, ...]) -> bool:
+    return sizes.count(sizes[0]) == len(sizes)
+
+
+def on_mesh(mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.long).reshape(mesh.shape)
+
+
+def axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
+    return tuple(mesh.axis_names.index(a) for a in axes)
+
+
+def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                    sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = group_size(mesh, axes)
+    if uniform(sizes):
+        return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
+    mine = on_mesh(mesh, sizes)
+    total = mine.sum(axis_dims(mesh, axes), keepdim=True)
+    return (tuple(((g - 1) * mine).reshape(-1).tolist()),
+            tuple((total - mine).reshape(-1).tolist()))
+
+
+def scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
+                     outs: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = group_size(mesh, axes)
+    send = tuple(i - o for i, o in zip(ins, outs))
+    recv = tuple((g - 1) * o for o in outs)
+    return send, recv
+
+
+def all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                        sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    g = group_size(mesh, axes)
+    if uniform(sizes) and sizes[0] % g == 0:
+        each = sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g)
+        return (each,) * mesh.size, (each,) * mesh.size
+    total = on_mesh(mesh, sizes)
+    pos = group_positions(mesh, axes)
+    step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`
+    c = torch.clamp(torch.minimum((pos + 1) * step, total) - torch.minimum(pos * step, total), min=0)
+    out = tuple(((total - c) + (g - 1) * c).reshape(-1).tolist())
+    return out, out
+
+
+def off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -> tuple[int, ...]:
+    """`sizes`, zero at ranks whose coordinates on `a` and `b` agree (they keep their block)."""
+    ca, cb = group_positions(mesh, (a,)), group_positions(mesh, (b,))
+    return tuple(torch.where(ca == cb, 0, on_mesh(mesh, sizes)).reshape(-1).tolist())
+
+
+def all_to_all_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
+                       sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """An even all_to_all: each rank keeps 1/g of its tensor and sends (receives) the rest."""
+    g = group_size(mesh, axes)
+    return tuple(s - s // g for s in sizes)
