@@ -203,3 +203,13 @@ def test_demo_runs_planned_reshards(capsys: pytest.CaptureFixture[str]) -> None:
         assert f'plan "{src}" -> "{dst}": shape (8, 6) float32 on Mesh(dp=2, tp=2)' in out
     assert out.count("of the lower bound") == len(cli.DEMO_LAYOUTS)
     assert "bytes moved as planned" in out
+
+
+def test_explain_shows_how_a_step_runs_where_it_is_not_its_own_kind() -> None:
+    even = mc.plan(mc.Mesh("tp=4"), (8, 6), "(tp a) b", "a b")
+    uneven = mc.plan(mc.Mesh("tp=4"), (10, 6), "(tp a) b", "a b")
+    assert [(s.kind, s.wire) for s in even.steps] == [("all_gather", "all_gather")]
+    assert [(s.kind, s.wire) for s in uneven.steps] == [("all_gather", "all_to_all")]
+    assert '"(tp a) b" -> "a b"\n' in even.explain() + "\n"
+    assert '   "(tp a) b" -> "a b"; as all_to_all' in uneven.explain().splitlines()
+    assert uneven.rows()[0]["wire"] == "all_to_all"

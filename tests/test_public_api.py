@@ -3,6 +3,7 @@ that still work with a DeprecationWarning naming the one new spelling."""
 
 from __future__ import annotations
 
+import importlib
 import re
 import warnings
 from pathlib import Path
@@ -88,3 +89,15 @@ def test_docs_and_examples_use_no_deprecated_spelling() -> None:
             if pattern.search(line) and p.name != "architecture.md"
             and "deprecated" not in line and "0.1" not in line]
     assert not hits, "\n".join(hits)
+
+
+def test_every_cache_in_the_docs_table_exists_and_is_bounded() -> None:
+    text = (ROOT / "docs" / "errors.md").read_text()
+    table = text[text.index("| cache | what it keys |"):text.index("bounds each plan cache")]
+    names = [n for n in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", table)
+             if not n.startswith("mc.") and n != "executors.distributed.checks"]
+    assert len(names) >= 25
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        cached = getattr(importlib.import_module(f"meshcomm.{module}"), attr)
+        assert cached.cache_info().maxsize, name

@@ -1,4 +1,4 @@
-"""meshcomm.sim.collectives: each collective vs a hand-written reference and its byte formula."""
+"""meshcomm.executors.sim.collectives: each collective vs a hand-written reference and its byte formula."""
 
 from __future__ import annotations
 
