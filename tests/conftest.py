@@ -1,19 +1,41 @@
-"""Test-wide settings: hypothesis profiles.
+"""Test-wide settings and the helpers the test modules share.
 
-`pytest` runs the CI-sized property tests. `pytest --hypothesis-profile=long`
-runs every property test with 20 times as many examples (a long fuzz run).
+Hypothesis profiles: `pytest` runs the CI-sized property tests. `pytest
+--hypothesis-profile=long` runs every property test with 20 times as many examples (a long
+fuzz run).
+
+Timeouts: every timeout in tests/ (`run_ranks`, `init_mesh(timeout_s=...)` inside rank
+functions, subprocesses, a benchmark's `--timeout`) is `scaled(base)`, the base times the
+one environment factor MESHCOMM_TEST_TIMEOUT_FACTOR (default 1.0). On a loaded machine,
+raise it (MESHCOMM_TEST_TIMEOUT_FACTOR=3 at a load average of several times the core
+count). The hang tests keep a short, unscaled collective timeout on the one group that
+hangs; everything healthy around it waits `scaled(...)`.
+
+Test modules import the helpers by name: `from conftest import scaled, run_scaled`
+(pytest puts tests/ on sys.path for this file, and spawned ranks inherit sys.path).
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
 import pytest
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    import torch
+
+    import meshcomm as mc
 
 settings.register_profile("default", settings.get_profile("default"))
 settings.register_profile("long", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 LONG_FACTOR = 20
+TIMEOUT_FACTOR_ENV = "MESHCOMM_TEST_TIMEOUT_FACTOR"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -25,3 +47,89 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if own is not None:
             fn._hypothesis_internal_use_settings = settings(  # type: ignore[union-attr]
                 own, max_examples=own.max_examples * LONG_FACTOR, deadline=None)
+
+
+# -- timeouts ----------------------------------------------------------------------------------
+def timeout_factor() -> float:
+    """MESHCOMM_TEST_TIMEOUT_FACTOR as a number (1.0 when unset or empty)."""
+    text = os.environ.get(TIMEOUT_FACTOR_ENV, "").strip() or "1"
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = math.nan
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"{TIMEOUT_FACTOR_ENV}={text!r}: give a number > 0, e.g. 3 on a"
+                         " loaded machine")
+    return factor
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` times MESHCOMM_TEST_TIMEOUT_FACTOR: the one way tests/ sets a timeout."""
+    return seconds * timeout_factor()
+
+
+def run_scaled(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float,
+               **kwargs: Any) -> list[Any]:
+    """`run_ranks(fn, world_size, *args, **kwargs)` under `scaled(timeout_s)`, which also
+    becomes the default process group's collective timeout on every rank."""
+    from meshcomm.executors.distributed.launch import run_ranks
+
+    return run_ranks(fn, world_size, *args, timeout_s=scaled(timeout_s), **kwargs)
+
+
+def ranks_fixture(fn: Callable[..., Any], world_size: int, *args: Any,
+                  timeout_s: float = 240.0) -> Any:
+    """A module-scoped fixture that runs `fn` once on `world_size` ranks (`run_scaled`) and
+    gives its results, by rank, to every test that reads them: `four = ranks_fixture(
+    four_ranks, 4)` in a test module. 240 s is several times what the 4- and 8-rank runs
+    take on an idle 2-core machine."""
+
+    @pytest.fixture(scope="module")
+    def results() -> list[Any]:
+        return run_scaled(fn, world_size, *args, timeout_s=timeout_s)
+
+    return results
+
+
+def set_group_timeout(bound: mc.BoundMesh, axes: str | tuple[str, ...], seconds: float) -> None:
+    """Give this rank's group over `axes` its own collective timeout (the hang tests: a short
+    one on the group that hangs, while `init_mesh(timeout_s=scaled(...))` covers the rest)."""
+    import datetime
+
+    from torch.distributed.distributed_c10d import _resolve_process_group, _set_pg_timeout
+
+    _set_pg_timeout(datetime.timedelta(seconds=seconds),
+                    _resolve_process_group(bound.group_name(axes)))
+
+
+# -- data and placements -----------------------------------------------------------------------
+def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Seeded integer-valued data (float32 unless `dtype`), so every reduction order gives
+    the same bits."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-9, 10, shape, generator=gen).to(dtype or torch.float32)
+
+
+def dtensor_placements(text: str) -> tuple[Any, ...]:
+    """DTensor placements from short words, one per mesh axis: "S0 SS0.2 R Psum" ->
+    (Shard(0), _StridedShard(0, split_factor=2), Replicate(), Partial("sum"))."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[Any] = []
+    for word in text.split():
+        if word == "R":
+            out.append(Replicate())
+        elif word.startswith("P"):
+            out.append(Partial(word[1:]))
+        elif word.startswith("SS"):
+            dim, split = word[2:].split(".")
+            out.append(_StridedShard(int(dim), split_factor=int(split)))
+        elif word.startswith("S"):
+            out.append(Shard(int(word[1:])))
+        else:
+            raise ValueError(f"placement word {word!r} in {text!r}: use R, S<dim>,"
+                             " SS<dim>.<split> or P<op>")
+    return tuple(out)

@@ -12,6 +12,8 @@ import pytest
 
 from meshcomm import cli
 
+from conftest import scaled
+
 def show_argv(mesh: str = "dp=2 tp=2", shape: str = "8,6",
               layout: str = "(dp b) (tp h)") -> list[str]:
     return ["show", "--mesh", mesh, "--shape", shape, "--layout", layout, "--width", "100"]
@@ -123,5 +125,5 @@ def test_python_dash_m() -> None:
     root = Path(cli.__file__).resolve().parent.parent
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(root)}
     done = subprocess.run([sys.executable, "-m", "meshcomm", *show_argv(layout="(dq b) h")],
-                          capture_output=True, text=True, env=env, cwd=root, timeout=60)
+                          capture_output=True, text=True, env=env, cwd=root, timeout=scaled(60))
     assert done.returncode == 2 and '"dq" is not a mesh axis' in done.stderr

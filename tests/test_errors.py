@@ -26,7 +26,7 @@ def test_input_errors_are_meshcomm_and_value_errors(kind):
 
 def test_every_error_class_derives_from_the_one_base():
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(c, BaseException) and c.__module__ == errors.__name__]
+               if issubclass(c, BaseException) and c.__module__ == "meshcomm.errors"]
     assert set(INPUT_ERRORS) <= set(classes)
     for cls in classes:
         assert issubclass(cls, MeshcommError), cls

@@ -8,13 +8,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 
 
-def run_example(name: str, *args: str, timeout_s: float = 240) -> str:
+def run_example(name: str, *args: str) -> str:
+    # the examples' own run_ranks timeouts are 240-300 s
     done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, check=False,
-                          text=True, timeout=timeout_s, cwd=ROOT,
+                          text=True, timeout=scaled(300), cwd=ROOT,
                           env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"})
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}" \
                                  f"\n{done.stderr[-3000:]}"

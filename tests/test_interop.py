@@ -17,26 +17,13 @@ import meshcomm as mc
 from meshcomm.interop.runtime import is_dtensor
 from meshcomm.interop.placements import dtensor_indices
 from meshcomm.executors.sim.shards import take
+from meshcomm.testing import random_layout
+
+from conftest import dtensor_placements as pl
 
 M4 = mc.Mesh("dp=2 tp=2")
 M8 = mc.Mesh("a=2 b=2 c=2")
 M6 = mc.Mesh("dp=2 tp=3")
-
-
-def pl(text: str) -> tuple[Any, ...]:
-    """ "S0 SS0.2 R Psum" -> (Shard(0), _StridedShard(0, split_factor=2), Replicate(), ...)."""
-    out: list[Any] = []
-    for word in text.split():
-        if word == "R":
-            out.append(Replicate())
-        elif word.startswith("P"):
-            out.append(Partial(word[1:]))
-        elif word.startswith("SS"):
-            dim, split = word[2:].split(".")
-            out.append(_StridedShard(int(dim), split_factor=int(split)))
-        else:
-            out.append(Shard(int(word[1:])))
-    return tuple(out)
 
 
 # (mesh, shape, layout, placements): both directions, dims named "b h" / "x y z".
@@ -91,28 +78,6 @@ def dtensor_shard(x: torch.Tensor, mesh: mc.Mesh, placements: tuple[Any, ...],
     return x
 
 
-def layout_text(rng: random.Random, mesh: mc.Mesh, ndim: int) -> str:
-    """A random layout: axes either side of a dim's name, sized factors, partial axes."""
-    dims: list[list[str]] = [[] for _ in range(ndim)]
-    partial = []
-    axes = list(mesh.axis_names)
-    rng.shuffle(axes)
-    for axis in axes:
-        where = rng.choice(["rep", "partial"] + [f"d{i}" for i in range(ndim)])
-        if where == "partial":
-            partial.append(axis)
-        elif where != "rep":
-            dims[int(where[1:])].append(axis)
-    parts = []
-    for i, group in enumerate(dims):
-        words = list(group)
-        words.insert(rng.randint(0, len(words)) if rng.random() < 0.4 else len(words), "ijk"[i])
-        if rng.random() < 0.2:
-            words.insert(rng.randint(0, len(words)), f"{'xyz'[i]}=2")
-        parts.append(f"({' '.join(words)})" if len(words) > 1 else words[0])
-    return " ".join(parts) + (f" | sum({', '.join(partial)})" if partial else "")
-
-
 def shard_order_placements(mesh: mc.Mesh, layout: mc.Layout, shape: tuple[int, ...]
                            ) -> tuple[Any, ...]:
     """Reference: each axis split by the factors before it, less axes on earlier mesh dims."""
@@ -145,7 +110,9 @@ def test_placements_give_every_rank_its_shard(mesh: mc.Mesh) -> None:
     for _ in range(250):
         ndim = rng.randint(1, 3)
         shape = tuple(rng.choice((1, 2, 3, 4, 5, 6, 7, 8, 12, 24)) for _ in range(ndim))
-        layout = mc.Layout(layout_text(rng, mesh, ndim))
+        # axes either side of a dim's name, sized factors, partial axes
+        layout = mc.Layout(random_layout(rng, mesh, ndim, ("sum",), "ijk", name_inside=0.4,
+                                         sized=0.2))
         try:
             layout.placements(mesh, shape)
         except mc.errors.ShapeError:

@@ -7,13 +7,14 @@ a slow planner shows as "timeout" entries, which are valid results here.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from conftest import scaled
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_scale.py"
 BASE_TIMEOUT_S = 300.0
@@ -31,9 +32,8 @@ SUMMARY_LINES = ("meshcomm cold plan over ", "meshcomm cold plan p50 over one-co
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("bench") / "plan_scale.json"
-    factor = float(os.environ.get("MESHCOMM_TEST_TIMEOUT_FACTOR", "1"))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=BASE_TIMEOUT_S * factor)
+                          capture_output=True, text=True, timeout=scaled(BASE_TIMEOUT_S))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(out.read_text())
 

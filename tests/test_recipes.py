@@ -16,6 +16,8 @@ import meshcomm as mc
 from meshcomm import cli, recipes
 from meshcomm.core.errors import LayoutSyntaxError, MeshAxisError, RecipeError
 
+from conftest import scaled
+
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = {"ddp", "fsdp", "tp", "fsdp_tp", "sequence_parallel", "expert_parallel"}
 
@@ -87,7 +89,7 @@ def test_installed_package_finds_builtins(tmp_path: Path) -> None:
     """From another directory, the installed package (editable here) loads a built-in."""
     code = "import meshcomm as mc; print(mc.recipe('fsdp_tp').layout('embed mlp'))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          cwd=tmp_path, timeout=60, env={**os.environ, "PYTHONPATH": ""})
+                          cwd=tmp_path, timeout=scaled(60), env={**os.environ, "PYTHONPATH": ""})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(fsdp embed) (tp mlp)"
 

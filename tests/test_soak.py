@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from conftest import scaled
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -18,7 +20,7 @@ def report(pytestconfig: pytest.Config) -> dict[str, Any]:
         mp.syspath_prepend(str(BENCHMARKS))   # spawned ranks import `soak` by name too
         soak = importlib.import_module("soak")
         return soak.run(count=200, pool=50, plan_cache=16, seed=0, cost_reps=20,  # type: ignore[no-any-return]
-                        timeout_s=120)
+                        timeout_s=scaled(240))
 
 
 def test_every_reshard_equals_the_simulator(report: dict[str, Any]) -> None:
@@ -41,7 +43,9 @@ def test_memory_is_flat_once_caches_are_warm(report: dict[str, Any]) -> None:
     assert max(report["summary"]["rss_growth_second_half_mb"]) < 4.0, report["summary"]
 
 
-def test_check_cost_is_measured(report: dict[str, Any]) -> None:
-    cost = report["check_cost"]["0"]
-    assert set(cost) == {"reshard_all_gather", "reshard_no_step", "all_reduce_1_elem"}
-    assert all(c["on_us"] > 0 and c["off_us"] > 0 for c in cost.values())
+def test_check_cost_is_measured_on_every_rank(report: dict[str, Any]) -> None:
+    assert set(report["check_cost"]) == {"0", "1", "2", "3"}
+    for cost in report["check_cost"].values():
+        assert set(cost) == {"reshard_all_gather", "reshard_no_step", "all_reduce_1_elem"}
+        for c in cost.values():
+            assert c["added_us"] == pytest.approx(c["on_us"] - c["off_us"], abs=0.11), c

@@ -1,15 +1,28 @@
-"""meshcomm.testing.run_ranks: results by rank, real collectives, errors, timeouts, cleanup."""
+"""meshcomm.executors.distributed.launch.run_ranks: results by rank, real collectives, errors,
+timeouts, cleanup; and the tests' one timeout factor (conftest.scaled)."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from meshcomm.core.errors import MeshcommError, RankFailure
+from meshcomm.executors.distributed import launch
 from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import TIMEOUT_FACTOR_ENV, run_scaled, scaled
+
+# Long enough for every healthy rank to spawn, import torch and join the group on a busy
+# machine (run_ranks counts spawning in); MESHCOMM_TEST_TIMEOUT_FACTOR scales it further.
+HEALTHY_S = 60.0
+# The hang test waits all of this: healthy ranks must finish well within it.
+HANG_RUN_S = 30.0
 
 
 def _identify(rank: int, world_size: int, tag: str, *, scale: int = 1) -> tuple[str, int, int]:
@@ -31,10 +44,24 @@ def _fail_on_two(rank: int, world_size: int) -> int:
     return rank
 
 
-def _pid_or_sleep(rank: int, world_size: int, sleep_s: float) -> int:
-    if rank == 1:
-        time.sleep(sleep_s)
+def _pid(rank: int, world_size: int) -> int:
     return os.getpid()
+
+
+def _hang(rank: int, world_size: int, pid_dir: str) -> int:
+    """Rank 0 finishes. Rank 1 hangs in Python and ignores SIGTERM (only SIGKILL stops it).
+    Rank 2 hangs inside a gloo collective: a barrier of the group [1, 2] that rank 1 never
+    reaches (its own timeout is 30 minutes, torch's default for a new group)."""
+    import torch.distributed as dist
+
+    Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
+    pair = dist.new_group([1, 2])          # every rank creates every group
+    if rank == 1:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        threading.Event().wait()
+    if rank == 2:
+        dist.barrier(group=pair)
+    return rank
 
 
 def _crash_on_zero(rank: int, world_size: int) -> int:
@@ -53,18 +80,19 @@ def _assert_gone(pid: int) -> None:
 
 
 def test_results_come_back_in_rank_order_with_args_and_kwargs() -> None:
-    assert run_ranks(_identify, 3, "x", scale=10) == [("x", 0, 3), ("x", 10, 3), ("x", 20, 3)]
+    assert run_scaled(_identify, 3, "x", scale=10, timeout_s=HEALTHY_S) == [
+        ("x", 0, 3), ("x", 10, 3), ("x", 20, 3)]
     _assert_no_children()
 
 
 def test_all_reduce_over_four_ranks() -> None:
-    assert run_ranks(_all_reduce_rank, 4) == [[10.0, 10.0, 10.0]] * 4
+    assert run_scaled(_all_reduce_rank, 4, timeout_s=HEALTHY_S) == [[10.0, 10.0, 10.0]] * 4
     _assert_no_children()
 
 
 def test_exception_on_rank_two_reports_its_traceback() -> None:
     with pytest.raises(RankFailure) as info:
-        run_ranks(_fail_on_two, 4, timeout_s=30)
+        run_scaled(_fail_on_two, 4, timeout_s=HEALTHY_S)
     text = str(info.value)
     assert "rank 2 of 4 raised" in text
     assert "Traceback" in text and "_fail_on_two" in text
@@ -73,18 +101,25 @@ def test_exception_on_rank_two_reports_its_traceback() -> None:
     _assert_no_children()
 
 
-def test_a_rank_past_the_timeout_is_killed_and_named() -> None:
-    # Long enough for three spawns to import torch on a loaded 2-core machine.
-    timeout_s = 25.0
+def test_hanging_ranks_are_named_at_the_timeout_and_killed(tmp_path: Path) -> None:
+    timeout_s = scaled(HANG_RUN_S)
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"rank\(s\) \[1\] of 3 did not finish within 25 s"):
-        run_ranks(_pid_or_sleep, 3, 600.0, timeout_s=timeout_s)
-    assert time.monotonic() - start < timeout_s + 5.0
+    with pytest.raises(RankFailure, match=(
+            rf"^run_ranks: rank\(s\) \[1, 2\] of 3 did not finish within {timeout_s:g} s;"
+            " all ranks were stopped")):
+        run_ranks(_hang, 3, str(tmp_path), timeout_s=timeout_s)
+    elapsed = time.monotonic() - start
+    # It waited the whole timeout, then at most the SIGTERM grace before SIGKILL (and slack).
+    assert timeout_s <= elapsed < timeout_s + launch._GRACE_S + scaled(10), elapsed
+    pids = {int(p.read_text()) for p in tmp_path.glob("rank*.pid")}
+    assert len(pids) == 3 and os.getpid() not in pids
+    for pid in pids:            # the SIGTERM-proof rank and the one inside gloo included
+        _assert_gone(pid)
     _assert_no_children()
 
 
 def test_children_are_reaped_after_success() -> None:
-    pids = run_ranks(_pid_or_sleep, 2, 0.0)
+    pids = run_scaled(_pid, 2, timeout_s=HEALTHY_S)
     assert len(set(pids)) == 2 and os.getpid() not in pids
     for pid in pids:
         _assert_gone(pid)
@@ -93,5 +128,23 @@ def test_children_are_reaped_after_success() -> None:
 
 def test_a_crashed_rank_is_reported() -> None:
     with pytest.raises(RankFailure, match="rank 0 exited with code 3 without a result"):
-        run_ranks(_crash_on_zero, 2, timeout_s=30)
+        run_scaled(_crash_on_zero, 2, timeout_s=HEALTHY_S)
     _assert_no_children()
+
+
+# -- the timeout factor ----------------------------------------------------------------------
+@pytest.mark.parametrize("value, factor", [(None, 1.0), ("", 1.0), ("3", 3.0), (" 0.5 ", 0.5)])
+def test_scaled_multiplies_by_the_environment_factor(monkeypatch: pytest.MonkeyPatch,
+                                                     value: str | None, factor: float) -> None:
+    if value is None:
+        monkeypatch.delenv(TIMEOUT_FACTOR_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TIMEOUT_FACTOR_ENV, value)
+    assert scaled(20) == 20 * factor
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "fast", "nan", "inf"])
+def test_a_bad_factor_is_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(TIMEOUT_FACTOR_ENV, value)
+    with pytest.raises(ValueError, match=f"{TIMEOUT_FACTOR_ENV}='{value}': give a number > 0"):
+        scaled(20)

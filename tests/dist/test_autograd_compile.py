@@ -24,7 +24,8 @@ import meshcomm as mc
 from meshcomm.executors.distributed.autograd import backward_plan, grad_scale, without_reduction
 from meshcomm.executors.distributed.bind import BoundMesh
 from meshcomm.core.errors import PlanError
-from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import ranks_fixture
 
 MESH = "dp=2 tp=2"
 GRAD_CASES = [
@@ -145,9 +146,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
             "compile": check_compile(bound)}
 
 
-@pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return run_ranks(four_ranks, 4, timeout_s=170)
+four = ranks_fixture(four_ranks, 4)
 
 
 def test_gradients_follow_the_layout_rules(four: list[dict[str, Any]]) -> None:

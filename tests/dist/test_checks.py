@@ -10,6 +10,7 @@ format and the fingerprint encoding are tested in this process.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,14 @@ from meshcomm.executors.distributed.bind import check_default
 from meshcomm.executors.distributed.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text,
                                                    checking, decode, encode, mismatch_message,
                                                    reshard_fields)
-from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import run_scaled, scaled, set_group_timeout
 
 MESH = "dp=2 tp=2"
-TIMEOUT_S = 2.0
-RUN_TIMEOUT_S = 60.0
+HANG_TIMEOUT_S = 2.0          # the hanging group's (tp [0, 1]) check timeout: short, never scaled
+HEALTHY_TIMEOUT_S = 90.0      # init_mesh(timeout_s=scaled(...)): every other group's
+RUN_TIMEOUT_S = 120.0         # run_ranks(timeout_s=scaled(...)): the whole test
+SLACK_S = 5.0                 # scaled: how late past the timeout the error may come
 FIX = ("  fix: every rank of the group must make the same calls in the same order; look for a"
        " branch on the rank, or on data that differs between ranks, before this call")
 
@@ -145,7 +149,7 @@ def local(mesh: mc.Mesh, src: str, shape: tuple[int, ...], rank: int) -> torch.T
 
 
 def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
-    bound = mc.init_mesh(MESH, timeout_s=RUN_TIMEOUT_S, check=True)
+    bound = mc.init_mesh(MESH, timeout_s=scaled(HEALTHY_TIMEOUT_S), check=True)
     mesh, out = bound.mesh, {}
 
     def attempt(name: str, call: Any) -> None:
@@ -161,7 +165,7 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
     src = "(tp b) h" if rank == 3 else "(dp b) h"
     attempt("src", lambda: mc.reshard(x, bound, src, "b h"))
     # a mesh without check mode, checked for one call
-    plain = mc.init_mesh(MESH, timeout_s=RUN_TIMEOUT_S, check=False)
+    plain = mc.init_mesh(MESH, timeout_s=scaled(HEALTHY_TIMEOUT_S), check=False)
     attempt("src_call", lambda: mc.reshard(x, plain, src, "b h", check=True))
     attempt("dtype", lambda: mc.reshard(x.double() if rank == 0 else x, bound, "(dp b) h",
                                         "b h"))
@@ -178,7 +182,7 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_mismatches_raise_on_every_rank_naming_the_ranks_and_the_difference() -> None:
-    results = run_ranks(mismatch_worker, 4, timeout_s=RUN_TIMEOUT_S)
+    results = run_scaled(mismatch_worker, 4, timeout_s=RUN_TIMEOUT_S)
     assert all(r["agreed"] for r in results)
     assert all(r["after"] == [4.0, 4.0, 4.0] for r in results)
     for key in ("src", "dtype", "many", "all_reduce"):
@@ -208,29 +212,39 @@ def test_mismatches_raise_on_every_rank_naming_the_ranks_and_the_difference() ->
 
 
 def skip_worker(rank: int, world: int, out_dir: str) -> dict[str, Any]:
-    bound = mc.init_mesh(MESH, timeout_s=TIMEOUT_S, check=True)
+    bound = mc.init_mesh(MESH, timeout_s=scaled(HEALTHY_TIMEOUT_S), check=True)
+    if bound.group_ranks("tp") == (0, 1):     # the group that hangs: a short timeout
+        set_group_timeout(bound, "tp", HANG_TIMEOUT_S)
     flag = Path(out_dir, "rank0.json")
+    torch.distributed.barrier()         # start together: ranks 2 and 3 never wait on a slow peer
     start = time.monotonic()
     if rank == 1:   # skips the all_gather: waits until rank 0 has given up on it
-        while not flag.exists() and time.monotonic() - start < RUN_TIMEOUT_S:
+        while not flag.exists() and time.monotonic() - start < scaled(RUN_TIMEOUT_S):
             time.sleep(0.05)
-        return {"skipped": True}
+        return {"skipped": True, "pid": os.getpid()}
     try:
         mc.collectives.all_gather(torch.ones(2), bound, "tp")
-        result = {"ran": True}
+        result: dict[str, Any] = {"ran": True}
     except mc.errors.MeshcommError as err:
         result = {"error": type(err).__name__, "message": str(err),
                   "seconds": time.monotonic() - start}
     flag.parent.joinpath(f"rank{rank}.json").write_text(json.dumps(result))
-    return result
+    return {**result, "pid": os.getpid()}
 
 
 def test_a_rank_that_skips_a_checked_collective_times_out_the_check(tmp_path: Path) -> None:
-    results = run_ranks(skip_worker, 4, str(tmp_path), timeout_s=RUN_TIMEOUT_S)
+    results = run_scaled(skip_worker, 4, str(tmp_path), timeout_s=RUN_TIMEOUT_S)
+    pids = [r.pop("pid") for r in results]
+    assert len(set(pids)) == 4 and os.getpid() not in pids
+    for pid in pids:            # every rank's process is reaped and gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert results[1] == {"skipped": True}
     assert results[2] == results[3] == {"ran": True}
     peer = results[0]
     assert peer["error"] == "CollectiveTimeout", peer
-    assert TIMEOUT_S - 0.5 < peer["seconds"] < TIMEOUT_S + 3, peer
+    # The hanging group's short timeout fired: not before it, and long before the healthy one.
+    assert HANG_TIMEOUT_S - 0.5 < peer["seconds"] < HANG_TIMEOUT_S + scaled(SLACK_S), peer
     assert peer["message"].startswith(
         'all_gather over "tp" of Mesh(dp=2, tp=2): check mode could not compare the call across'
         " the group (ranks 0, 1): a rank of the group died, hangs, or never made this call. cause:"

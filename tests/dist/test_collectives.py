@@ -27,7 +27,8 @@ from meshcomm.executors.distributed.collectives import _group
 from meshcomm.core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from meshcomm.core.mesh import Mesh
 from meshcomm.executors.sim import collectives as sim
-from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import ints, ranks_fixture
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "collective_permute",
          "broadcast", "send_recv", "sendrecv")
@@ -41,12 +42,6 @@ class Case:
     run: Callable[[Tensor, int], Tensor]         # (x, pos) -> this rank's output
     ref: Callable[[list[Tensor]], Any]           # xs -> SimResult (or outputs, bytes)
     wire: bool = True                            # compare sent bytes with the sim's
-
-
-def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Integer-valued data, so every reduction order gives the same bits."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-9, 10, shape, generator=gen).to(dtype)
 
 
 def per_rank(mesh: Mesh, axes: tuple[str, ...], shape: Callable[[int], tuple[int, ...]],
@@ -466,14 +461,9 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     return {"sim": check_against_sim(bound, AXES_8)}
 
 
-@pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return run_ranks(four_ranks, 4, timeout_s=150)
-
-
-@pytest.fixture(scope="module")
-def eight() -> list[dict[str, Any]]:
-    return run_ranks(eight_ranks, 8, timeout_s=120)
+# one spawn per world size; the tests read its report
+four = ranks_fixture(four_ranks, 4)
+eight = ranks_fixture(eight_ranks, 8)
 
 
 def section(reports: list[dict[str, Any]], key: str) -> str:

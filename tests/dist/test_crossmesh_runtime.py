@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
 
 import meshcomm as mc
 from meshcomm.sharded import infer_shape
@@ -31,7 +30,9 @@ from meshcomm.executors.distributed.cross import execute_cross
 from meshcomm.executors.distributed.execute import ByteTrace
 from meshcomm.core.errors import MeshMismatchError, PlanError, ShapeError
 from meshcomm.planner.explain import balance, transfer_lines, transfer_rows
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.testing import random_layout
+
+from conftest import ints, ranks_fixture, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 MESHES = {                                            # bound in this order on every rank
@@ -79,24 +80,6 @@ NAMED = [  # (tag, src mesh, dst mesh, shape, src, dst, dtype)
 
 
 # -- the sample -------------------------------------------------------------------------
-def layout_text(rng: random.Random, mesh: mc.Mesh, ndim: int, op: str) -> str:
-    """A random layout: each axis shards a dim (either side of its name), is partial, or not."""
-    dims: list[list[str]] = [[] for _ in range(ndim)]
-    partial = []
-    for axis in mesh.axis_names:
-        where = rng.choice(["rep", "partial"] + list(range(ndim)))
-        if where == "partial":
-            partial.append(axis)
-        elif where != "rep":
-            dims[int(where)].append(axis)
-    parts = []
-    for i, group in enumerate(dims):
-        at = rng.randint(0, len(group)) if rng.random() < 0.3 else len(group)
-        factors = group[:at] + [NAMES[i]] + group[at:]
-        parts.append(f"({' '.join(factors)})" if group else NAMES[i])
-    return " ".join(parts) + (f" | {op}({', '.join(partial)})" if partial else "")
-
-
 def sample(seed: int) -> list[tuple[str, str, str, tuple[int, ...], str, str, torch.dtype]]:
     """PER_PAIR cases per mesh pair, in a random direction, the same on every rank."""
     rng, out = random.Random(seed), []
@@ -107,8 +90,8 @@ def sample(seed: int) -> list[tuple[str, str, str, tuple[int, ...], str, str, to
             ndim = rng.randint(1, 3)
             shape = tuple(rng.choice(SIZES) for _ in range(ndim))
             op = rng.choice(["sum", "sum", "max"])
-            src = layout_text(rng, MESHES[s], ndim, op)
-            dst = layout_text(rng, MESHES[d], ndim, op)
+            src = random_layout(rng, MESHES[s], ndim, (op,), NAMES, name_inside=0.3)
+            dst = random_layout(rng, MESHES[d], ndim, (op,), NAMES, name_inside=0.3)
             try:
                 mc.Layout(src).placements(MESHES[s], shape)
                 mc.Layout(dst).placements(MESHES[d], shape)
@@ -117,12 +100,6 @@ def sample(seed: int) -> list[tuple[str, str, str, tuple[int, ...], str, str, to
             out.append((f"{s}->{d}", s, d, shape, src, dst, F32))
             done += 1
     return out
-
-
-def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
-    """Integer-valued data, so every reduction order gives the same bits."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-9, 10, shape, generator=gen).to(dtype)
 
 
 # -- what every rank runs ----------------------------------------------------------------
@@ -179,9 +156,7 @@ def eight_ranks(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[dic
 CASES = NAMED + sample(7)
 
 
-@pytest.fixture(scope="module")
-def eight() -> list[list[dict[str, Any]]]:
-    return run_ranks(eight_ranks, 8, CASES, timeout_s=240)
+eight = ranks_fixture(eight_ranks, 8, CASES, timeout_s=300)
 
 
 def test_every_case_equals_sim_and_counts_bytes(eight: list[list[dict[str, Any]]]) -> None:
@@ -229,7 +204,8 @@ def test_partial_sources_reduce_on_the_source_mesh(eight: list[list[dict[str, An
 def run_example(name: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(ROOT / "examples" / name)], check=False,
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+                          capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=scaled(300))
 
 
 def test_pipeline_handoff_example() -> None:

@@ -19,12 +19,12 @@ import logging
 import math
 from typing import Any
 
-import pytest
 import torch
 
 import meshcomm as mc
 from meshcomm.executors.sim import scatter
-from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import dtensor_placements, ints, ranks_fixture
 
 # (placements, global shape, expected layout with dims named "b h" / "x y z").
 # Blocks in any axis order: Shard, or the _StridedShard that encodes DTensor's shard order.
@@ -63,37 +63,14 @@ PARTIAL_8 = [("Psum S0 Psum", (4, 2, 3), "(b x) y z | sum(a, c)")]
 DST_8 = ["x y z", "(a b c x) y z", "(c x) (a y) (b z)", "(x a) (c y) (b z)"]
 
 
-def placements(text: str) -> list[Any]:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    out: list[Any] = []
-    for word in text.split():
-        if word == "R":
-            out.append(Replicate())
-        elif word.startswith("P"):
-            out.append(Partial(word[1:]))
-        elif word.startswith("SS"):
-            dim, split = word[2:].split(".")
-            out.append(_StridedShard(int(dim), split_factor=int(split)))
-        else:
-            out.append(Shard(int(word[1:])))
-    return out
-
-
-def ints(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(-9, 10, shape, generator=gen).to(torch.float32)
-
-
 def make_dtensor(x: torch.Tensor, dm: Any, mesh: mc.Mesh, text: str, layout: str) -> Any:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if "P" not in text:
-        return distribute_tensor(x, dm, placements(text), src_data_rank=None)
+        return distribute_tensor(x, dm, dtensor_placements(text), src_data_rank=None)
     local = scatter(x, mesh, layout)[mesh.position(torch.distributed.get_rank())]
     stride = tuple(math.prod(x.shape[i + 1:]) for i in range(x.ndim))
-    return DTensor.from_local(local, dm, placements(text), run_check=False, shape=x.shape,
+    return DTensor.from_local(local, dm, dtensor_placements(text), run_check=False, shape=x.shape,
                               stride=stride)
 
 
@@ -170,7 +147,7 @@ def check_shard_order(dm: Any, mesh: mc.Mesh) -> list[str]:
 
     x = ints((7, 6), 4)
     local = scatter(x, mesh, "(tp dp b) h")[mesh.position(torch.distributed.get_rank())]
-    spec = ds.DTensorSpec(dm, tuple(placements("S0 S0")),
+    spec = ds.DTensorSpec(dm, dtensor_placements("S0 S0"),
                           shard_order=(ds.ShardOrderEntry(0, (1, 0)),),
                           tensor_meta=ds.TensorMeta(x.shape, x.stride(), x.dtype))
     dt = DTensor(local, spec, requires_grad=False)
@@ -186,7 +163,7 @@ def check_submesh(dm: Any) -> list[str]:
     from torch.distributed.tensor import distribute_tensor
 
     x = ints((6, 4), 8)
-    dt = distribute_tensor(x, dm["tp"], placements("S1"), src_data_rank=None)
+    dt = distribute_tensor(x, dm["tp"], dtensor_placements("S1"), src_data_rank=None)
     s = mc.dtensor.from_dtensor(dt, names="b h")
     y = mc.reshard(dt, "(tp b) h")
     if str(s.layout) != "b (tp h)" or s.mesh.mesh.ranks != tuple(dm["tp"].mesh.tolist()):
@@ -200,7 +177,7 @@ def check_errors(dm: Any, mesh: mc.Mesh) -> list[str]:
     """Interop errors fire on every rank, before any communication."""
     problems = []
     dt = make_dtensor(ints((8, 6), 1), dm, mesh, "S0 S1", "(dp b) (tp h)")
-    for dst in ("(dp b tp) h", [placements("Psum R")[0], placements("R Pmax")[1]]):
+    for dst in ("(dp b tp) h", list(dtensor_placements("Psum Pmax"))):
         try:
             mc.reshard(dt, dst)
             problems.append(f"mc.reshard(dt, {dst}) did not raise")
@@ -216,7 +193,7 @@ def check_autograd(dm: Any, mesh: mc.Mesh) -> list[str]:
     for use_mc in (True, False):
         dt = make_dtensor(x, dm, mesh, "SS0.2 S1", "(x=2 dp b) (tp h)").requires_grad_(True)
         weight = ints((8, 6), 6)
-        y = mc.reshard(dt, "b h") if use_mc else dt.redistribute(dm, placements("R R"))
+        y = mc.reshard(dt, "b h") if use_mc else dt.redistribute(dm, dtensor_placements("R R"))
         (y.to_local() * weight).sum().backward()
         grads.append(dt.grad.to_local())
     return [] if torch.equal(grads[0], grads[1]) else ["gradients differ from DTensor's"]
@@ -292,14 +269,9 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-@pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return run_ranks(four_ranks, 4, timeout_s=150)
-
-
-@pytest.fixture(scope="module")
-def eight() -> list[dict[str, Any]]:
-    return run_ranks(eight_ranks, 8, timeout_s=200)
+# one spawn per world size; the tests read its report
+four = ranks_fixture(four_ranks, 4)
+eight = ranks_fixture(eight_ranks, 8)
 
 
 def test_from_dtensor_full_and_back_on_2x2(four: list[dict[str, Any]]) -> None:

@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 import meshcomm as mc
 from meshcomm.core.errors import MeshMismatchError, ShapeError
-from meshcomm.executors.distributed.launch import run_ranks
+
+from conftest import ranks_fixture
 
 KINDS = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
@@ -221,9 +222,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
             "embedding": check_embedding(tp), "fsdp": check_fsdp(fsdp), "moe": check_moe(ep)}
 
 
-@pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return run_ranks(four_ranks, 4, timeout_s=180)
+four = ranks_fixture(four_ranks, 4)
 
 
 def problems(four: list[dict[str, Any]], key: str) -> list[str]:

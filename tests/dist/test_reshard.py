@@ -30,7 +30,7 @@ from meshcomm.core.errors import MeshMismatchError, ShapeError
 from meshcomm.executors.sim import execute as sim_execute
 from meshcomm.testing import random_layout
 
-from conftest import ints, run_scaled, scaled
+from conftest import ints, ranks_fixture, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = "ijk"
@@ -154,14 +154,9 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     return check_cases(bounds, cases + [c for c in NAMED if c[0] in specs])
 
 
-@pytest.fixture(scope="module")
-def four() -> list[dict[str, Any]]:
-    return run_ranks(four_ranks, 4, timeout_s=150)
-
-
-@pytest.fixture(scope="module")
-def eight() -> list[dict[str, Any]]:
-    return run_ranks(eight_ranks, 8, timeout_s=150)
+# one spawn per world size; the tests read its report
+four = ranks_fixture(four_ranks, 4)
+eight = ranks_fixture(eight_ranks, 8)
 
 
 def test_reshard_equals_sim_and_counts_bytes_on_2x2(four: list[dict[str, Any]]) -> None:
@@ -254,9 +249,10 @@ def test_sharded_checks_its_shard_and_shows_its_layout(capsys: pytest.CaptureFix
 
 # -- the command line: `meshcomm demo` and `meshcomm launch` -------------------------------
 def _cli(*argv: str, timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """`python -m meshcomm *argv`, killed after `scaled(timeout)` seconds."""
     env = {**os.environ, "NO_COLOR": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "meshcomm", *argv], capture_output=True,
-                          text=True, env=env, cwd=cwd, timeout=timeout)
+                          text=True, env=env, cwd=cwd, timeout=scaled(timeout))
 
 
 def test_demo_runs_on_4_processes_and_exits_0() -> None:
