@@ -14,6 +14,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -256,6 +257,10 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
 
     if nproc < 1:
         raise MeshAxisError(f"launch needs -n of at least 1, got {nproc}")
+    if not Path(script).is_file():
+        raise MeshAxisError(f"launch: script {script!r} is not a file (from {Path.cwd()});"
+                            " fix: give the path of a Python script, e.g."
+                            " meshcomm launch -n 4 examples/train_2d.py")
     try:
         torchrun.main(["--standalone", f"--nproc-per-node={nproc}", script, *script_args])
     except ChildFailedError as err:

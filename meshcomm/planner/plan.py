@@ -28,7 +28,8 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
     """Cheapest exact sequence of collectives that turns layout `src` into `dst`.
 
     With `dst_mesh`, `dst` lives on that other mesh (disjoint, overlapping or nested):
-    see `meshcomm.planner.crossmesh`.
+    see `meshcomm.planner.crossmesh`. `mesh` and `dst_mesh` may be BoundMeshes (anything
+    whose `.mesh` is a Mesh): the plan is made for their mesh.
 
     >>> p = plan(Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
     >>> [step.kind for step in p.steps]
@@ -36,7 +37,17 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
     """
     if type(shape) is not tuple:
         shape = _as_shape(shape)
+    if type(mesh) is not Mesh:
+        mesh = _unbound(mesh)
+    if dst_mesh is not None and type(dst_mesh) is not Mesh:
+        dst_mesh = _unbound(dst_mesh)
     return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST, dst_mesh)
+
+
+def _unbound(mesh: object) -> Mesh:
+    """The Mesh of a BoundMesh (duck-typed: the planner knows no process groups)."""
+    inner = getattr(mesh, "mesh", None)
+    return inner if isinstance(inner, Mesh) else mesh  # type: ignore[return-value]
 
 
 def _as_shape(shape: object) -> Shape:

@@ -93,7 +93,10 @@ def _rank(rank: int, world_size: int) -> list[dict[str, Any]]:
     def bound(mesh: mc.Mesh) -> mc.BoundMesh:
         key = (str(mesh), mesh.ranks)
         if key not in bound_cache:
-            bound_cache[key] = mc.init_mesh(mesh)
+            # The spec-string-and-ranks spelling of init_mesh, checked against the Mesh.
+            spec = " ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.shape))
+            bound_cache[key] = mc.init_mesh(spec, ranks=list(mesh.ranks))
+            assert bound_cache[key].mesh == mesh
         return bound_cache[key]
 
     out = []

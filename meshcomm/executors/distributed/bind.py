@@ -15,6 +15,7 @@ import datetime
 import functools
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -128,18 +129,30 @@ def _close_world() -> None:
         dist.destroy_process_group()
 
 
-def init_mesh(mesh: Mesh | str, *, backend: str | None = None,
-              timeout_s: float | None = None, check: bool | None = None) -> BoundMesh:
+def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,
+              backend: str | None = None, timeout_s: float | None = None,
+              check: bool | None = None) -> BoundMesh:
     """Bind `mesh` to process groups on every rank (call it on every rank of the world).
 
     Initializes the default group from the standard environment variables when
     needed (backend nccl with CUDA, else gloo, unless `backend` says). `check` turns check
     mode on for calls on this mesh (default: the environment's `MESHCOMM_CHECK`).
+    `ranks` with a spec string is `Mesh(spec, ranks=ranks)`: a mesh over some ranks of the
+    world, e.g. `init_mesh("tp=4", ranks=[4, 5, 6, 7])`.
 
     >>> bound = init_mesh("dp=2 tp=2")          # doctest: +SKIP  (inside a 4-rank job)
     >>> bound.group_name("tp")                  # doctest: +SKIP
     """
-    mesh = Mesh(mesh) if isinstance(mesh, str) else mesh
+    if isinstance(mesh, str):
+        mesh = Mesh(mesh, ranks=None if ranks is None else list(ranks))
+    elif ranks is not None:
+        spec = " ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.shape))
+        raise MeshMismatchError(
+            f"init_mesh(ranks=...) goes with a spec string; {mesh!r} has its ranks already."
+            f" fix: mc.init_mesh({spec!r}, ranks=[...]) or leave ranks out")
+    if not isinstance(mesh, Mesh):
+        raise MeshMismatchError(f"init_mesh needs a Mesh or a spec string such as"
+                                f' "dp=2 tp=2", got {type(mesh).__name__}')
     backend = backend or default_backend()
     _ensure_world(backend, timeout_s)
     world = dist.get_world_size()

@@ -1,0 +1,42 @@
+"""Friendlier entry points: `mc.plan` takes a BoundMesh, `init_mesh` takes `ranks=`, and
+`meshcomm launch` checks its script before starting anything."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+import meshcomm as mc
+from meshcomm import cli
+
+
+def bound(mesh: mc.Mesh) -> mc.BoundMesh:
+    return mc.BoundMesh(mesh, "gloo", torch.device("cpu"), mesh.ranks[0], {})
+
+
+def test_plan_takes_a_bound_mesh_as_its_mesh() -> None:
+    mesh = mc.Mesh("dp=2 tp=2")
+    assert mc.plan(bound(mesh), (8, 6), "(dp b) h", "b h") is mc.plan(mesh, (8, 6), "(dp b) h",
+                                                                     "b h")
+    other = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
+    assert mc.plan(bound(mesh), (8, 6), "(dp b) h", "(tp b) h", dst_mesh=bound(other)) == \
+        mc.plan(mesh, (8, 6), "(dp b) h", "(tp b) h", dst_mesh=other)
+
+
+def test_plan_still_refuses_what_is_not_a_mesh() -> None:
+    with pytest.raises(mc.errors.PlanError, match="mesh must be a meshcomm Mesh, got str"):
+        mc.plan("dp=2", (8,), "(dp b)", "b")  # type: ignore[arg-type]
+
+
+def test_init_mesh_ranks_go_with_a_spec_string_only() -> None:
+    # Raised before any process group is touched (no world exists in this process).
+    with pytest.raises(mc.errors.MeshMismatchError, match="goes with a spec string"):
+        mc.init_mesh(mc.Mesh("tp=2"), ranks=[2, 3])
+    with pytest.raises(mc.errors.MeshMismatchError, match="needs a Mesh or a spec string"):
+        mc.init_mesh(4)  # type: ignore[arg-type]
+
+
+def test_launch_checks_that_the_script_exists(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["launch", "-n", "2", "no/such/script.py"]) == 2
+    err = capsys.readouterr().err
+    assert "script 'no/such/script.py' is not a file" in err and "fix:" in err
