@@ -1,16 +1,20 @@
 """Run a function on N local processes joined by torch.distributed (the CLI's demo, tests,
-benchmarks).
+benchmarks, examples).
 
-Every process is a fresh "spawn" child with its own process group on 127.0.0.1.
-`run_ranks` never hangs and never leaves a child behind: whatever happens (an
-error on one rank, a rank stuck in a collective, a crash, Ctrl-C), the parent
+Started with plain `python`, every process is a fresh "spawn" child with its own process
+group on 127.0.0.1. `run_ranks` never hangs and never leaves a child behind: whatever
+happens (an error on one rank, a rank stuck in a collective, a crash, Ctrl-C), the parent
 stops every child before it returns or raises.
+
+Inside a job that is already launched (torchrun, `meshcomm launch`: RANK and WORLD_SIZE
+are set) it runs in place: this process is rank RANK of the job, and no child starts.
 """
 
 from __future__ import annotations
 
 import datetime
 import multiprocessing as mp
+import os
 import pickle
 import queue as queue_mod
 import socket
@@ -38,9 +42,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
 
     >>> run_ranks(pow, 3)          # pow(rank, world_size) on each of 3 processes
     [0, 1, 8]
+
+    Under torchrun or `meshcomm launch` (RANK and WORLD_SIZE set) it runs `fn` in this
+    process, as rank RANK of the launched job, whose size must be `world_size`; the
+    results of every rank are then all-gathered (pickled bytes in a uint8 tensor), so
+    every rank returns the same list, as with spawned children.
     """
     if world_size < 1:
         raise ValueError(f"run_ranks needs world_size >= 1, got {world_size}")
+    launched = launched_rank()
+    if launched is not None:
+        return _run_in_place(fn, world_size, launched, timeout_s, backend, args, kwargs)
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     port = _free_port()
@@ -134,6 +146,77 @@ def _stop(procs: list[Any]) -> None:
             proc.join()
 
 
+# Variables torchrun sets for its children: a spawned rank of our own must not inherit them
+# (TORCHELASTIC_USE_AGENT_STORE makes its rendezvous wait for an agent's store that our
+# children never get).
+_LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+               "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_ENABLE_FILE_TIMER",
+               "TORCHELASTIC_TIMER_FILE")
+
+
+def launched_rank() -> tuple[int, int] | None:
+    """(RANK, WORLD_SIZE) when this process belongs to a launched job, else None."""
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    try:
+        return int(rank), int(world)
+    except ValueError:
+        raise RankFailure(f"RANK={rank!r} and WORLD_SIZE={world!r} are not integers; fix: unset"
+                          " them, or launch with torchrun / meshcomm launch") from None
+
+
+def _run_in_place(fn: Callable[..., Any], world_size: int, launched: tuple[int, int],
+                  timeout_s: float, backend: str, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> list[Any]:
+    """`fn` as rank RANK of the launched job; every rank's result, all-gathered."""
+    import torch.distributed as dist
+
+    rank, world = launched
+    name = getattr(fn, "__name__", "fn")
+    if world != world_size:
+        raise RankFailure(
+            f"run_ranks({name}, {world_size}) runs in place inside a launched job (RANK and"
+            f" WORLD_SIZE are set), but the job has {world} processes; fix: launch"
+            f" {world_size} (torchrun --nproc-per-node {world_size} or meshcomm launch -n"
+            f" {world_size}), or run the script with plain python, which starts its own")
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        try:
+            mine: tuple[bool, Any] = (True, fn(rank, world, *args, **kwargs))
+        except Exception:
+            mine = (False, traceback.format_exc())
+        reports = _all_gather_objects(mine, world)
+    finally:
+        if own and dist.is_initialized():
+            dist.destroy_process_group()
+    failures = [(r, text, True) for r, (ok, text) in enumerate(reports) if not ok]
+    if failures:
+        _raise_failures(failures, world)
+    return [value for _, value in reports]
+
+
+def _all_gather_objects(obj: Any, world: int) -> list[Any]:
+    """Every rank's `obj`, pickled into uint8 tensors (no numpy needed), on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    data = torch.tensor(list(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()]))
+    top = max(int(s) for s in sizes)
+    padded = torch.zeros(top, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    rows = [torch.zeros(top, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(rows, padded)
+    return [pickle.loads(bytes(row[:int(n)].tolist())) for row, n in zip(rows, sizes)]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -147,6 +230,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
     whether `fn` itself raised)."""
     in_fn = False
     try:
+        for name in _LAUNCH_ENV:    # a child of ours, not of a launcher (see _LAUNCH_ENV)
+            os.environ.pop(name, None)
         import torch
         import torch.distributed as dist
 

@@ -1,0 +1,82 @@
+"""`run_ranks` inside a launched job (torchrun, `meshcomm launch`) runs in place: no child
+processes, every rank gets every rank's result, and a job of the wrong size says what to do
+at once instead of waiting for a rendezvous that never comes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import scaled
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = '''
+import sys
+import torch
+import meshcomm as mc
+from meshcomm.executors.distributed.launch import run_ranks
+
+
+def work(rank, world, scale):
+    bound = mc.init_mesh("tp=%d" % world)
+    y = mc.reshard(torch.full((2,), float(rank)), bound, "(tp b)", "b", shape=(2 * world,))
+    return [v * scale for v in y.tolist()]
+
+
+if __name__ == "__main__":
+    out = run_ranks(work, int(sys.argv[1]), 10, timeout_s=60)
+    print(f"RESULT {out}", flush=True)   # one write per line: the ranks share stdout
+'''
+
+
+def _run(tmp_path: Path, *command: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, *command], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=scaled(180))
+    return done, time.monotonic() - start
+
+
+def test_torchrun_runs_the_ranks_in_place(tmp_path: Path) -> None:
+    done, _ = _run(tmp_path, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "2", "job.py", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # Each launched process printed the results of both ranks (in place, all-gathered).
+    assert done.stdout.count("RESULT [[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]]") == 2
+
+
+def test_meshcomm_launch_runs_the_ranks_in_place(tmp_path: Path) -> None:
+    done, _ = _run(tmp_path, "-m", "meshcomm", "launch", "-n", "2", "job.py", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("RESULT [[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]]") == 2
+
+
+def test_a_job_of_the_wrong_size_says_what_to_do_at_once(tmp_path: Path) -> None:
+    done, seconds = _run(tmp_path, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc-per-node", "2", "job.py", "3")
+    assert done.returncode != 0
+    assert ("run_ranks(work, 3) runs in place inside a launched job (RANK and WORLD_SIZE are"
+            " set), but the job has 2 processes; fix: launch 3") in done.stderr
+    assert seconds < scaled(60), seconds    # no rendezvous wait (the in-job timeout is 60 s)
+
+
+def test_plain_python_still_starts_its_own_processes(tmp_path: Path) -> None:
+    done, _ = _run(tmp_path, "job.py", "2")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("RESULT") == 1
+
+
+def test_an_example_runs_under_meshcomm_launch(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "4",
+                           str(ROOT / "examples" / "train_2d.py"), "--steps", "2"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300),
+                          env={**env, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.count("OK: largest relative difference") == 4    # every rank checks
