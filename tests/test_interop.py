@@ -260,10 +260,25 @@ def test_mesh_from_device_mesh_duck_typed() -> None:
         mesh = ((0, 1), (2, 3))
         mesh_dim_names = None
 
+    # Unnamed dims (init_device_mesh("cuda", (2, 2))) are d0, d1, ...
+    assert mc.Mesh.from_device_mesh(Unnamed()) == mc.Mesh("d0=2 d1=2")
+
+    class OddNames:
+        mesh = torch.arange(8).reshape(2, 2, 2)
+        mesh_dim_names = ("mesh-0", "tp", "2nd")
+
+    # Names that are not identifiers become d<index>; identifiers stay.
+    assert mc.Mesh.from_device_mesh(OddNames()) == mc.Mesh("d0=2 tp=2 d2=2")
+
+    class Clash:
+        mesh = ((0, 1), (2, 3))
+        mesh_dim_names = ("d1", "mesh-1")
+
     with pytest.raises(mc.errors.MeshAxisError, match=msg(
-            "DeviceMesh of shape (2, 2) has no mesh_dim_names; meshcomm names every axis."
-            " fix: init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")):
-        mc.Mesh.from_device_mesh(Unnamed())
+            "DeviceMesh dim names ('d1', 'mesh-1') give meshcomm axis names ('d1', 'd1'), which"
+            " repeat (a name that is not an identifier becomes d<its index>); fix: name the dims"
+            " with distinct identifiers, e.g. mesh_dim_names=('dp', 'tp')")):
+        mc.Mesh.from_device_mesh(Clash())
 
 
 def test_plain_tensors_are_not_dtensors() -> None:

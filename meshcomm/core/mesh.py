@@ -127,17 +127,19 @@ class Mesh:
         Duck-typed: anything with `.mesh` (a tensor or nested list of global ranks) and
         `.mesh_dim_names` works. A slice such as `dm["tp"]` gives the mesh of this rank's
         slice only (its `.mesh`), so it can differ between ranks.
+
+        Axis names: a DeviceMesh without `mesh_dim_names` (what `init_device_mesh("cuda",
+        (2, 4))` gives) has axes `d0`, `d1`, ... (its dim indices); a dim name that is not
+        a Python identifier (`"mesh-0"`) becomes `d<its index>` too (`device_axis_names`).
+
+        >>> from types import SimpleNamespace
+        >>> Mesh.from_device_mesh(SimpleNamespace(mesh=[[0, 1], [2, 3]], mesh_dim_names=None))
+        Mesh(d0=2, d1=2)
         """
         grid = device_mesh.mesh
         grid = grid.tolist() if hasattr(grid, "tolist") else grid
         shape = _nested_shape(grid, [])
-        names = getattr(device_mesh, "mesh_dim_names", None)
-        if not names:
-            guess = {1: ("dp",), 2: ("dp", "tp"), 3: ("pp", "dp", "tp")}.get(
-                len(shape), tuple(f"a{i}" for i in range(len(shape))))
-            raise MeshAxisError(
-                f"DeviceMesh of shape {shape} has no mesh_dim_names; meshcomm names every axis."
-                f" fix: init_device_mesh(..., mesh_dim_names={guess!r})")
+        names = device_axis_names(getattr(device_mesh, "mesh_dim_names", None), len(shape))
         return cls(dict(zip(names, shape)), ranks=grid)
 
     # -- value behaviour -------------------------------------------------
@@ -285,3 +287,21 @@ def _groups(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[tuple[int, ...], ..
     ranks = mesh.ranks
     return tuple(tuple(ranks[p] for p in row)
                  for row in grid.reshape(-1, math.prod(mesh.shape[i] for i in idx)).tolist())
+
+
+def device_axis_names(names: Sequence[str] | None, ndim: int) -> tuple[AxisName, ...]:
+    """meshcomm's axis names for a DeviceMesh's dim names: each name that is an identifier
+    stays; a missing or other name is `d<dim index>`.
+
+    >>> device_axis_names(None, 2), device_axis_names(("dp", "mesh-0"), 2)
+    (('d0', 'd1'), ('dp', 'd1'))
+    """
+    given = list(names) if names else [None] * ndim
+    out = tuple(n if isinstance(n, str) and n.isidentifier() else f"d{i}"
+                for i, n in enumerate(given))
+    if len(set(out)) != len(out):
+        raise MeshAxisError(
+            f"DeviceMesh dim names {tuple(given)!r} give meshcomm axis names {out!r}, which"
+            " repeat (a name that is not an identifier becomes d<its index>); fix: name the"
+            " dims with distinct identifiers, e.g. mesh_dim_names=('dp', 'tp')")
+    return out

@@ -242,7 +242,33 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
                         + check_submesh(dm))
     report["autograd"] = check_autograd(dm, mesh)
     report["binding"] = check_binding(mesh)
+    report["unnamed"] = check_unnamed()
     return report
+
+
+def check_unnamed() -> list[str]:
+    """An unnamed DeviceMesh (init_device_mesh("cpu", (2, 2))): axes d0, d1; reshards equal
+    DTensor's redistribute."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dm = init_device_mesh("cpu", (2, 2))
+    problems = []
+    if mc.Mesh.from_device_mesh(dm) != mc.Mesh("d0=2 d1=2"):
+        problems.append(f"unnamed mesh read as {mc.Mesh.from_device_mesh(dm)!r}")
+    x = ints((8, 6), 7)
+    dt = distribute_tensor(x, dm, [Shard(0), Shard(1)], src_data_rank=None)
+    layout = mc.dtensor.from_dtensor(dt, names="b h").layout
+    if layout != mc.Layout("(d0 b) (d1 h)"):
+        problems.append(f"unnamed mesh: from_dtensor gave {layout}")
+    for dst in ([Replicate(), Shard(0)], [Shard(1), Replicate()], [Replicate(), Replicate()]):
+        got, want = mc.reshard(dt, dst), dt.redistribute(dm, dst)
+        if tuple(got.placements) != tuple(want.placements) or \
+                not torch.equal(got.to_local(), want.to_local()):
+            problems.append(f"unnamed mesh: reshard to {dst} differs from redistribute")
+    if not torch.equal(mc.reshard(dt, "b h").to_local(), x):
+        problems.append("unnamed mesh: reshard to \"b h\" is not the global tensor")
+    return problems
 
 
 def eight_ranks(rank: int, world: int) -> dict[str, Any]:
@@ -285,6 +311,10 @@ def test_reshard_dtensor_equals_exact_shards_and_redistribute_on_2x2(
     problems = [p for r in four for p in r["reshard"]]
     assert not problems, "\n".join(problems[:10])
     assert four[0]["compared"] >= 40
+
+
+def test_an_unnamed_device_mesh_has_axes_d0_d1(four: list[dict[str, Any]]) -> None:
+    assert [r["unnamed"] for r in four] == [[]] * 4
 
 
 def test_interop_errors_autograd_and_binding_on_2x2(four: list[dict[str, Any]]) -> None:
