@@ -21,7 +21,7 @@ from . import display
 from .core.errors import InteropError, MeshMismatchError, PlanError, ShapeError
 from .core.layout import Layout, Shape, as_layout
 from .core.mesh import Mesh
-from .executors.distributed.autograd import plan_untraced, reshard_autograd
+from .executors.distributed.autograd import plan_untraced, reshard_autograd, reshard_cast
 from .executors.distributed.bind import BoundMesh
 from .executors.distributed.checks import agree_many, agree_reshard, checking
 from .executors.distributed.cross import execute_cross
@@ -51,12 +51,15 @@ def reshard(x_local: Tensor | None, mesh: BoundMesh, src: str | Layout, dst: str
 @overload
 def reshard(x_local: DTensor, dst: str | Layout | Sequence[Placement], /, *,
             cost_model: CostModel | None = None, trace: ByteTrace | None = None,
-            check: bool | None = None) -> DTensor: ...
+            check: bool | None = None, forward_dtype: torch.dtype | None = None,
+            backward_dtype: torch.dtype | None = None) -> DTensor: ...
 def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
             dst: str | Layout | None = None, *,
             dst_mesh: BoundMesh | None = None, shape: Sequence[int] | None = None,
             dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
-            trace: ByteTrace | None = None, check: bool | None = None) -> Tensor | None:
+            trace: ByteTrace | None = None, check: bool | None = None,
+            forward_dtype: torch.dtype | None = None,
+            backward_dtype: torch.dtype | None = None) -> Tensor | None:
     """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
     `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
 
@@ -75,13 +78,19 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     None. Not differentiable: send gradients back with a second reshard (docs/crossmesh.md).
 
     `mc.reshard(dtensor, dst)` takes a DTensor and `dst` (a layout or placements) and
-    returns a DTensor (`meshcomm.sharded.reshard_dtensor`, docs/dtensor.md).
+    returns a DTensor (`meshcomm.sharded.reshard_dtensor`, docs/dtensor.md); it takes
+    `forward_dtype=` and `backward_dtype=` as `DTensor.redistribute` does.
     """
     if is_dtensor(x_local):
         if (src, dst, dst_mesh, shape, dtype) != (None,) * 5:
             raise ShapeError("mc.reshard(dtensor, dst) takes the destination only (a layout or"
                              " placements): the DTensor carries its mesh, layout and shape")
-        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace, check=check)
+        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace, check=check,
+                               forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+    if forward_dtype is not None or backward_dtype is not None:
+        raise ShapeError("reshard(forward_dtype=, backward_dtype=) go with a DTensor,"
+                         " mc.reshard(dtensor, dst, forward_dtype=...); for a local tensor"
+                         " pass x.to(dtype) (its gradient comes back in x's dtype)")
     if src is None or dst is None:
         raise ShapeError("mc.reshard(x_local, mesh, src, dst): give both layouts, src and dst")
     if dst_mesh is not None and not (isinstance(mesh, BoundMesh) and
@@ -383,7 +392,8 @@ def to_dtensor(sharded: Sharded, *, device_mesh: Any = None) -> Any:
 
 def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
                     cost_model: CostModel | None = None, trace: Any = None,
-                    check: bool | None = None) -> Any:
+                    check: bool | None = None, forward_dtype: torch.dtype | None = None,
+                    backward_dtype: torch.dtype | None = None) -> Any:
     """`dt` resharded by a meshcomm plan to `dst` (a layout or DTensor placements): a DTensor.
 
     >>> y = mc.reshard(dt, "(dp b) (tp h)")                       # doctest: +SKIP
@@ -391,8 +401,13 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
 
     Equals `dt.redistribute(dt.device_mesh, placements)` where DTensor gets that right;
     differentiable. A `dst` DTensor cannot express raises `InteropError` before any
-    communication.
+    communication. As `DTensor.redistribute`: `forward_dtype` casts the local tensor first
+    (the result is in that dtype); `backward_dtype` is the dtype the gradient's collectives
+    run at (default: the input's), and the gradient comes back in the input's dtype.
     """
+    for name, value in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+        if value is not None and not isinstance(value, torch.dtype):
+            raise ShapeError(f"reshard({name}=...) must be a torch.dtype, got {value!r}")
     src = from_dtensor(dt)
     mesh, shape = src.mesh.mesh, src.shape
     if isinstance(dst, (str, Layout)):
@@ -405,7 +420,14 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
     for step in steps:    # every group first: a missing one raises before any communication
         if step.kind != "local":
             src.mesh.group_name(mesh.axis_names if step.kind == "send_recv" else step.axes)
-    out = reshard(src.local, src.mesh, src.layout, layout, shape=shape, cost_model=cost_model,
-                  trace=trace, check=check)
+    if forward_dtype is None and backward_dtype is None:
+        out = reshard(src.local, src.mesh, src.layout, layout, shape=shape,
+                      cost_model=cost_model, trace=trace, check=check)
+    else:
+        p = plan(mesh, shape, src.layout, layout, dtype=forward_dtype or src.dtype,
+                 cost_model=cost_model)
+        if checking(src.mesh, check):
+            agree_reshard(src.local.to(p.dtype), src.mesh, p)
+        out = reshard_cast(src.local, src.mesh, p, trace, backward_dtype)
     return wrap(out, dt.device_mesh, placements, shape)
 

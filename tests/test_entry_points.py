@@ -40,3 +40,9 @@ def test_launch_checks_that_the_script_exists(capsys: pytest.CaptureFixture[str]
     assert cli.main(["launch", "-n", "2", "no/such/script.py"]) == 2
     err = capsys.readouterr().err
     assert "script 'no/such/script.py' is not a file" in err and "fix:" in err
+
+
+def test_forward_dtype_goes_with_a_dtensor() -> None:
+    with pytest.raises(mc.errors.ShapeError, match="go with a DTensor"):
+        mc.reshard(torch.zeros(2), bound(mc.Mesh("tp=2")), "(tp b)", "b",
+                   forward_dtype=torch.float64)

@@ -243,7 +243,35 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     report["autograd"] = check_autograd(dm, mesh)
     report["binding"] = check_binding(mesh)
     report["unnamed"] = check_unnamed()
+    report["dtypes"] = check_dtypes(dm)
     return report
+
+
+def check_dtypes(dm: Any) -> list[str]:
+    """forward_dtype / backward_dtype as DTensor.redistribute: values, dtypes, gradients."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    problems = []
+    x = ints((8, 6), 11)
+    for fwd, bwd in ((torch.float64, None), (torch.float64, torch.float64),
+                     (None, torch.float64)):
+        for dst in ([Replicate(), Replicate()], [Shard(1), Shard(0)]):
+            ours = distribute_tensor(x, dm, [Shard(0), Shard(1)], src_data_rank=None)
+            theirs = distribute_tensor(x, dm, [Shard(0), Shard(1)], src_data_rank=None)
+            ours.requires_grad_(True)
+            theirs.requires_grad_(True)
+            a = mc.reshard(ours, dst, forward_dtype=fwd, backward_dtype=bwd)
+            b = theirs.redistribute(dm, dst, forward_dtype=fwd, backward_dtype=bwd)
+            where = f"forward_dtype={fwd} backward_dtype={bwd} -> {dst}"
+            if a.dtype != b.dtype or not torch.equal(a.to_local(), b.to_local()):
+                problems.append(f"{where}: forward differs ({a.dtype} vs {b.dtype})")
+            grad = ints(tuple(a.to_local().shape), 3).to(a.dtype)
+            a.to_local().backward(grad)
+            b.to_local().backward(grad)
+            ga, gb = ours.grad.to_local(), theirs.grad.to_local()
+            if ga.dtype != gb.dtype or not torch.equal(ga, gb):
+                problems.append(f"{where}: gradient differs ({ga.dtype} vs {gb.dtype})")
+    return problems
 
 
 def check_unnamed() -> list[str]:
@@ -311,6 +339,10 @@ def test_reshard_dtensor_equals_exact_shards_and_redistribute_on_2x2(
     problems = [p for r in four for p in r["reshard"]]
     assert not problems, "\n".join(problems[:10])
     assert four[0]["compared"] >= 40
+
+
+def test_forward_and_backward_dtype_as_redistribute(four: list[dict[str, Any]]) -> None:
+    assert [r["dtypes"] for r in four] == [[]] * 4
 
 
 def test_an_unnamed_device_mesh_has_axes_d0_d1(four: list[dict[str, Any]]) -> None:
