@@ -380,19 +380,18 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
 
 
 def _plan_table(rows: Sequence[dict[str, object]]) -> Table:
-    """One row per step; under its local shapes, the layout the step leaves."""
+    """One row per step; under its local shapes, the layout the step leaves (and the
+    collective it runs as). Narrow consoles wrap cells and headers, never drop a column."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
     heads = list(explain.HEADERS)
     heads[3] = "local shape\nlayout after"
     cells_per_row = [explain.step_cells(row) for row in rows]
-    shapes_width = max(len(cells[3]) for cells in cells_per_row)
     for i, head in enumerate(heads):
         table.add_column(head, justify="right" if i in explain.RIGHT else "left",
-                         no_wrap=i in explain.RIGHT, overflow="fold",
-                         min_width=shapes_width if i == 3 else None)
+                         overflow="fold")
     for row, cells in zip(rows, cells_per_row):
         shapes = Text(cells[3])
-        shapes.append(f'\n"{row["after"]}"', style="italic")
+        shapes.append(f'\n"{row["after"]}"{explain.wire_note(row)}', style="italic")
         table.add_row(*cells[:3], shapes, *cells[4:])
     return table
 

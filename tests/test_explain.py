@@ -213,3 +213,19 @@ def test_explain_shows_how_a_step_runs_where_it_is_not_its_own_kind() -> None:
     assert '"(tp a) b" -> "a b"\n' in even.explain() + "\n"
     assert '   "(tp a) b" -> "a b"; as all_to_all' in uneven.explain().splitlines()
     assert uneven.rows()[0]["wire"] == "all_to_all"
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_a_narrow_console_wraps_the_plan_table_and_drops_no_column(width: int) -> None:
+    p = mc.plan(mc.Mesh("tp=4"), (10, 6), "(tp a) b", "a (tp b)")
+    console = Console(file=io.StringIO(), width=width, no_color=True)
+    display.show_plan(p, console=console, pictures=False)
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    assert max(len(line) for line in text.splitlines()) <= width
+    if width >= 80:    # narrower still, long words fold across lines (nothing is dropped)
+        flat = " ".join(text.split())
+        for word in ("sent", "peak", "mem", "(µs)", "send_recv", "as all_to_all"):
+            assert word in flat, (word, text)
+    row = p.rows()[0]
+    for cell in ("48 B", "56 B", "152 B", format_us(row["time_s"])):
+        assert cell in text, (cell, text)

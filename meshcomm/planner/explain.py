@@ -91,12 +91,16 @@ def step_cells(row: dict[str, Any]) -> tuple[str, ...]:
             format_bytes(row["peak_bytes"]))
 
 
+def wire_note(row: dict[str, Any]) -> str:
+    """'; as all_to_all' where a step runs as another collective than its kind, else ''."""
+    wire = row.get("wire") or ""
+    return f"; as {wire}" if wire and wire != row["kind"] else ""
+
+
 def step_layouts(row: dict[str, Any]) -> str:
     """'"before" -> "after"': the layouts around one step, and the collective it runs as
     where that is not its own kind ('; as all_to_all')."""
-    wire = row.get("wire") or ""
-    how = f"; as {wire}" if wire and wire != row["kind"] else ""
-    return f'"{row["before"]}" -> "{row["after"]}"{how}'
+    return f'"{row["before"]}" -> "{row["after"]}"{wire_note(row)}'
 
 
 def bound_text(plan: Plan) -> str:

@@ -167,7 +167,8 @@ def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: BoundMesh,
         f' {list(ranks)}), "{step.before}" -> "{step.after}",'
         f" {'did not complete in time' if timeout else 'failed'}:"
         f" {type(err).__name__}: {str(err).strip()}\n  fix: a rank of the group died, hangs,"
-        " or never reached this step (look for its own error or exit first)"
+        " or never reached this step (look for its own error or exit first; MESHCOMM_CHECK=1"
+        " or init_mesh(check=True) names ranks that call something else)"
         + ("; if the step is only slow, raise init_mesh(timeout_s=...)" if timeout else "")
     ) from err
 

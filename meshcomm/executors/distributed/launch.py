@@ -80,8 +80,10 @@ def _collect(procs: list[Any], results_q: Any, world_size: int, deadline: float,
             missing = [r for r in range(world_size) if r not in results]
             raise RankFailure(
                 f"run_ranks: rank(s) {missing} of {world_size} did not finish within"
-                f" {timeout_s:g} s; all ranks were stopped. fix: look for a rank that skips a"
-                " collective the others call, or raise timeout_s")
+                f" {timeout_s:g} s; all ranks were stopped. fix: if they are only slow (a"
+                " loaded machine, a long job), raise timeout_s; if ranks may call different"
+                " collectives, run with MESHCOMM_CHECK=1 (check mode names the ranks that"
+                " disagree and what each asked for)")
         try:
             rank, ok, payload, in_fn = results_q.get(timeout=min(_POLL_S, deadline - now))
         except queue_mod.Empty:
