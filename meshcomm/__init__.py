@@ -18,6 +18,12 @@ import importlib
 import warnings
 from typing import Any
 
+# CPU builds of torch without numpy print "Failed to initialize NumPy" when torch loads.
+# meshcomm needs no numpy, so the message is noise: silence exactly it (when meshcomm is
+# imported before torch; `run_ranks` children get the same filter). docs/runtime.md.
+NUMPY_WARNING = "Failed to initialize NumPy"
+warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+
 from . import collectives, dtensor, errors, nn
 from .core.layout import Layout
 from .core.mesh import Mesh

@@ -80,3 +80,30 @@ def test_an_example_runs_under_meshcomm_launch(tmp_path: Path) -> None:
                           env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stdout.count("OK: largest relative difference") == 4    # every rank checks
+
+
+QUIET = '''
+import meshcomm as mc    # first: its filter is in place before torch loads
+from meshcomm.executors.distributed.launch import run_ranks
+
+
+def work(rank, world):
+    import torch
+    return rank
+
+
+if __name__ == "__main__":
+    print("RESULT", run_ranks(work, 2, timeout_s=60))
+'''
+
+
+def test_no_numpy_warning_from_meshcomm_or_its_ranks(tmp_path: Path) -> None:
+    (tmp_path / "quiet.py").write_text(QUIET)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "PYTHONWARNINGS")}
+    done = subprocess.run([sys.executable, "quiet.py"], capture_output=True, text=True,
+                          cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)},
+                          timeout=scaled(120))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RESULT [0, 1]" in done.stdout
+    assert "NumPy" not in done.stderr, done.stderr

@@ -12,6 +12,7 @@ are set) it runs in place: this process is rank RANK of the job, and no child st
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -20,7 +21,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...core.errors import RankFailure
@@ -61,8 +62,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                                args, kwargs))
              for rank in range(world_size)]
     try:
-        for proc in procs:
-            proc.start()
+        with _quiet_numpy_warning():
+            for proc in procs:
+                proc.start()
         return _collect(procs, results_q, world_size, time.monotonic() + timeout_s, timeout_s)
     finally:
         _stop(procs)
@@ -157,6 +159,23 @@ _LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RA
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT",
                "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_ENABLE_FILE_TIMER",
                "TORCHELASTIC_TIMER_FILE")
+
+
+@contextlib.contextmanager
+def _quiet_numpy_warning() -> Iterator[None]:
+    """Children start with PYTHONWARNINGS ignoring torch's "Failed to initialize NumPy"
+    (they import torch before any meshcomm code runs); the parent's environment is
+    restored at once."""
+    before = os.environ.get("PYTHONWARNINGS")
+    rule = "ignore:Failed to initialize NumPy:UserWarning"
+    os.environ["PYTHONWARNINGS"] = f"{before},{rule}" if before else rule
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONWARNINGS"]
+        else:
+            os.environ["PYTHONWARNINGS"] = before
 
 
 def launched_rank() -> tuple[int, int] | None:
