@@ -390,6 +390,14 @@ def to_dtensor(sharded: Sharded, *, device_mesh: Any = None) -> Any:
     return wrap(sharded.local, dm, placements, sharded.shape)
 
 
+def _outside_rank(dt: Any) -> Mesh | None:
+    """The DTensor's Mesh when this rank is not in it (else None)."""
+    import torch.distributed as dist
+
+    mesh = Mesh.from_device_mesh(dt.device_mesh)
+    return mesh if dist.is_initialized() and dist.get_rank() not in mesh.ranks else None
+
+
 def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
                     cost_model: CostModel | None = None, trace: Any = None,
                     check: bool | None = None, forward_dtype: torch.dtype | None = None,
@@ -401,13 +409,21 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
 
     Equals `dt.redistribute(dt.device_mesh, placements)` where DTensor gets that right;
     differentiable. A `dst` DTensor cannot express raises `InteropError` before any
-    communication. As `DTensor.redistribute`: `forward_dtype` casts the local tensor first
+    communication. A rank outside the DTensor's mesh does nothing (returns a DTensor with
+    its empty local tensor and the new placements), as `redistribute`. As
+    `DTensor.redistribute`: `forward_dtype` casts the local tensor first
     (the result is in that dtype); `backward_dtype` is the dtype the gradient's collectives
     run at (default: the input's), and the gradient comes back in the input's dtype.
     """
     for name, value in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
         if value is not None and not isinstance(value, torch.dtype):
             raise ShapeError(f"reshard({name}=...) must be a torch.dtype, got {value!r}")
+    outside = _outside_rank(dt)
+    if outside is not None:    # as DTensor: ranks outside its mesh do nothing
+        mesh, shape = outside, tuple(dt.shape)
+        placements = (to_placements(mesh, shape, as_layout(dst, "dst"))
+                      if isinstance(dst, (str, Layout)) else tuple(dst))
+        return wrap(dt.to_local(), dt.device_mesh, placements, shape)
     src = from_dtensor(dt)
     mesh, shape = src.mesh.mesh, src.shape
     if isinstance(dst, (str, Layout)):

@@ -244,7 +244,28 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     report["binding"] = check_binding(mesh)
     report["unnamed"] = check_unnamed()
     report["dtypes"] = check_dtypes(dm)
+    report["outside"] = check_outside()
     return report
+
+
+def check_outside() -> list[str]:
+    """A DTensor on DeviceMesh("cpu", [0, 2]): ranks 1 and 3 are outside it and do nothing,
+    as with DTensor's redistribute; ranks 0 and 2 get redistribute's result."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    sub = DeviceMesh("cpu", [0, 2], mesh_dim_names=("tp",))
+    x = ints((6, 4), 9)
+    problems = []
+    for dst in ([Replicate()], "b (tp h)"):
+        dt = distribute_tensor(x, sub, [Shard(0)], src_data_rank=None)
+        got = mc.reshard(dt, dst)
+        want = dt.redistribute(sub, [Replicate()] if dst == [Replicate()] else [Shard(1)])
+        if tuple(got.placements) != tuple(want.placements) or \
+                not torch.equal(got.to_local(), want.to_local()) or got.shape != want.shape:
+            problems.append(f"rank {torch.distributed.get_rank()}: reshard on a sub-mesh to"
+                            f" {dst} gave {got.placements} {tuple(got.to_local().shape)}")
+    return problems
 
 
 def check_dtypes(dm: Any) -> list[str]:
@@ -343,6 +364,10 @@ def test_reshard_dtensor_equals_exact_shards_and_redistribute_on_2x2(
 
 def test_forward_and_backward_dtype_as_redistribute(four: list[dict[str, Any]]) -> None:
     assert [r["dtypes"] for r in four] == [[]] * 4
+
+
+def test_ranks_outside_a_dtensors_mesh_do_nothing(four: list[dict[str, Any]]) -> None:
+    assert [r["outside"] for r in four] == [[]] * 4
 
 
 def test_an_unnamed_device_mesh_has_axes_d0_d1(four: list[dict[str, Any]]) -> None:
