@@ -228,9 +228,12 @@ def test_error_placements_without_a_layout() -> None:
     with pytest.raises(mc.errors.InteropError, match=msg(
             "dim 0 of shape (7,) on Mesh(dp=2, tp=2) is split unevenly (dp: _StridedShard(0,"
             ' split_factor=3)) in a way no layout describes: only "(axes... name)" groups may'
-            " be uneven, split with torch.chunk axis by axis. fix: pad dim 0 to 8, or"
-            " redistribute it to Shard placements in mesh order")):
+            " be uneven, split with torch.chunk axis by axis. fix: pad dim 0 to 12 (a multiple"
+            " of each axis size times its split factor), or redistribute it to Shard placements"
+            " in mesh order")):
         mc.dtensor.from_placements(M4, (7,), pl("SS0.3 R"))
+    # The padding it suggests is accepted (the split factor counts, not only the axis size).
+    assert mc.dtensor.from_placements(M4, (12,), pl("SS0.3 R")) == mc.Layout("(x=3 dp d0)")
     with pytest.raises(mc.errors.InteropError, match=msg(
             "placements [Partial(sum), Partial(max)] mix reductions ['max', 'sum']; a layout"
             " holds one pending reduction. fix: redistribute all but one op to Replicate()")):

@@ -240,12 +240,14 @@ def _uneven_dim(mesh: Mesh, shape: Shape, desc: tuple[Desc, ...], names: tuple[s
         return text
     placements = [f"{a}: Shard({d})" if split == 1 else
                   f"{a}: _StridedShard({d}, split_factor={split})" for a, _, split in shards]
-    total = math.prod(k for _, k, _ in shards)
+    # Every split even: a multiple of each axis size times its split factor.
+    total = math.prod(k * split for _, k, split in shards)
     raise InteropError(
         f"dim {d} of shape {shape} on {mesh!r} is split unevenly ({', '.join(placements)})"
         " in a way no layout describes: only \"(axes... name)\" groups may be uneven, split"
-        f" with torch.chunk axis by axis. fix: pad dim {d} to {-(-shape[d] // total) * total},"
-        " or redistribute it to Shard placements in mesh order")
+        f" with torch.chunk axis by axis. fix: pad dim {d} to {-(-shape[d] // total) * total}"
+        " (a multiple of each axis size times its split factor), or redistribute it to Shard"
+        " placements in mesh order")
 
 
 def _decode_order(shards: list[tuple[AxisName, int, int]]) -> list[AxisName] | None:
