@@ -29,7 +29,7 @@ from .executors.distributed.execute import ByteTrace, execute_many
 from .executors.local import take
 from .executors.sim.shards import scatter
 from .interop.placements import from_placements, to_placements
-from .interop.runtime import bind_device_mesh, is_dtensor, placements_of, wrap
+from .interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of, wrap
 from .planner.plan import plan
 from .planner.values import CostModel, Plan
 
@@ -366,7 +366,7 @@ def from_dtensor(dt: Any, *, mesh: BoundMesh | None = None,
             f"from_dtensor(mesh=...) got a BoundMesh of {mesh.mesh!r} but the DTensor lives on"
             f" {Mesh.from_device_mesh(dm)!r}; fix: leave mesh= out, or bind"
             " mc.init_mesh(mc.Mesh.from_device_mesh(dt.device_mesh))")
-    shape = tuple(dt.shape)
+    shape = global_shape(dt)
     layout = from_placements(mesh.mesh, shape, placements_of(dt), names=names)
     return Sharded(dt.to_local(), mesh, layout, shape)
 
@@ -420,7 +420,7 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
             raise ShapeError(f"reshard({name}=...) must be a torch.dtype, got {value!r}")
     outside = _outside_rank(dt)
     if outside is not None:    # as DTensor: ranks outside its mesh do nothing
-        mesh, shape = outside, tuple(dt.shape)
+        mesh, shape = outside, global_shape(dt)
         placements = (to_placements(mesh, shape, as_layout(dst, "dst"))
                       if isinstance(dst, (str, Layout)) else tuple(dst))
         return wrap(dt.to_local(), dt.device_mesh, placements, shape)

@@ -20,6 +20,14 @@ from ..executors.distributed.bind import BoundMesh, check_default
 from .placements import Placements
 
 
+def global_shape(dt: Any) -> Shape:
+    """A DTensor's global shape as its spec says (what every rank agrees on), not the
+    wrapper's `.shape` (tensors built by hand can disagree with their spec)."""
+    spec = getattr(dt, "_spec", None)
+    meta = getattr(spec, "tensor_meta", None)
+    return tuple(int(n) for n in (meta.shape if meta is not None else dt.shape))
+
+
 def is_dtensor(x: object) -> bool:
     """True for a torch DTensor (imports nothing: no DTensor exists before its module loads)."""
     module = sys.modules.get("torch.distributed.tensor")
