@@ -435,7 +435,7 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
     steps = plan(mesh, shape, src.layout, layout, dtype=src.dtype, cost_model=cost_model).steps
     for step in steps:    # every group first: a missing one raises before any communication
         if step.kind != "local":
-            src.mesh.group_name(mesh.axis_names if step.kind == "send_recv" else step.axes)
+            src.mesh.group_name(step.axes)    # each step runs over its axes' group
     if forward_dtype is None and backward_dtype is None:
         out = reshard(src.local, src.mesh, src.layout, layout, shape=shape,
                       cost_model=cost_model, trace=trace, check=check)
