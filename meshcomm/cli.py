@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -250,7 +251,8 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
     --standalone); returns 0 when every process succeeds, else 1.
 
     Each process gets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, so `mc.init_mesh`
-    joins them (gloo without CUDA, nccl with it).
+    joins them (gloo without CUDA, nccl with it). Every line a process prints starts with
+    its rank ("[rank0]:"); OMP_NUM_THREADS defaults to 1.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -261,8 +263,12 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
         raise MeshAxisError(f"launch: script {script!r} is not a file (from {Path.cwd()});"
                             " fix: give the path of a Python script, e.g."
                             " meshcomm launch -n 4 examples/train_2d.py")
+    # Each line of a rank's output is prefixed "[rank<i>]:"; one intra-op thread per process,
+    # as torchrun would set, without its banner about it.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        torchrun.main(["--standalone", f"--nproc-per-node={nproc}", script, *script_args])
+        torchrun.main(["--standalone", f"--nproc-per-node={nproc}", "--tee", "3",
+                       "--role", "rank", script, *script_args])
     except ChildFailedError as err:
         print(f"meshcomm launch: {err}", file=sys.stderr)
         return 1

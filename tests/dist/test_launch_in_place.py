@@ -54,7 +54,10 @@ def test_torchrun_runs_the_ranks_in_place(tmp_path: Path) -> None:
 def test_meshcomm_launch_runs_the_ranks_in_place(tmp_path: Path) -> None:
     done, _ = _run(tmp_path, "-m", "meshcomm", "launch", "-n", "2", "job.py", "2")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.count("RESULT [[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]]") == 2
+    for rank in (0, 1):    # each rank's lines carry its rank
+        assert f"[rank{rank}]:RESULT [[0.0, 0.0, 10.0, 10.0], [0.0, 0.0, 10.0, 10.0]]" \
+            in done.stdout, done.stdout
+    assert "OMP_NUM_THREADS" not in done.stdout + done.stderr    # no torchrun banner
 
 
 def test_a_job_of_the_wrong_size_says_what_to_do_at_once(tmp_path: Path) -> None:
