@@ -390,14 +390,6 @@ def to_dtensor(sharded: Sharded, *, device_mesh: Any = None) -> Any:
     return wrap(sharded.local, dm, placements, sharded.shape)
 
 
-def _outside_rank(dt: Any) -> Mesh | None:
-    """The DTensor's Mesh when this rank is not in it (else None)."""
-    import torch.distributed as dist
-
-    mesh = Mesh.from_device_mesh(dt.device_mesh)
-    return mesh if dist.is_initialized() and dist.get_rank() not in mesh.ranks else None
-
-
 def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
                     cost_model: CostModel | None = None, trace: Any = None,
                     check: bool | None = None, forward_dtype: torch.dtype | None = None,
@@ -418,9 +410,8 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
     for name, value in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
         if value is not None and not isinstance(value, torch.dtype):
             raise ShapeError(f"reshard({name}=...) must be a torch.dtype, got {value!r}")
-    outside = _outside_rank(dt)
-    if outside is not None:    # as DTensor: ranks outside its mesh do nothing
-        mesh, shape = outside, global_shape(dt)
+    if dt.device_mesh.get_coordinate() is None:   # as DTensor: ranks outside its mesh do nothing
+        mesh, shape = Mesh.from_device_mesh(dt.device_mesh), global_shape(dt)
         placements = (to_placements(mesh, shape, as_layout(dst, "dst"))
                       if isinstance(dst, (str, Layout)) else tuple(dst))
         return wrap(dt.to_local(), dt.device_mesh, placements, shape)
@@ -432,16 +423,15 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
     else:
         placements = tuple(dst)
         layout = from_placements(mesh, shape, placements, names=src.layout.dim_names(mesh))
-    steps = plan(mesh, shape, src.layout, layout, dtype=src.dtype, cost_model=cost_model).steps
-    for step in steps:    # every group first: a missing one raises before any communication
+    p = plan(mesh, shape, src.layout, layout, dtype=forward_dtype or src.dtype,
+             cost_model=cost_model)
+    for step in p.steps:    # every group first: a missing one raises before any communication
         if step.kind != "local":
             src.mesh.group_name(step.axes)    # each step runs over its axes' group
     if forward_dtype is None and backward_dtype is None:
         out = reshard(src.local, src.mesh, src.layout, layout, shape=shape,
                       cost_model=cost_model, trace=trace, check=check)
     else:
-        p = plan(mesh, shape, src.layout, layout, dtype=forward_dtype or src.dtype,
-                 cost_model=cost_model)
         if checking(src.mesh, check):
             agree_reshard(src.local.to(p.dtype), src.mesh, p)
         out = reshard_cast(src.local, src.mesh, p, trace, backward_dtype)
