@@ -367,7 +367,7 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
     parts: list[RenderableType] = [Text("\n".join(explain.title_lines(plan, width)),
                                         style="bold")]
     rows = plan.rows()
-    parts.append(_plan_table(rows) if rows else Text(explain.NO_STEPS))
+    parts.append(_plan_table(plan, rows) if rows else Text(explain.NO_STEPS))
     parts.append(Text("\n".join(explain.total_lines(plan))))
     if plan.dst_mesh is not None:
         parts.append(Text("\n".join(explain.transfer_lines(plan))))
@@ -379,13 +379,13 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
     return Group(*parts)
 
 
-def _plan_table(rows: Sequence[dict[str, object]]) -> Table:
+def _plan_table(plan: Plan, rows: Sequence[dict[str, object]]) -> Table:
     """One row per step; under its local shapes, the layout the step leaves (and the
     collective it runs as). Narrow consoles wrap cells and headers, never drop a column."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
-    heads = list(explain.HEADERS)
+    heads = list(explain.headers(plan))
     heads[3] = "local shape\nlayout after"
-    cells_per_row = [explain.step_cells(row) for row in rows]
+    cells_per_row = [explain.step_cells(row, timed=plan.cost_model.models_time) for row in rows]
     for i, head in enumerate(heads):
         table.add_column(head, justify="right" if i in explain.RIGHT else "left",
                          overflow="fold")

@@ -23,6 +23,7 @@ Plan = Any
 
 HEADERS = ("#", "step", "axes (group)", "local shape", "sent", "received", "time (µs)",
            "peak mem")
+TIME = HEADERS.index("time (µs)")
 NO_STEPS = "(no communication: layouts are equal)"
 RIGHT = frozenset({0, 4, 5, 6, 7})     # numeric columns, right-aligned
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -82,13 +83,20 @@ def _shape_text(shape: Sequence[int]) -> str:
     return str(tuple(shape))
 
 
-def step_cells(row: dict[str, Any]) -> tuple[str, ...]:
-    """The cells of one `plan.rows()` row, in `HEADERS` order."""
+def headers(plan: Plan) -> tuple[str, ...]:
+    """The table's column titles: `HEADERS`, less the time column when the plan's cost model
+    does not model time (the default: see `CostModel.models_time`)."""
+    return HEADERS if plan.cost_model.models_time else HEADERS[:TIME] + HEADERS[TIME + 1:]
+
+
+def step_cells(row: dict[str, Any], *, timed: bool = True) -> tuple[str, ...]:
+    """The cells of one `plan.rows()` row, in `headers(plan)` order (`timed=False` leaves
+    the time cell out)."""
     axes = f"{','.join(row['axes'])} ({row['group_size']})" if row["axes"] else "-"
     shapes = f"{_shape_text(row['local_shape_before'])} -> {_shape_text(row['local_shape_after'])}"
+    time = (format_us(row["time_s"]),) if timed else ()
     return (str(row["step"]), step_name(row), axes, shapes, format_bytes(row["send_bytes"]),
-            format_bytes(row["recv_bytes"]), format_us(row["time_s"]),
-            format_bytes(row["peak_bytes"]))
+            format_bytes(row["recv_bytes"]), *time, format_bytes(row["peak_bytes"]))
 
 
 def wire_note(row: dict[str, Any]) -> str:
@@ -124,8 +132,9 @@ def total_lines(plan: Plan) -> tuple[str, ...]:
         f" {bound_text(plan)}",
         f"  busiest rank sends {format_bytes(s['send_bytes'])} and receives"
         f" {format_bytes(s['recv_bytes'])} (all ranks receive {format_bytes(s['recv_bytes_sum'])})",
-        f"  peak memory {format_bytes(s['peak_bytes'])} per rank;"
-        f" modelled time {format_us(s['cost_s'])} µs",
+        f"  peak memory {format_bytes(s['peak_bytes'])} per rank"
+        + (f"; modelled time {format_us(s['cost_s'])} µs" if plan.cost_model.models_time
+           else ""),
     )
 
 
@@ -153,17 +162,18 @@ def layout_lines(plan: Plan) -> tuple[str, ...]:
                  for (word, layout, mesh), text in zip(pairs, quoted))
 
 
-def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
+def _table(plan: Plan, rows: Sequence[dict[str, Any]]) -> list[str]:
     """Fixed-width table lines: a header, then each step and its layouts indented below."""
-    cells = [step_cells(row) for row in rows]
-    widths = [max(len(c[i]) for c in [HEADERS, *cells]) for i in range(len(HEADERS))]
+    heads = headers(plan)
+    cells = [step_cells(row, timed=plan.cost_model.models_time) for row in rows]
+    widths = [max(len(c[i]) for c in [heads, *cells]) for i in range(len(heads))]
 
     def line(values: Sequence[str]) -> str:
         parts = [v.rjust(w) if i in RIGHT else v.ljust(w)
                  for i, (v, w) in enumerate(zip(values, widths))]
         return "  ".join(parts).rstrip()
 
-    out = [line(HEADERS)]
+    out = [line(heads)]
     for row, values in zip(rows, cells):
         out.append(line(values))
         out.append(" " * (widths[0] + 2) + step_layouts(row))
@@ -264,6 +274,6 @@ def format_plan(plan: Plan) -> str:
     """
     rows = plan.rows()
     lines = list(title_lines(plan))
-    lines += _table(rows) if rows else [NO_STEPS]
+    lines += _table(plan, rows) if rows else [NO_STEPS]
     lines += [*total_lines(plan), *transfer_lines(plan), *layout_lines(plan)]
     return "\n".join(lines)

@@ -58,13 +58,19 @@ def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]) -
     return (("*", float(value)),)
 
 
+_DEFAULT_LAT = _pairs(0.0)
+_DEFAULT_BW = _pairs(100e9)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Latency and bandwidth per mesh axis: step time = latency + max-rank bytes / bandwidth.
 
     A collective over several axes pays the largest latency and the smallest
     bandwidth among them. Local steps cost nothing. The default has no latency,
-    so bytes decide and ties go to memory, then to fewer steps.
+    so bytes decide and ties go to memory, then to fewer steps. Its bandwidth is a
+    placeholder, so a plan made with the default prints no time (`models_time` is
+    False): pass a CostModel with your network's numbers to see modelled times.
 
     `native` names the step kinds the backend runs as real collectives (NCCL and
     gloo run them all). The planner never uses a kind outside it: nothing is
@@ -104,6 +110,17 @@ class CostModel:
     def _get(self, table: tuple[tuple[str, float], ...], axis: str, default: float) -> float:
         found = dict(table)
         return found.get(axis, found.get("*", default))
+
+    @property
+    def models_time(self) -> bool:
+        """False for the default model (no latency, placeholder bandwidth): its times are
+        not a prediction, so printed plans leave them out. True once latency or bandwidth
+        is given.
+
+        >>> CostModel().models_time, CostModel(latency_s=5e-6).models_time
+        (False, True)
+        """
+        return (self._lat, self._bw) != (_DEFAULT_LAT, _DEFAULT_BW)
 
     def bandwidth_of(self, axis: AxisName) -> float:
         """Bytes per second of `axis`."""
