@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # CPU builds of torch without numpy print "Failed to initialize NumPy" when torch loads.
 # meshcomm needs no numpy, so the message is noise: silence exactly it (when meshcomm is
@@ -24,16 +24,35 @@ from typing import Any
 NUMPY_WARNING = "Failed to initialize NumPy"
 warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
-from . import collectives, dtensor, errors, nn
-from .core.layout import Layout
-from .core.mesh import Mesh
-from .display import show, show_plan
-from .executors import sim
-from .executors.distributed import BoundMesh, ByteTrace, init_mesh
-from .planner.plan import plan
-from .planner.values import CostModel, Plan, Step
-from .recipes import Recipe, logical, recipe
-from .sharded import Sharded, distribute, reshard, reshard_many
+# Names load on first use (PEP 562), so `import meshcomm` and `meshcomm --help` do not pay
+# for torch.distributed, rich and pydantic until a name that needs them is read.
+_EXPORTS = {
+    "collectives": "meshcomm.collectives", "dtensor": "meshcomm.dtensor",
+    "errors": "meshcomm.errors", "nn": "meshcomm.nn", "sim": "meshcomm.executors.sim",
+    "Layout": "meshcomm.core.layout", "Mesh": "meshcomm.core.mesh",
+    "show": "meshcomm.display", "show_plan": "meshcomm.display",
+    "BoundMesh": "meshcomm.executors.distributed", "ByteTrace": "meshcomm.executors.distributed",
+    "init_mesh": "meshcomm.executors.distributed",
+    "plan": "meshcomm.planner.plan",
+    "CostModel": "meshcomm.planner.values", "Plan": "meshcomm.planner.values",
+    "Step": "meshcomm.planner.values",
+    "Recipe": "meshcomm.recipes", "logical": "meshcomm.recipes", "recipe": "meshcomm.recipes",
+    "Sharded": "meshcomm.sharded", "distribute": "meshcomm.sharded",
+    "reshard": "meshcomm.sharded", "reshard_many": "meshcomm.sharded",
+}
+_NAMESPACES = frozenset({"collectives", "dtensor", "errors", "nn", "sim"})
+
+if TYPE_CHECKING:
+    from . import collectives, dtensor, errors, nn
+    from .core.layout import Layout
+    from .core.mesh import Mesh
+    from .display import show, show_plan
+    from .executors import sim
+    from .executors.distributed import BoundMesh, ByteTrace, init_mesh
+    from .planner.plan import plan
+    from .planner.values import CostModel, Plan, Step
+    from .recipes import Recipe, logical, recipe
+    from .sharded import Sharded, distribute, reshard, reshard_many
 
 __all__ = [
     # values
@@ -69,9 +88,18 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        module = importlib.import_module(_EXPORTS[name])
+        value = module if name in _NAMESPACES else getattr(module, name)
+        globals()[name] = value          # later reads skip this function
+        return value
     if name not in _MOVED:
         raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
     module, instead = _MOVED[name]
     warnings.warn(f"mc.{name} is deprecated; use {instead}", DeprecationWarning, stacklevel=2)
     found = importlib.import_module(module)
     return found if name == "dist" else getattr(found, name)
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -16,23 +16,28 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-
-from . import display, recipes
 from .core.errors import MeshAxisError, MeshcommError, did_you_mean
-from .core.layout import Layout, Shape
-from .core.mesh import Mesh
-from .executors import sim
-from .planner.plan import plan
-from .planner.values import CostModel, Plan
+
+# Parsing arguments and `--help` import no torch, rich or pydantic (they take over a
+# second): each handler imports what it uses.
+if TYPE_CHECKING:
+    import torch
+
+    from .core.layout import Shape
+    from .core.mesh import Mesh
+    from .executors import sim
+    from .planner.values import CostModel, Plan
+else:
+    Shape = tuple
 
 DEMO_MESH = "dp=2 tp=2"
 DEMO_SHAPE = (8, 6)
 DEMO_LAYOUTS = ("(dp b) (tp h)", "(b dp) h | sum(tp)", "(dp tp b) h")
-DTYPES = {name: getattr(torch, name) for name in (
-    "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-    "bool")}
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
+          "uint8", "bool")            # torch dtype names
 PerAxis = tuple[tuple[str, float], ...]
 
 
@@ -85,6 +90,10 @@ def _show_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_show(args: argparse.Namespace) -> int:
+    from . import display
+    from .core.layout import Layout
+    from .core.mesh import Mesh
+
     mesh, layout = Mesh(args.mesh), Layout(args.layout)
     layout.placements(mesh, args.shape)
     display.show(mesh, args.shape, layout, width=args.width)
@@ -115,6 +124,8 @@ def _plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _cost_model(mesh: Mesh, args: argparse.Namespace) -> CostModel:
     """The CostModel of the cost flags; per-axis names must be axes of `mesh`."""
+    from .planner.values import CostModel
+
     given = {}
     for flag, value in (("--latency-s", args.latency_s), ("--bandwidth", args.bandwidth)):
         if isinstance(value, tuple):
@@ -131,8 +142,14 @@ def _cost_model(mesh: Mesh, args: argparse.Namespace) -> CostModel:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import display
+    from .core.mesh import Mesh
+    from .planner.plan import plan
+
     mesh = Mesh(args.mesh)
-    found = plan(mesh, args.shape, args.src, args.dst, dtype=DTYPES[args.dtype],
+    found = plan(mesh, args.shape, args.src, args.dst, dtype=getattr(torch, args.dtype),
                  cost_model=_cost_model(mesh, args))
     if args.json:
         print(json.dumps(found.to_json(), indent=2))
@@ -156,7 +173,13 @@ def _run_demo(args: argparse.Namespace) -> int:
     The processes return their shards and bytes; this process prints every picture and
     plan once (for all ranks) and checks each step against the simulator, bit for bit.
     """
+    import torch
+
+    from . import display
+    from .core.mesh import Mesh
+    from .executors import sim
     from .executors.distributed.launch import run_ranks
+    from .planner.plan import plan
 
     console = display.make_console(width=args.width)
     mesh = Mesh(DEMO_MESH)
@@ -206,6 +229,8 @@ def _demo_rank(rank: int, world_size: int, mesh_spec: str, x: torch.Tensor,
 def _demo_mismatch(p: Plan, res: sim.SimResult,
                    real: list[tuple[torch.Tensor, int, int]]) -> str:
     """How the processes' results differ from the simulator's, or "" if they do not."""
+    import torch
+
     bad = [r for r, (got, want) in enumerate(zip(real, res.outputs))
            if got[0].shape != want.shape or not torch.equal(got[0], want)]
     if bad:
@@ -219,6 +244,10 @@ def _demo_mismatch(p: Plan, res: sim.SimResult,
 
 def _demo_problem(p: Plan, x: torch.Tensor, res: sim.SimResult) -> str:
     """What is wrong with the simulated result `res` of plan `p` on `x`, or "" if nothing."""
+    import torch
+
+    from .executors import sim
+
     mesh, dst = p.mesh, p.dst
     if dst.partial_axes:
         if not torch.equal(sim.gather(list(res.outputs), mesh, dst, p.shape), x):
@@ -317,14 +346,15 @@ def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_recipe(args: argparse.Namespace) -> int:
+    from . import recipes
     if args.recipe_command == "list":
-        return _recipe_list()
+        return _recipe_list(recipes)
     if args.recipe_command == "check":
-        return _recipe_check(args)
-    return _recipe_show(args)
+        return _recipe_check(recipes, args)
+    return _recipe_show(recipes, args)
 
 
-def _recipe_list() -> int:
+def _recipe_list(recipes: ModuleType) -> int:
     names = recipes.builtin_recipes()
     width = max(map(len, names), default=0)
     for name in names:
@@ -333,7 +363,10 @@ def _recipe_list() -> int:
     return 0
 
 
-def _recipe_check(args: argparse.Namespace) -> int:
+def _recipe_check(recipes: ModuleType, args: argparse.Namespace) -> int:
+    from . import display
+    from .core.mesh import Mesh
+
     found = recipes.recipe(args.file)
     meshes = [found.mesh] + ([Mesh(args.mesh)] if args.mesh else [])
     for mesh in meshes:
@@ -345,7 +378,10 @@ def _recipe_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _recipe_show(args: argparse.Namespace) -> int:
+def _recipe_show(recipes: ModuleType, args: argparse.Namespace) -> int:
+    from . import display
+    from .core.mesh import Mesh
+
     found = recipes.recipe(args.name)
     mesh = Mesh(args.mesh) if args.mesh else found.mesh
     shapes = {t.name: t.shape for t in found.tensors}

@@ -24,6 +24,7 @@ from .core.mesh import Mesh
 from .executors.distributed.autograd import plan_untraced, reshard_autograd, reshard_cast
 from .executors.distributed.bind import BoundMesh
 from .executors.distributed.checks import agree_many, agree_reshard, checking
+from .executors.distributed.compiler import when_dynamo_loads
 from .executors.distributed.cross import execute_cross
 from .executors.distributed.execute import ByteTrace, execute_many
 from .executors.local import take
@@ -159,8 +160,7 @@ def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
             () if dtype is None else (dtype,), cost)
 
 
-@torch._dynamo.nonstrict_trace
-def _reshard_traced(x: Tensor, static: tuple[Any, ...]) -> Tensor:
+def _reshard_opaque(x: Tensor, static: tuple[Any, ...]) -> Tensor:
     axes, sizes, ranks, backend, device, rank, names, src, dst, shape, dtype, cost = static
     bound = BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
                       torch.device(device), rank, dict(names))
@@ -168,6 +168,19 @@ def _reshard_traced(x: Tensor, static: tuple[Any, ...]) -> Tensor:
     p = _plan_for(x, bound, src, dst, shape[0] if shape else None, dtype[0] if dtype else None,
                   cost_model)
     return reshard_autograd(x, bound, p)
+
+
+# What `reshard` calls under torch.compile: `_reshard_opaque` marked nonstrict_trace, marked
+# when torch._dynamo loads (importing it here would double `import meshcomm`'s time).
+_reshard_traced = _reshard_opaque
+
+
+def _mark_for_dynamo() -> None:
+    global _reshard_traced
+    _reshard_traced = torch._dynamo.nonstrict_trace(_reshard_opaque)
+
+
+when_dynamo_loads(_mark_for_dynamo)
 
 
 def _plan_for(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,

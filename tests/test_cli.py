@@ -95,7 +95,9 @@ def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_reshard_reports_failure(monkeypatch: pytest.MonkeyPatch,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    real = cli.sim.scatter
+    from meshcomm.executors import sim
+
+    real = sim.scatter
     calls = []
 
     def wrong_scatter(x, mesh, layout):  # type: ignore[no-untyped-def]
@@ -103,7 +105,7 @@ def test_demo_reshard_reports_failure(monkeypatch: pytest.MonkeyPatch,
         shards = real(x, mesh, layout)
         return [s + 1 for s in shards] if len(calls) == 2 else shards
 
-    monkeypatch.setattr(cli.sim, "scatter", wrong_scatter)
+    monkeypatch.setattr(sim, "scatter", wrong_scatter)
     assert cli.main(["demo"]) == 1
     assert "FAIL: " in capsys.readouterr().out
 

@@ -46,3 +46,49 @@ def test_forward_dtype_goes_with_a_dtensor() -> None:
     with pytest.raises(mc.errors.ShapeError, match="go with a DTensor"):
         mc.reshard(torch.zeros(2), bound(mc.Mesh("tp=2")), "(tp b)", "b",
                    forward_dtype=torch.float64)
+
+
+# -- import cost: what `import meshcomm` and `meshcomm --help` load ---------------------
+def _modules_after(code: str) -> set[str]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\n"
+                           "print('MODULES:', *sys.modules)"],
+                          capture_output=True, text=True, check=True, timeout=120)
+    return set(done.stdout.split("MODULES:")[-1].split())
+
+
+def test_help_loads_no_torch_rich_or_pydantic() -> None:
+    """`meshcomm --help` answers in about 0.1 s: argument parsing imports none of the heavy
+    packages (torch alone takes over a second)."""
+    loaded = _modules_after("from meshcomm import cli\n"
+                            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass")
+    assert "meshcomm.cli" in loaded
+    assert not {m.split(".")[0] for m in loaded} & {"torch", "rich", "pydantic"}
+
+
+def test_import_meshcomm_loads_names_on_first_use() -> None:
+    loaded = _modules_after("import meshcomm")
+    assert "torch" not in loaded
+    loaded = _modules_after("import meshcomm as mc\nmc.reshard, mc.Mesh, mc.dtensor, mc.nn")
+    assert "torch.distributed" in loaded and "meshcomm.sharded" in loaded
+    assert "torch._dynamo" not in loaded      # marked for torch.compile only when dynamo loads
+
+
+@pytest.mark.parametrize("dynamo_first", [True, False])
+def test_reshard_is_marked_for_dynamo_whenever_dynamo_loads(dynamo_first: bool) -> None:
+    """`reshard` under torch.compile calls one function that Dynamo must see as
+    nonstrict_trace. It is marked when torch._dynamo finishes loading, before or after
+    meshcomm (tests/dist/test_autograd_compile.py runs the compiled graph)."""
+    import subprocess
+    import sys
+
+    order = ["import torch._dynamo", "import meshcomm.sharded as s"]
+    code = "\n".join(order if dynamo_first else order[::-1]) + (
+        "\nfrom torch._dynamo import trace_rules as t"
+        "\nprint(id(s._reshard_traced) in t._nonstrict_trace_callable_ids,"
+        " s._reshard_traced is not s._reshard_opaque)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=120)
+    assert done.stdout.split() == ["True", "True"], done.stderr
