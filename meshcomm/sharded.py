@@ -30,7 +30,14 @@ from .executors.distributed.execute import ByteTrace, execute_many
 from .executors.local import take
 from .executors.sim.shards import scatter
 from .interop.placements import from_placements, to_placements
-from .interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of, wrap
+from .interop.runtime import (
+    bind_device_mesh,
+    flatten_groups,
+    global_shape,
+    is_dtensor,
+    placements_of,
+    wrap,
+)
 from .planner.plan import plan
 from .planner.values import CostModel, Plan
 
@@ -423,21 +430,22 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
     for name, value in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
         if value is not None and not isinstance(value, torch.dtype):
             raise ShapeError(f"reshard({name}=...) must be a torch.dtype, got {value!r}")
-    if dt.device_mesh.get_coordinate() is None:   # as DTensor: ranks outside its mesh do nothing
-        mesh, shape = Mesh.from_device_mesh(dt.device_mesh), global_shape(dt)
-        placements = (to_placements(mesh, shape, as_layout(dst, "dst"))
-                      if isinstance(dst, (str, Layout)) else tuple(dst))
-        return wrap(dt.to_local(), dt.device_mesh, placements, shape)
-    src = from_dtensor(dt)
-    mesh, shape = src.mesh.mesh, src.shape
+    # Every rank plans (pure), ranks outside the DTensor's mesh too: a flattened group the
+    # plan needs is made on every rank of the world before anything is sent.
+    mesh, shape = Mesh.from_device_mesh(dt.device_mesh), global_shape(dt)
+    src_layout = from_placements(mesh, shape, placements_of(dt))
     if isinstance(dst, (str, Layout)):
         layout = as_layout(dst, "dst")
         placements = to_placements(mesh, shape, layout)
     else:
         placements = tuple(dst)
-        layout = from_placements(mesh, shape, placements, names=src.layout.dim_names(mesh))
-    p = plan(mesh, shape, src.layout, layout, dtype=forward_dtype or src.dtype,
+        layout = from_placements(mesh, shape, placements, names=src_layout.dim_names(mesh))
+    p = plan(mesh, shape, src_layout, layout, dtype=forward_dtype or dt.dtype,
              cost_model=cost_model)
+    flatten_groups(mesh, [step.axes for step in p.steps if step.kind != "local"])
+    if dt.device_mesh.get_coordinate() is None:   # as DTensor: ranks outside its mesh do nothing
+        return wrap(dt.to_local(), dt.device_mesh, placements, shape)
+    src = from_dtensor(dt)
     for step in p.steps:    # every group first: a missing one raises before any communication
         if step.kind != "local":
             src.mesh.group_name(step.axes)    # each step runs over its axes' group

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.errors import InteropError, MeshMismatchError
+from ..core.errors import InteropError
 from ..core.layout import Shape
 from ..core.mesh import Mesh
-from ..executors.distributed.bind import BoundMesh, check_default
+from ..executors.distributed.bind import BoundMesh, check_default, create_groups
 from .placements import Placements
 
 
@@ -34,32 +34,44 @@ def is_dtensor(x: object) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
-def bind_device_mesh(device_mesh: Any, *, check: bool | None = None) -> BoundMesh:
-    """A BoundMesh over a DeviceMesh's existing process groups (creates none, sends nothing).
+def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
+                     flatten: bool = False) -> BoundMesh:
+    """A BoundMesh over a DeviceMesh's process groups (sends nothing unless `flatten`).
 
     >>> bound = mc.dtensor.bind_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
 
     Each axis uses the DeviceMesh's own group. A group over several axes (which plans
-    use for some collectives) is any existing process group with exactly the ranks of
-    that flattened group in mesh order: the world group, groups made by `mc.init_mesh`
-    or by `DeviceMesh._flatten()`. A plan that needs one that does not exist raises
-    before it communicates (every rank sees the same groups, so every rank raises).
-    `check` is the mesh's check mode, as `mc.init_mesh(check=...)`.
+    use for some collectives) is, first, one meshcomm made for this mesh (`mc.reshard`
+    of a DTensor makes those its plan needs; `flatten=True` makes them all), else the
+    world group when it has exactly those ranks in mesh order, else any existing group
+    with those ranks (`DeviceMesh._flatten()`'s). A plan that needs one that does not
+    exist raises before it communicates (every rank sees the same groups).
+    `flatten=True` creates every flattened group of the mesh, once per mesh: a
+    collective over the whole world, so call it on every rank, ranks outside the mesh
+    too, in the same order. On a rank outside the mesh the BoundMesh has `in_mesh` False
+    and no groups (as `mc.init_mesh` gives there). `check` is the mesh's check mode, as
+    `mc.init_mesh(check=...)`.
     """
     import torch.distributed as dist
 
     mesh = Mesh.from_device_mesh(device_mesh)
+    if flatten:
+        flatten_groups(mesh, [axes for k in range(2, len(mesh.axis_names) + 1)
+                              for axes in itertools.combinations(mesh.axis_names, k)])
     rank = dist.get_rank()
-    if rank not in mesh.ranks:
-        raise MeshMismatchError(f"rank {rank} is not in {mesh!r} (the DTensor's DeviceMesh);"
-                                " fix: convert DTensors only on the ranks of their mesh")
+    if rank not in mesh.ranks:    # as init_mesh: a rank outside gets a mesh it is not in
+        return BoundMesh(mesh, dist.get_backend(), torch.device(device_mesh.device_type),
+                         rank, {}, check_default(check))
     names = {(axis,): device_mesh.get_group(i).group_name
              for i, axis in enumerate(mesh.axis_names)}
     existing = _groups_by_ranks()
+    made = _FLATTENED.get(_mesh_key(mesh), (set(), {}))[1]
     for k in range(2, len(mesh.axis_names) + 1):
         for axes in itertools.combinations(mesh.axis_names, k):
             ranks = next(g for g in mesh.groups(*axes) if rank in g)
-            if ranks in existing:
+            if axes in made:
+                names[axes] = made[axes]
+            elif ranks in existing:
                 names[axes] = existing[ranks]
     group = device_mesh.get_group(0)
     device = (torch.device("cpu") if device_mesh.device_type == "cpu" else
@@ -68,6 +80,30 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None) -> BoundMes
     bound = BoundMesh(mesh, dist.get_backend(group), device, rank, names, check_default(check))
     vars(bound)["device_mesh"] = device_mesh   # BoundMesh.device_mesh is this mesh itself
     return bound
+
+
+# Flattened groups meshcomm made for DeviceMeshes: per mesh (axes, sizes, ranks), the sets
+# of axes made (the same on every rank: every rank makes them) and this rank's group name
+# per set (only where it is a member).
+_FLATTENED: dict[tuple[Any, ...], tuple[set[tuple[str, ...]], dict[tuple[str, ...], str]]] = {}
+
+
+def _mesh_key(mesh: Mesh) -> tuple[Any, ...]:
+    return (mesh.axis_names, mesh.shape, mesh.ranks)
+
+
+def flatten_groups(mesh: Mesh, subsets: Any) -> None:
+    """Create the flattened groups over each set of axes in `subsets` that meshcomm has not
+    made for `mesh` yet (the whole world's group is reused, not made). A collective over
+    the whole world: every rank calls it with the same arguments in the same order; what
+    to make depends on those arguments only, never on what groups this rank happens to see.
+    """
+    done, names = _FLATTENED.setdefault(_mesh_key(mesh), (set(), {}))
+    todo = sorted({tuple(a) for a in subsets if len(a) > 1} - done,
+                  key=lambda axes: (len(axes), [mesh.axis_names.index(a) for a in axes]))
+    if todo:
+        names.update(create_groups(mesh, todo))
+        done.update(todo)
 
 
 def _groups_by_ranks() -> dict[tuple[int, ...], str]:

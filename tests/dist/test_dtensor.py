@@ -268,6 +268,37 @@ def check_outside() -> list[str]:
     return problems
 
 
+def check_flattened_sub_mesh() -> list[str]:
+    """A 2x2 DeviceMesh over ranks [[0, 2], [4, 6]] of 8: the plan needs a group over both
+    axes (ranks 0 2 4 6, not the world). Every rank, outside ones too, makes it inside
+    mc.reshard; ranks outside do nothing; `bind_device_mesh(flatten=True)` makes the rest
+    and gives outside ranks a mesh they are not in."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    rank = torch.distributed.get_rank()
+    sub = DeviceMesh("cpu", [[0, 2], [4, 6]], mesh_dim_names=("p", "q"))
+    mesh = mc.Mesh.from_device_mesh(sub)
+    x = ints((8, 3), 5)
+    problems = []
+    dt = make_dtensor(x, sub, mesh, "S0 S0", "(p q x) y")
+    if [s.axes for s in mc.plan(mesh, (8, 3), "(p q x) y", "(q p x) y").steps] != [("p", "q")]:
+        problems.append("the plan does not run over the flattened (p, q) group")
+    got = mc.reshard(dt, "(q p x) y")
+    if rank in mesh.ranks:
+        if not torch.equal(got.to_local(), scatter(x, mesh, "(q p x) y")[mesh.position(rank)]):
+            problems.append(f"rank {rank}: wrong shard on the sub-mesh")
+    elif got.to_local().numel() != 0:
+        problems.append(f"rank {rank}: outside the mesh but holds {got.to_local().shape}")
+    bound = mc.dtensor.bind_device_mesh(sub, flatten=True)
+    if bound.in_mesh != (rank in mesh.ranks):
+        problems.append(f"rank {rank}: bind_device_mesh in_mesh={bound.in_mesh}")
+    if bound.in_mesh and bound.group_ranks(("p", "q")) != (0, 2, 4, 6):
+        problems.append(f"rank {rank}: (p, q) group {bound.group_ranks(('p', 'q'))}")
+    if bound.in_mesh:
+        bound.group_name(("p", "q"))      # bound, so a plan over it can run
+    return problems
+
+
 def check_dtypes(dm: Any) -> list[str]:
     """forward_dtype / backward_dtype as DTensor.redistribute: values, dtypes, gradients."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -327,16 +358,24 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     mesh = mc.Mesh("a=2 b=2 c=2")
     dm = init_device_mesh("cpu", mesh.shape, mesh_dim_names=mesh.axis_names)
     report: dict[str, Any] = {}
-    # Without flattened groups, a plan over (a, c) stops on every rank before communicating.
-    dt = make_dtensor(ints((8, 4, 6), 0), dm, mesh, "S0 S0 S0", "(a b c x) y z")
-    try:
-        mc.reshard(dt, "(c b a x) y z")
-        report["missing_group"] = "no error"
-    except mc.errors.MeshAxisError as exc:
-        report["missing_group"] = str(exc)
-    for k in (2,):
-        for axes in itertools.combinations(mesh.axis_names, k):
-            dm[axes]._flatten()
+    # No user-made flattened group: mc.reshard makes on every rank the groups its plan needs.
+    report["no_flatten"] = []
+    x = ints((8, 4, 6), 0)
+    dt = make_dtensor(x, dm, mesh, "S0 S0 S0", "(a b c x) y z")
+    y = mc.reshard(dt, "(c b a x) y z")
+    pos = mesh.position(torch.distributed.get_rank())
+    if not torch.equal(y.to_local(), scatter(x, mesh, "(c b a x) y z")[pos]):
+        report["no_flatten"].append("(a b c x) -> (c b a x): wrong shard")
+    steps = mc.plan(mesh, (8, 4, 6), "(a b c x) y z", "(c b a x) y z").steps
+    report["multi_axis_steps"] = [s.axes for s in steps if len(s.axes) > 1]
+    # the issue's case: [S0, S1, S0] -> [S1, S0, S0] on an unflattened 2x2x2 mesh
+    src, dst = dtensor_placements("S0 S1 S0"), dtensor_placements("S1 S0 S0")
+    dt = make_dtensor(x, dm, mesh, "S0 S1 S0", "(a c x) (b y) z")
+    got, want = mc.reshard(dt, dst), dt.redistribute(dm, dst)
+    if tuple(got.placements) != tuple(want.placements) or \
+            not torch.equal(got.to_local(), want.to_local()):
+        report["no_flatten"].append(f"{src} -> {dst} differs from redistribute")
+    report["sub_mesh"] = check_flattened_sub_mesh()
     report["table"] = check_table(dm, mesh, BLOCKS_8 + STRIDED_8 + PARTIAL_8, "x y z", True)
     blocks = {row[2] for row in BLOCKS_8} | set(DST_8[:3])
     report["reshard"], report["compared"] = check_reshards(
@@ -379,10 +418,13 @@ def test_interop_errors_autograd_and_binding_on_2x2(four: list[dict[str, Any]]) 
     assert not problems, "\n".join(problems[:10])
 
 
-def test_missing_flattened_group_raises_on_every_rank(eight: list[dict[str, Any]]) -> None:
-    for r in eight:
-        assert "no process group over ['a', 'c']" in r["missing_group"]
-        assert "dm[('a', 'c')]._flatten()" in r["missing_group"]
+def test_a_3d_device_mesh_needs_no_user_made_flattened_group(
+        eight: list[dict[str, Any]]) -> None:
+    """The DeviceMesh is `init_device_mesh("cpu", (2, 2, 2))` and nobody calls `_flatten()`:
+    plans over several axes (here (a, c) among them) run on groups meshcomm makes."""
+    assert [r["no_flatten"] for r in eight] == [[]] * 8
+    assert ("a", "c") in eight[0]["multi_axis_steps"]
+    assert [r["sub_mesh"] for r in eight] == [[]] * 8
 
 
 def test_from_dtensor_and_reshard_on_2x2x2(eight: list[dict[str, Any]]) -> None:

@@ -69,9 +69,10 @@ class BoundMesh:
             if in_order == key:   # a mesh bound from a DeviceMesh holds only existing groups
                 raise MeshAxisError(
                     f"no process group over {list(key)} is bound on rank {self.rank} for"
-                    f" {self.mesh!r}; fix: bind with mc.init_mesh(...) (it creates every group),"
-                    f" or flatten those DeviceMesh dims on every rank first:"
-                    f" dm[{key!r}]._flatten()") from None
+                    f" {self.mesh!r}; fix: mc.reshard(dtensor, ...) creates the groups its"
+                    f" plan needs; else call mc.dtensor.bind_device_mesh(dm,"
+                    f" flatten=True) on every rank once (it creates every group), or bind"
+                    f" with mc.init_mesh(...)") from None
             raise MeshAxisError(
                 f"axes {list(key)} are not in mesh order or name an axis twice; groups over"
                 f" several axes follow {self.mesh!r}: fix: use {list(in_order)}") from None
@@ -161,22 +162,39 @@ def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,
             f"{mesh!r} needs ranks up to {max(mesh.ranks)} but the world has {world} ranks;"
             f" fix: launch {max(mesh.ranks) + 1} processes or use a smaller mesh")
     rank = dist.get_rank()
-    names: dict[tuple[AxisName, ...], str] = {}
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    for k in range(1, len(mesh.axis_names) + 1):
-        for subset in itertools.combinations(mesh.axis_names, k):
-            for group in mesh.groups(*subset):
-                if list(group) == list(range(world)):
-                    pg = dist.group.WORLD
-                    if timeout is not None:  # the reused default group gets our timeout too
-                        dist.distributed_c10d._set_pg_timeout(timeout, pg)
-                else:
-                    pg = dist.new_group(list(group), timeout=timeout, sort_ranks=False,
-                                        backend=backend)
-                if rank in group:
-                    names[subset] = pg.group_name
+    subsets = [subset for k in range(1, len(mesh.axis_names) + 1)
+               for subset in itertools.combinations(mesh.axis_names, k)]
+    names = create_groups(mesh, subsets, backend=backend, timeout=timeout)
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return BoundMesh(mesh, backend, device, rank, names, check_default(check))
+
+
+def create_groups(mesh: Mesh, subsets: Sequence[tuple[AxisName, ...]], *,
+                  backend: str | None = None, timeout: datetime.timedelta | None = None
+                  ) -> dict[tuple[AxisName, ...], str]:
+    """Create the process groups over each set of axes in `subsets` (every group of each
+    set, ranks in mesh order) and return this rank's group name per set it belongs to.
+
+    A collective over the whole world: every rank of the world calls it with the same
+    arguments, in the same order (torch.distributed.new_group's rule). A group whose
+    ranks are the whole world in order is the default group, not a new one.
+    """
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    names: dict[tuple[AxisName, ...], str] = {}
+    for subset in subsets:
+        for group in mesh.groups(*subset):
+            if list(group) == list(range(world)):
+                pg = dist.group.WORLD
+                if timeout is not None:  # the reused default group gets our timeout too
+                    dist.distributed_c10d._set_pg_timeout(timeout, pg)
+            else:
+                pg = dist.new_group(list(group), timeout=timeout, sort_ranks=False,
+                                    backend=backend)
+            if rank in group:
+                names[subset] = pg.group_name
+    return names
 
 
 def check_default(check: bool | None) -> bool:
