@@ -18,12 +18,27 @@ import torch
 from torch import Tensor
 
 from . import display
-from .core.errors import InteropError, MeshMismatchError, PlanError, ShapeError
+from .core.errors import (
+    InteropError,
+    MeshcommError,
+    MeshMismatchError,
+    PlanError,
+    ShapeError,
+)
 from .core.layout import Layout, Shape, as_layout
 from .core.mesh import Mesh
-from .executors.distributed.autograd import plan_untraced, reshard_autograd, reshard_cast
+from .executors.distributed.autograd import (
+    plan_untraced,
+    reshard_autograd,
+    reshard_cast,
+)
 from .executors.distributed.bind import BoundMesh
-from .executors.distributed.checks import agree_many, agree_reshard, checking
+from .executors.distributed.checks import (
+    agree_many,
+    agree_reshard,
+    checking,
+    raise_together,
+)
 from .executors.distributed.compiler import when_dynamo_loads
 from .executors.distributed.cross import execute_cross
 from .executors.distributed.execute import ByteTrace, execute_many
@@ -109,9 +124,14 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
             raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
                              " leave it out (the plan's send_bytes/recv_bytes are the same)")
         return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
-    p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
-    if checking(mesh, check):
-        agree_reshard(x_local, mesh, p)   # check mode: the ranks agree on the call first
+    if not checking(mesh, check):
+        return reshard_autograd(x_local, mesh, _plan_for(x_local, mesh, src, dst, shape, dtype,
+                                                         cost_model), trace)
+    try:   # check mode: the ranks agree on the call first, a rank that fails here too
+        p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+    except MeshcommError as err:
+        raise_together(mesh, err, "reshard")
+    agree_reshard(x_local, mesh, p)
     return reshard_autograd(x_local, mesh, p, trace)
 
 
@@ -340,6 +360,27 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
 
     >>> ws = mc.reshard_many([(w, "b h") for w in shards])       # doctest: +SKIP
     """
+    try:
+        jobs = _many_jobs(items, cost_model)
+    except MeshcommError as err:
+        first = items[0][0].mesh if items and isinstance(items[0][0], Sharded) else (
+            items[0][1] if items and len(items[0]) == 5 else None)
+        if first is not None and checking(first, check):
+            raise_together(first, err, "reshard_many")   # the others agree, then raise too
+        raise
+    if jobs and checking(jobs[0][1], check):
+        agree_many(jobs)
+    if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
+        outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
+    else:
+        outs = execute_many(jobs, bucket_bytes=bucket_bytes, trace=trace)
+    return [Sharded(out, bound, p.dst, p.shape) if isinstance(item[0], Sharded) else out
+            for item, out, (_, bound, p) in zip(items, outs, jobs)]
+
+
+def _many_jobs(items: Sequence[Item], cost_model: CostModel | None
+               ) -> list[tuple[Tensor, BoundMesh, Plan]]:
+    """reshard_many's (local, mesh, plan) per item; raises on the first bad item."""
     jobs: list[tuple[Tensor, BoundMesh, Plan]] = []
     for k, item in enumerate(items):
         if len(item) == 2 and isinstance(item[0], Sharded):
@@ -352,14 +393,7 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
         else:
             raise ShapeError(f"reshard_many: items[{k}] is neither (Sharded, dst) nor"
                              " (x_local, mesh, src, dst, shape)")
-    if jobs and checking(jobs[0][1], check):
-        agree_many(jobs)
-    if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
-        outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
-    else:
-        outs = execute_many(jobs, bucket_bytes=bucket_bytes, trace=trace)
-    return [Sharded(out, bound, p.dst, p.shape) if isinstance(item[0], Sharded) else out
-            for item, out, (_, bound, p) in zip(items, outs, jobs)]
+    return jobs
 
 
 # -- DTensor <-> Sharded (no copy, no communication) and mc.reshard on DTensors ------

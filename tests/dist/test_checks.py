@@ -175,6 +175,12 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
                                                 bound, "tp") + 0)
     attempt("all_reduce", lambda: mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp"),
                                                 op="max" if rank == 3 else "sum") + 0)
+    # a rank whose own checks fail before communicating: every rank raises, at once
+    bad = x[:, :5] if rank == 1 else x                    # (4, 5) where (4, 6) is due
+    attempt("local_inferred", lambda: mc.reshard(x[0] if rank == 1 else x, bound, "(dp b) h",
+                                                 "b h"))              # 1 dim where 2 are due
+    attempt("local_given", lambda: mc.reshard(bad, bound, "(dp b) h", "b h", shape=(8, 6)))
+    attempt("local_many", lambda: mc.reshard_many([(bad, bound, "(dp b) h", "b h", (8, 6))]))
     # the groups are still usable, and agreeing collectives run
     total = mc.collectives.all_reduce(torch.ones(3), bound, ("dp", "tp")) + 0
     out["after"] = total.tolist()
@@ -208,6 +214,13 @@ def test_mismatches_raise_on_every_rank_naming_the_ranks_and_the_difference() ->
         " all_gather shape=(2, 2) but rank 0 asked for all_gather shape=(2, 3)")
     assert results[2]["all_gather"] == results[3]["all_gather"] == "ran"
     assert results[0]["src"].endswith(FIX)
+    for key in ("local_inferred", "local_given", "local_many"):
+        got = [r[key].splitlines()[0] for r in results]
+        assert got[1].startswith("ShapeError: ") and "rank 1" in got[1], got
+        for other in (0, 2, 3):       # the others do not wait for rank 1: they raise too
+            assert got[other].startswith("CollectiveMismatchError: "), got
+            assert ": rank 1 raised ShapeError: " in got[other], got
+            assert got[other].endswith("raise with it instead of waiting for it"), got
     assert [r["src_call"] for r in results] == [r["src"] for r in results]
 
 

@@ -26,14 +26,19 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from types import TracebackType
-from typing import NamedTuple, cast
+from typing import NamedTuple, NoReturn, cast
 
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 
-from ...core.errors import CollectiveError, CollectiveMismatchError, CollectiveTimeout
+from ...core.errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeout,
+    MeshcommError,
+)
 from ...planner.values import Plan
 from . import wire
 from .bind import BoundMesh, check_default
@@ -151,10 +156,30 @@ def decode(row: Sequence[int]) -> tuple[bytes, Fields]:
 
 # -- the agreement ---------------------------------------------------------------------------
 def agree_reshard(x: Tensor, bound: BoundMesh, plan: Plan) -> None:
-    """Raise on every rank of `bound`'s mesh unless all of them asked for this reshard
-    (after this rank's own input checks, which come before any communication)."""
-    check_local(plan, x, bound)
+    """Raise on every rank of `bound`'s mesh unless all of them asked for this reshard.
+    A rank whose own input checks fail still takes part (`raise_together`), so the others
+    raise too instead of waiting for it."""
+    try:
+        check_local(plan, x, bound)
+    except MeshcommError as err:
+        raise_together(bound, err, "reshard")
     _agree_on_mesh(bound, _reshard_fingerprint(plan, bound.device), f"reshard on {bound.mesh!r}")
+
+
+def raise_together(bound: BoundMesh, err: MeshcommError, call: str) -> NoReturn:
+    """Check mode, on a rank whose call failed its checks before communicating: take part
+    in the call's agreement with a fingerprint of the error, then raise `err`. The other
+    ranks of the mesh see a different fingerprint and raise CollectiveMismatchError naming
+    this rank and its error, at once: no rank is left waiting for one that raised.
+    Without a bound mesh this rank is in, there is no agreement to join: raises `err`."""
+    if not isinstance(bound, BoundMesh) or not bound.in_mesh:
+        raise err
+    fields: Fields = (("call", call), ("error", f"{type(err).__name__}: {err}"))
+    try:
+        _agree_on_mesh(bound, encode(fields, "", bound.device), f"{call} on {bound.mesh!r}")
+    except CollectiveMismatchError:
+        pass
+    raise err
 
 
 def _agree_on_mesh(bound: BoundMesh, mine: Fingerprint, what: str) -> None:
@@ -167,7 +192,10 @@ def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
     """`agree_reshard` for `reshard_many`: one check per bound mesh, over its items."""
     by_mesh: dict[int, tuple[BoundMesh, list[Plan]]] = {}
     for x, bound, plan in jobs:
-        check_local(plan, x, bound)
+        try:
+            check_local(plan, x, bound)
+        except MeshcommError as err:   # the others agree over the first item's mesh first
+            raise_together(jobs[0][1], err, "reshard_many")
         by_mesh.setdefault(id(bound), (bound, []))[1].append(plan)
     for bound, plans in by_mesh.values():
         fields: Fields = (("call", "reshard_many"), ("items", str(len(plans))))
@@ -238,6 +266,10 @@ def mismatch_message(what: str, ranks: Sequence[int], rows: Sequence[Sequence[in
 
 def _differ(ranks: list[int], fields: Fields, ref_ranks: list[int], ref: Fields) -> str:
     mine, theirs = dict(fields), dict(ref)
+    for failed, values, others in ((ranks, mine, ref_ranks), (ref_ranks, theirs, ranks)):
+        if "error" in values:     # see raise_together
+            return (f"{_ranks_text(failed)} raised {values['error']} before communicating;"
+                    f" {_ranks_text(others)} raise with it instead of waiting for it")
     if mine.get("call") != theirs.get("call"):
         keys = ["call"]
     else:
