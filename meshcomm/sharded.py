@@ -27,11 +27,7 @@ from .core.errors import (
 )
 from .core.layout import Layout, Shape, as_layout
 from .core.mesh import Mesh
-from .executors.distributed.autograd import (
-    plan_untraced,
-    reshard_autograd,
-    reshard_cast,
-)
+from .executors.distributed.autograd import plan_untraced, reshard_autograd
 from .executors.distributed.bind import BoundMesh
 from .executors.distributed.checks import (
     agree_many,
@@ -483,12 +479,48 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
     for step in p.steps:    # every group first: a missing one raises before any communication
         if step.kind != "local":
             src.mesh.group_name(step.axes)    # each step runs over its axes' group
-    if forward_dtype is None and backward_dtype is None:
-        out = reshard(src.local, src.mesh, src.layout, layout, shape=shape,
-                      cost_model=cost_model, trace=trace, check=check)
-    else:
-        if checking(src.mesh, check):
-            agree_reshard(src.local.to(p.dtype), src.mesh, p)
-        out = reshard_cast(src.local, src.mesh, p, trace, backward_dtype)
-    return wrap(out, dt.device_mesh, placements, shape)
+
+    def run(local: Tensor) -> Any:
+        x = local if forward_dtype is None else local.to(forward_dtype)
+        out = reshard(x, src.mesh, src.layout, layout, shape=shape, cost_model=cost_model,
+                      trace=trace, check=check)
+        return wrap(out, dt.device_mesh, placements, shape)
+
+    if torch.is_grad_enabled() and dt.requires_grad:
+        return _DTensorReshard.apply(dt, run, backward_dtype)
+    return run(src.local)
+
+
+class _DTensorReshard(torch.autograd.Function):
+    """`mc.reshard` of a DTensor as one autograd node, with DTensor.redistribute's backward:
+    the output's gradient, whatever its placements, is resharded (by a meshcomm plan) to
+    the input's placements, where a Partial input placement stays Partial when the gradient
+    is Partial there and becomes Replicate otherwise. The gradient's collectives run at
+    `backward_dtype` (default: the input's dtype); it comes back in the input's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, dt: Any, run: Any, backward_dtype: torch.dtype | None) -> Any:
+        ctx.placements, ctx.dtype = tuple(dt.placements), dt.dtype
+        ctx.backward_dtype = backward_dtype
+        out = run(dt.to_local())
+        ctx.out_placements, ctx.device_mesh, ctx.shape = out.placements, out.device_mesh, \
+            global_shape(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:
+        if not is_dtensor(grad):      # a plain tensor: the local gradient of the output
+            grad = wrap(grad, ctx.device_mesh, ctx.out_placements, ctx.shape)
+        target = tuple(
+            _replicate() if p.is_partial() and not g.is_partial() else p
+            for p, g in zip(ctx.placements, grad.placements))
+        g = grad.to(ctx.backward_dtype or ctx.dtype)
+        out = reshard_dtensor(g, target)
+        return (out if out.dtype == ctx.dtype else out.to(ctx.dtype)), None, None
+
+
+def _replicate() -> Any:
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()
 

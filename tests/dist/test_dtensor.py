@@ -244,6 +244,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     report["binding"] = check_binding(mesh)
     report["unnamed"] = check_unnamed()
     report["dtypes"] = check_dtypes(dm)
+    report["grad_placements"] = check_gradient_placements(dm)
     report["outside"] = check_outside()
     return report
 
@@ -296,6 +297,39 @@ def check_flattened_sub_mesh() -> list[str]:
         problems.append(f"rank {rank}: (p, q) group {bound.group_ranks(('p', 'q'))}")
     if bound.in_mesh:
         bound.group_name(("p", "q"))      # bound, so a plan over it can run
+    return problems
+
+
+def check_gradient_placements(dm: Any) -> list[str]:
+    """The input's gradient has redistribute's placements and local values: a Partial
+    source stays Partial where the output's gradient is Partial (P -> P passes it on
+    without communicating), and becomes Replicate where it is not."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    rank = torch.distributed.get_rank()
+    problems = []
+    cases = [("P R", "P R", "P R"), ("P R", "P R", "R R"), ("P R", "R R", "R R"),
+             ("P R", "S0 R", "S0 R"), ("P S1", "P S0", "P S0"), ("P S1", "R S0", "S1 R"),
+             ("S0 P", "S0 P", "S0 P")]
+    for src, dst, grad in cases:
+        pl = {"P": Partial(), "R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
+        src_p, dst_p, grad_p = ([pl[t] for t in text.split()] for text in (src, dst, grad))
+        got = []
+        for fn in ("redistribute", "meshcomm"):
+            local = torch.arange(24.0).reshape(4, 6) + rank
+            dt = DTensor.from_local(local, dm, src_p, run_check=False).detach().requires_grad_()
+            y = dt.redistribute(dm, dst_p) if fn == "redistribute" else mc.reshard(dt, dst_p)
+            g_local = torch.arange(float(y.to_local().numel())).reshape(y.to_local().shape) * (
+                rank + 1)
+            g = DTensor.from_local(g_local, dm, dst_p, run_check=False)
+            if grad_p != dst_p:
+                g = g.redistribute(dm, grad_p)
+            y.backward(g)
+            got.append((tuple(dt.grad.placements), dt.grad.to_local()))
+        (want_p, want), (mine_p, mine) = got
+        if want_p != mine_p or not torch.equal(want, mine):
+            problems.append(f"[{src}] -> [{dst}] with a [{grad}] gradient: meshcomm gives"
+                            f" {mine_p}, redistribute {want_p} (or other values)")
     return problems
 
 
@@ -403,6 +437,10 @@ def test_reshard_dtensor_equals_exact_shards_and_redistribute_on_2x2(
 
 def test_forward_and_backward_dtype_as_redistribute(four: list[dict[str, Any]]) -> None:
     assert [r["dtypes"] for r in four] == [[]] * 4
+
+
+def test_gradient_placements_as_redistribute(four: list[dict[str, Any]]) -> None:
+    assert [r["grad_placements"] for r in four] == [[]] * 4
 
 
 def test_ranks_outside_a_dtensors_mesh_do_nothing(four: list[dict[str, Any]]) -> None:

@@ -92,37 +92,6 @@ class Reshard(torch.autograd.Function):
         return (out * scale if scale != 1 else out), None, None, None
 
 
-class CastReshard(torch.autograd.Function):
-    """`Reshard` at other dtypes (DTensor's `forward_dtype`/`backward_dtype`): forward casts
-    `x` to the plan's dtype and runs the plan; backward casts the gradient to
-    `backward_dtype` (default: `x`'s dtype), runs the backward plan at that dtype, and gives
-    the gradient in `x`'s dtype."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, bound: BoundMesh, plan_: Plan, trace: ByteTrace | None,
-                backward_dtype: torch.dtype | None) -> Tensor:
-        ctx.bound, ctx.plan, ctx.dtype = bound, plan_, x.dtype
-        ctx.backward_dtype = backward_dtype or x.dtype
-        return execute(plan_, x.to(plan_.dtype), bound, trace=trace)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        g = grad.to(ctx.backward_dtype)
-        out = reshard_autograd(g, ctx.bound, backward_plan(ctx.plan, g.dtype))
-        scale = grad_scale(ctx.plan)
-        return (out * scale if scale != 1 else out).to(ctx.dtype), None, None, None, None
-
-
-def reshard_cast(x: Tensor, bound: BoundMesh, plan_: Plan, trace: ByteTrace | None = None,
-                 backward_dtype: torch.dtype | None = None) -> Tensor:
-    """`plan_` (made for the forward dtype) on `x` cast to it; see `CastReshard`."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        out: Tensor = CastReshard.apply(x, bound, plan_, trace,  # type: ignore[no-untyped-call]
-                                        backward_dtype)
-        return out
-    return execute(plan_, x.to(plan_.dtype), bound, trace=trace)
-
-
 def reshard_autograd(x: Tensor, bound: BoundMesh, plan_: Plan,
                      trace: ByteTrace | None = None) -> Tensor:
     """`plan_` on this rank, recorded for autograd when `x` needs a gradient."""
