@@ -245,6 +245,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     report["unnamed"] = check_unnamed()
     report["dtypes"] = check_dtypes(dm)
     report["grad_placements"] = check_gradient_placements(dm)
+    report["spec_shape"] = check_spec_over_shape(dm)
     report["outside"] = check_outside()
     return report
 
@@ -297,6 +298,28 @@ def check_flattened_sub_mesh() -> list[str]:
         problems.append(f"rank {rank}: (p, q) group {bound.group_ranks(('p', 'q'))}")
     if bound.in_mesh:
         bound.group_name(("p", "q"))      # bound, so a plan over it can run
+    return problems
+
+
+def check_spec_over_shape(dm: Any) -> list[str]:
+    """A DTensor whose wrapper `.shape` disagrees with its spec (PyTorch's shard-order test
+    helpers swap `_spec` on a built DTensor): meshcomm reads the spec on every rank, so all
+    ranks plan the same and the reshard is the spec's tensor (it used to raise on some
+    ranks and hang the others)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    x7 = ints((7, 6), 3)
+    uneven = distribute_tensor(x7, dm, [Shard(0), Shard(1)], src_data_rank=None)
+    dt = distribute_tensor(ints((8, 6), 4), dm, [Shard(0), Shard(1)], src_data_rank=None)
+    dt._spec, dt._local_tensor = uneven._spec, uneven._local_tensor
+    problems = []
+    if tuple(dt.shape) != (8, 6):
+        problems.append(f"the test's DTensor did not keep its wrapper shape: {tuple(dt.shape)}")
+    got = mc.reshard(dt, [Replicate(), Replicate()])
+    if not torch.equal(got.to_local(), x7) or tuple(got.shape) != (7, 6):
+        problems.append(f"reshard read {tuple(got.shape)}, not the spec's (7, 6)")
+    if mc.dtensor.from_dtensor(dt).shape != (7, 6):
+        problems.append("from_dtensor did not read the spec's shape")
     return problems
 
 
@@ -437,6 +460,10 @@ def test_reshard_dtensor_equals_exact_shards_and_redistribute_on_2x2(
 
 def test_forward_and_backward_dtype_as_redistribute(four: list[dict[str, Any]]) -> None:
     assert [r["dtypes"] for r in four] == [[]] * 4
+
+
+def test_the_spec_s_shape_wins_over_the_wrapper_s(four: list[dict[str, Any]]) -> None:
+    assert [r["spec_shape"] for r in four] == [[]] * 4
 
 
 def test_gradient_placements_as_redistribute(four: list[dict[str, Any]]) -> None:
