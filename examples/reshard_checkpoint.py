@@ -7,7 +7,8 @@ Saving, Mesh(dp=2, tp=2): each rank writes its shard of every tensor with `torch
 (`rank<r>.pt`) and rank 0 writes `meta.json`: the mesh, and per tensor its layout, global
 shape and dtype. Nothing is gathered.
 
-Loading, Mesh(tp=2) on 2 other processes: each rank plans, per tensor, the move from the
+Loading, Mesh(tp=2) on 2 other processes (under `meshcomm launch -n 4` or torchrun, on
+ranks 0 and 1 of the same 4 processes; ranks 2 and 3 take part in making its groups only): each rank plans, per tensor, the move from the
 saved mesh and layout to its own with `mc.plan(saved_mesh, ..., dst_mesh=new_mesh)`. The
 saved mesh's ranks are files here, so the new mesh is numbered after them (ranks 4 and 5
 for processes 0 and 1): the plan's one send_recv step then says, for each new rank, which
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +34,7 @@ from torch import Tensor
 
 import meshcomm as mc
 from meshcomm.executors.local import fill_reindexed
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.executors.distributed.launch import launched_rank, run_ranks
 
 SAVED_MESH = "dp=2 tp=2"
 LOADED_MESH = "tp=2"
@@ -68,8 +71,10 @@ def save(rank: int, world: int, folder: str) -> None:
 
 
 # -- loading: 2 processes ----------------------------------------------------------------
-def load(rank: int, world: int, folder: str) -> dict[str, Any]:
-    bound = mc.init_mesh(LOADED_MESH)
+def load(rank: int, world: int, folder: str) -> dict[str, Any] | None:
+    bound = mc.init_mesh(LOADED_MESH, ranks=range(mc.Mesh(LOADED_MESH).size))
+    if not bound.in_mesh:       # launched with more processes than the new mesh has
+        return None
     meta = json.loads((Path(folder) / "meta.json").read_text())
     saved = mc.Mesh(meta["mesh"])
     me = new_mesh(saved).ranks[rank]
@@ -98,20 +103,33 @@ def load(rank: int, world: int, folder: str) -> dict[str, Any]:
     return out
 
 
+def shared_folder() -> str:
+    """Under a launcher, one folder for every process of the job (named by its run id)."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT", "job")
+    return str(Path(tempfile.gettempdir()) / f"meshcomm-checkpoint-{job}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", metavar="DIR", help="write the checkpoint to DIR and keep it")
     args = ap.parse_args(argv)
+    launched = launched_rank()      # (rank, world size) under a launcher, else None
     with tempfile.TemporaryDirectory() as tmp:
-        folder = args.keep or tmp
+        folder = args.keep or (shared_folder() if launched else tmp)
         Path(folder).mkdir(parents=True, exist_ok=True)
+        print(f"saving on {SAVED_MESH} ({'this job' if launched else '4 new processes'})...",
+              flush=True)
         run_ranks(save, 4, folder, timeout_s=300)
         print(f"saved on {mc.Mesh(SAVED_MESH)!r}: {sorted(p.name for p in Path(folder).iterdir())}")
         saved = mc.Mesh(SAVED_MESH)
         shape, src, dst = STATE["w_up"][0], STATE["w_up"][1], STATE["w_up"][2]
         print(f'\nloading "w_up" onto {new_mesh(saved)!r} (files 0-3 play the saved ranks):')
         print(mc.plan(saved, shape, src, dst, dst_mesh=new_mesh(saved)))
-        ranks = run_ranks(load, 2, folder, timeout_s=300)
+        print("loading...", flush=True)
+        ranks = [r for r in run_ranks(load, launched[1] if launched else 2, folder,
+                                      timeout_s=300) if r is not None]
+        if launched and not args.keep and launched[0] == 0:   # every rank has loaded
+            shutil.rmtree(folder, ignore_errors=True)
     print()
     for name, (_, src, dst) in STATE.items():
         reads = ", ".join(f"process {k} files {r['read'][name]}" for k, r in enumerate(ranks))

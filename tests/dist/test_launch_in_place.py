@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,14 +76,30 @@ def test_plain_python_still_starts_its_own_processes(tmp_path: Path) -> None:
     assert done.stdout.count("RESULT") == 1
 
 
-def test_an_example_runs_under_meshcomm_launch(tmp_path: Path) -> None:
+# Every example that starts processes, run as torchrun users do: (script and arguments,
+# processes, the line every rank prints when its checks pass).
+LAUNCHED_EXAMPLES = [
+    (("train_2d.py", "--steps", "2"), 4, "OK: largest relative difference"),
+    (("moe_alltoall.py",), 4, "match the single-process reference"),
+    (("reshard_checkpoint.py",), 4, "OK: every tensor gathered on the new mesh"),
+    (("pipeline_handoff.py",), 8, "OK: "),
+]
+
+
+@pytest.mark.parametrize("script, n, ok_line", LAUNCHED_EXAMPLES,
+                         ids=[e[0][0] for e in LAUNCHED_EXAMPLES])
+def test_an_example_runs_under_meshcomm_launch(tmp_path: Path, script: tuple[str, ...], n: int,
+                                               ok_line: str) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    done = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "4",
-                           str(ROOT / "examples" / "train_2d.py"), "--steps", "2"],
+    done = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", str(n),
+                           str(ROOT / "examples" / script[0]), *script[1:]],
                           capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300),
                           env={**env, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert done.stdout.count("OK: largest relative difference") == 4    # every rank checks
+    for rank in range(n):                                  # every rank checks
+        assert any(line.startswith(f"[rank{rank}]:") and ok_line in line
+                   for line in done.stdout.splitlines()), (rank, done.stdout[-3000:])
+    assert "FAIL" not in done.stdout
 
 
 QUIET = '''

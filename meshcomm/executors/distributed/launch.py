@@ -12,6 +12,7 @@ are set) it runs in place: this process is rank RANK of the job, and no child st
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import multiprocessing as mp
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...core.errors import RankFailure
+from .bind import _close_world
 
 _GRACE_S = 2.0      # how long a terminated child gets before it is killed
 _POLL_S = 0.1
@@ -204,18 +206,16 @@ def _run_in_place(fn: Callable[..., Any], world_size: int, launched: tuple[int, 
             f" WORLD_SIZE are set), but the job has {world} processes; fix: launch"
             f" {world_size} (torchrun --nproc-per-node {world_size} or meshcomm launch -n"
             f" {world_size}), or run the script with plain python, which starts its own")
-    own = not dist.is_initialized()
-    if own:
+    if not dist.is_initialized():
+        # Opened once and kept for the job's later calls (a default group destroyed and
+        # made again on the launcher's store cannot connect), closed at exit.
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        atexit.register(_close_world)
     try:
-        try:
-            mine: tuple[bool, Any] = (True, fn(rank, world, *args, **kwargs))
-        except Exception:
-            mine = (False, traceback.format_exc())
-        reports = _all_gather_objects(mine, world)
-    finally:
-        if own and dist.is_initialized():
-            dist.destroy_process_group()
+        mine: tuple[bool, Any] = (True, fn(rank, world, *args, **kwargs))
+    except Exception:
+        mine = (False, traceback.format_exc())
+    reports = _all_gather_objects(mine, world)
     failures = [(r, text, True) for r, (ok, text) in enumerate(reports) if not ok]
     if failures:
         _raise_failures(failures, world)
