@@ -83,6 +83,7 @@ def rel_err(got: Tensor, want: Tensor) -> float:
 
 def main() -> int:
     t = init()
+    print("running 4 processes (gloo)...", flush=True)
     ranks = run_ranks(worker, 4, t, timeout_s=240)
     ref = reference(t, len(ranks))
     print(f"{BATCH * SEQ} tokens, {EXPERTS} experts on {MESH} (recipe {RECIPE}), top-1 routing")

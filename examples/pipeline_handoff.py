@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print(forward)
     print("\nbackward hand-off, gradients:")
     print(backward)
+    print("running 8 processes (gloo)...", flush=True)
     ranks = run_ranks(worker, 8, cfg, timeout_s=300)
     ref = reference(cfg)
     w0 = mc.sim.gather([r["w"] for r in ranks[:4]], STAGE0, "i (tp h)", ref["w0"].shape)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +173,14 @@ def train_parallel(bound: mc.BoundMesh, cfg: dict[str, int], dtype: torch.dtype)
 
 
 def worker(rank: int, world: int, cfg: dict[str, int], dtype: torch.dtype) -> dict[str, list[float]]:
-    return {mesh: train_parallel(mc.init_mesh(mesh), cfg, dtype) for mesh in MESHES}
+    out = {}
+    for mesh in MESHES:
+        start = time.perf_counter()
+        out[mesh] = train_parallel(mc.init_mesh(mesh), cfg, dtype)
+        if rank == 0:     # progress as it goes (the table comes at the end)
+            print(f"  [rank 0] {mesh}: {cfg['steps']} steps in {time.perf_counter() - start:.1f} s,"
+                  f" last loss {out[mesh][-1]:.4f}", flush=True)
+    return out
 
 
 # -- side by side ----------------------------------------------------------------------------
@@ -192,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
           f" {cfg['mlp']}, vocab {cfg['vocab']}; batch {cfg['batch']} x seq {cfg['seq']};"
           f" AdamW lr {cfg['lr']}; {args.dtype}; recipe {RECIPE}")
     ref = train_reference(cfg, dtype)
+    print(f"  1 process: {len(ref)} steps, last loss {ref[-1]:.4f}; now {', '.join(MESHES)} on 4"
+          " processes...", flush=True)
     ranks = run_ranks(worker, 4, cfg, dtype, timeout_s=300)
     if any(r != ranks[0] for r in ranks):
         print("FAIL: ranks report different losses")
