@@ -6,6 +6,7 @@ See docs/tutorial.md.
 """
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
+from .fsdp import MixedPrecision, fully_shard, init_shards
 from .params import (
                      FullyShard,
                      ParamSpec,
@@ -22,6 +23,8 @@ from .tensor_parallel import (
                      VocabParallelEmbedding,
 )
 
-__all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MoE", "ParamSpec", "Routing",
-           "RowParallelLinear", "ShardedModule", "TPEntry", "VocabParallelEmbedding", "combine",
-           "dispatch", "format_comms", "gather_params", "logical_axes", "param_spec", "planning_mesh"]
+__all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE", "ParamSpec",
+           "Routing", "RowParallelLinear", "ShardedModule", "TPEntry",
+           "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
+           "fully_shard", "gather_params", "init_shards", "logical_axes", "param_spec",
+           "planning_mesh"]

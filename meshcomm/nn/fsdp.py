@@ -1,0 +1,513 @@
+"""`fully_shard`: FSDP on unmodified `nn.Module`s, with DTensor parameters.
+
+`fully_shard(module, mesh)` turns the parameters `module` owns (those not owned by a
+`fully_shard`ed submodule) into DTensor `nn.Parameter`s sharded along dim 0 over one mesh
+axis: stored layout `"(dp d0) d1 ..."`, or `"(tp dp d0) ..."` / `"(dp d0) (tp d1)"` for a
+parameter that tensor parallelism (`mc.nn.parallelize`) already split. `torch.optim`,
+`clip_grad_norm_`, `state_dict()` and DCP see ordinary DTensors. Around the module's forward:
+
+- before: one all_gather over the axis for all the unit's parameters (a flat buffer, rows
+  padded to the largest shard as FSDP2 does), then the gathered tensors stand in for the
+  parameters (the unit's `_parameters` entries) while forward runs;
+- after: the DTensor parameters are back; with `reshard_after_forward` the gathered
+  tensors autograd saved are dropped and gathered again when backward first needs them;
+- backward: the unit's gradients are reduce_scattered (averaged over the axis) in one
+  collective, issued asynchronously, and written to each parameter's `.grad` (a DTensor
+  like the parameter) when backward ends.
+
+Prefetch (on by default): the first iteration records the order units run; after that a
+unit's forward issues the next unit's all_gather before computing, and the first use of a
+unit's saved parameters in backward issues the gather of the unit backward reaches next.
+Collectives are PyTorch functional collectives, waited on at first use, so they overlap
+computation. `MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`
+gathers and computes in bfloat16 and reduces gradients in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError
+from ..core.layout import Layout
+from ..core.reduce_ops import chunk_sizes
+from ..executors.distributed import wire
+from ..executors.distributed.bind import BoundMesh
+from ..interop.placements import from_placements, to_placements
+from ..interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of, wrap
+
+UNIT_ATTR = "_meshcomm_fsdp_unit"
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of FSDP's communication and compute (None: the parameter's own dtype).
+
+    `param_dtype`: the dtype parameters are gathered and computed in (the shards stay in
+    their own dtype for the optimizer). `reduce_dtype`: the dtype gradients are reduced in;
+    they are stored in the parameter's dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass
+class _Param:
+    """One parameter of a unit: where it lives, its layouts and its shard sizes."""
+
+    module: nn.Module
+    attr: str
+    name: str
+    param: nn.Parameter            # the DTensor parameter
+    shape: tuple[int, ...]         # global shape
+    use_shape: tuple[int, ...]     # gathered: the shape forward computes with
+    rows: tuple[int, ...]          # dim-0 rows of each position along the axis
+    stored: Layout
+    use: Layout
+
+    @property
+    def pad(self) -> int:
+        return max(self.rows, default=0)
+
+    @property
+    def inner(self) -> int:
+        return math.prod(self.use_shape[1:])
+
+
+@dataclass
+class _Pending:
+    out: Tensor                    # the issued all_gather's result (waited on at use)
+
+
+@dataclass
+class _Saved:
+    """A tensor autograd saved that is (a view of) a gathered parameter buffer."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Schedule:
+    """Units in the order forward ran them (recorded in the first pass), and the state of
+    the backward pass in flight."""
+
+    def __init__(self) -> None:
+        self.order: list[_Unit] = []
+        self.recording = True
+        self.active: list[_Unit] = []
+        self.pending_reduce: list[tuple[_Unit, Tensor]] = []
+        self.callback_queued = False
+
+    def next_forward(self, unit: _Unit) -> _Unit | None:
+        if self.recording or unit not in self.order:
+            return None
+        i = self.order.index(unit)
+        return self.order[i + 1] if i + 1 < len(self.order) else None
+
+    def next_backward(self, unit: _Unit) -> _Unit | None:
+        if unit not in self.order:
+            return None
+        i = self.order.index(unit)
+        return self.order[i - 1] if i > 0 else None
+
+
+_SCHEDULE = _Schedule()
+
+
+class _Unit:
+    """A fully_shard'ed module's parameters and their communication."""
+
+    def __init__(self, module: nn.Module, bound: BoundMesh, axis: str, params: list[_Param],
+                 mp: MixedPrecision, reshard_after_forward: bool, prefetch: bool) -> None:
+        self.module, self.bound, self.axis, self.params = module, bound, axis, params
+        self.mp, self.reshard_after_forward, self.prefetch = mp, reshard_after_forward, prefetch
+        self.group = bound.group_name(axis)
+        self.n = bound.mesh.axis_size(axis)
+        self.pos = bound.mesh.coords(bound.rank)[axis]
+        self.pending: _Pending | None = None
+        self.gathered: list[Tensor] | None = None
+        self.regathered: list[Tensor] | None = None
+        self.storages: dict[int, int] = {}       # storage data_ptr -> key (see _buffers)
+        self.hooks: Any = None
+        self.sent_bytes = 0
+        self.received_bytes = 0
+
+    # -- all_gather ------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.mp.param_dtype or self.params[0].param.dtype
+
+    def issue_gather(self) -> _Pending:
+        """Start the unit's all_gather (returns at once; waited on in `finish_gather`)."""
+        dtype = self.compute_dtype
+        pieces = []
+        for p in self.params:
+            local = p.param.to_local().detach()
+            rows = local.reshape(local.shape[0], p.inner)
+            if rows.shape[0] < p.pad:
+                rows = torch.cat([rows, rows.new_zeros(p.pad - rows.shape[0], rows.shape[1])])
+            pieces.append(rows.to(dtype).reshape(-1))
+        buf = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+        size = buf.numel() * buf.element_size()
+        self.sent_bytes += size * (self.n - 1)
+        self.received_bytes += size * (self.n - 1)
+        return _Pending(funcol.all_gather_single(buf, 0, self.group))
+
+    def finish_gather(self, pending: _Pending) -> list[Tensor]:
+        """The gathered parameters (views of the gathered buffer where shards are even)."""
+        flat = wire.waited(pending.out).view(self.n, -1)
+        out, off = [], 0
+        for p in self.params:
+            width = p.pad * p.inner
+            block = flat[:, off:off + width].view(self.n, p.pad, p.inner)
+            off += width
+            if all(r == p.pad for r in p.rows):
+                full = block.reshape(self.n * p.pad, p.inner)
+            else:
+                full = torch.cat([block[j, :r] for j, r in enumerate(p.rows)])
+            out.append(full.view(p.use_shape))
+        return out
+
+    def gather(self) -> list[Tensor]:
+        pending, self.pending = self.pending, None
+        return self.finish_gather(pending or self.issue_gather())
+
+    def prefetch_gather(self) -> None:
+        if self.pending is None:
+            self.pending = self.issue_gather()
+
+    # -- saved tensors: drop the gathered parameters after forward, gather them again ---
+    def _remember(self, tensors: Sequence[Tensor]) -> None:
+        self.storages = {}
+        for i, t in enumerate(tensors):
+            self.storages.setdefault(t.untyped_storage().data_ptr(), i)
+
+    def pack(self, t: Tensor) -> Any:
+        key = self.storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        if key is None:
+            return t
+        return _Saved(key, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+
+    def unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, _Saved):
+            return saved      # type: ignore[no-any-return]
+        if self.regathered is None:
+            self.regathered = self.gather()
+            after = _SCHEDULE.next_backward(self)
+            if self.prefetch and after is not None and after.reshard_after_forward:
+                after.prefetch_gather()
+        base = self.regathered[saved.key]
+        return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    # -- reduce_scatter -----------------------------------------------------------------
+    def issue_reduce(self, grads: Sequence[Tensor | None]) -> Tensor:
+        dtype = self.mp.reduce_dtype or self.params[0].param.dtype
+        columns = []
+        for p, g in zip(self.params, grads):
+            g = torch.zeros(p.use_shape, dtype=dtype) if g is None else g.to(dtype)
+            rows = g.reshape(p.use_shape[0], p.inner)
+            chunks = list(torch.split(rows, list(p.rows)))
+            padded = [c if c.shape[0] == p.pad else
+                      torch.cat([c, c.new_zeros(p.pad - c.shape[0], c.shape[1])]) for c in chunks]
+            columns.append(torch.stack(padded).reshape(self.n, -1))
+        buf = torch.cat(columns, dim=1).reshape(-1)
+        size = buf.numel() * buf.element_size() // self.n
+        self.sent_bytes += size * (self.n - 1)
+        self.received_bytes += size * (self.n - 1)
+        return funcol.reduce_scatter_single(buf, "sum", 0, self.group)
+
+    def finish_reduce(self, out: Tensor) -> None:
+        flat = wire.waited(out)
+        off = 0
+        for p in self.params:
+            width = p.pad * p.inner
+            rows = p.rows[self.pos]
+            local = flat[off:off + rows * p.inner].view(p.param.to_local().shape)
+            off += width
+            local = local.to(p.param.dtype) / self.n
+            grad = wrap(local, p.param.device_mesh, p.param.placements, p.shape)
+            if p.param.grad is None:
+                p.param.grad = grad
+            else:
+                p.param.grad += grad
+
+
+def _finish_backward() -> None:
+    pending, _SCHEDULE.pending_reduce = _SCHEDULE.pending_reduce, []
+    _SCHEDULE.callback_queued = False
+    for unit, out in pending:
+        unit.finish_reduce(out)
+    for unit in _SCHEDULE.order:     # a prefetch no forward used would be stale next step
+        unit.regathered = None
+        if unit.pending is not None:
+            wire.waited(unit.pending.out)
+            unit.pending = None
+
+
+class _Gathered(torch.autograd.Function):
+    """Forward: the unit's gathered parameters (already gathered: they are passed through).
+    Backward: the unit's gradients reduce_scattered, written to `.grad` when backward ends."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: _Unit, gathered: list[Tensor], *params: Tensor) -> tuple[Tensor, ...]:
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in gathered)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
+        unit: _Unit = ctx.unit
+        unit.regathered = None     # every use of the saved parameters is behind us
+        _SCHEDULE.pending_reduce.append((unit, unit.issue_reduce(grads)))
+        if not _SCHEDULE.callback_queued:
+            _SCHEDULE.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(_finish_backward)
+        return (None, None) + (None,) * len(unit.params)
+
+
+# -- hooks ------------------------------------------------------------------------------------
+def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> None:
+    unit: _Unit = getattr(module, UNIT_ATTR)
+    if _SCHEDULE.recording:     # the first forward records the order; a unit seen again ends it
+        if unit in _SCHEDULE.order:
+            _SCHEDULE.recording = False
+        else:
+            _SCHEDULE.order.append(unit)
+    _SCHEDULE.active.append(unit)
+    gathered = unit.gather() if unit.params else []
+    after = _SCHEDULE.next_forward(unit)
+    if unit.prefetch and after is not None:
+        after.prefetch_gather()
+    params = [p.param for p in unit.params]
+    if params and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        used = list(_Gathered.apply(unit, gathered, *params))  # type: ignore[no-untyped-call]
+    else:
+        used = gathered
+    unit._remember(used)
+    for p, t in zip(unit.params, used):
+        p.module._parameters[p.attr] = t      # type: ignore[assignment]
+    if unit.reshard_after_forward and torch.is_grad_enabled():
+        unit.hooks = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
+        unit.hooks.__enter__()
+
+
+def _post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    unit: _Unit = getattr(module, UNIT_ATTR)
+    if unit.hooks is not None:
+        unit.hooks.__exit__(None, None, None)
+        unit.hooks = None
+    for p in unit.params:
+        p.module._parameters[p.attr] = p.param
+    unit.storages = {}
+    if _SCHEDULE.active and _SCHEDULE.active[-1] is unit:
+        _SCHEDULE.active.pop()
+    return output
+
+
+# -- fully_shard ---------------------------------------------------------------------------
+def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
+                reshard_after_forward: bool | None = None,
+                mp_policy: MixedPrecision | None = None, prefetch: bool = True) -> nn.Module:
+    """Shard the parameters `module` owns over mesh axis `axis` and gather them around its
+    forward (FSDP); returns `module` (changed in place), as FSDP2's `fully_shard`.
+
+    >>> for block in model.layers:                                  # doctest: +SKIP
+    ...     mc.nn.fully_shard(block, bound)
+    >>> mc.nn.fully_shard(model, bound)                             # doctest: +SKIP
+
+    `mesh`: a BoundMesh (`mc.init_mesh`) or a torch DeviceMesh. `axis`: the mesh axis to
+    shard over (default: the mesh's only axis, else "dp" or "fsdp"). Apply it to inner
+    modules first (each becomes one unit: one all_gather and one reduce_scatter), then to
+    the root, which takes the parameters no unit took. `reshard_after_forward` (default:
+    True, False for a module that holds other units) frees the gathered parameters after
+    forward and gathers them again in backward. `mp_policy`: `MixedPrecision`. `prefetch`:
+    issue the next unit's all_gather before computing this one (forward and backward).
+    Parameters on the meta device stay on it (shard-sized): `model.to_empty(device=...)`
+    then `mc.nn.init_shards(model, fn)` fills them.
+    """
+    bound = _bound(mesh)
+    axis = _axis(bound, axis)
+    if hasattr(module, UNIT_ATTR):
+        raise MeshMismatchError(f"fully_shard: {type(module).__name__} is already sharded;"
+                                " fix: call fully_shard once per module")
+    has_units = any(hasattr(m, UNIT_ATTR) for m in module.modules() if m is not module)
+    if reshard_after_forward is None:
+        reshard_after_forward = not has_units
+    params = [_shard_param(bound, axis, m, attr, name, p)
+              for m, attr, name, p in _owned_params(module)]
+    unit = _Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
+                 reshard_after_forward, prefetch)
+    setattr(module, UNIT_ATTR, unit)
+    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    module.register_forward_hook(_post_forward, with_kwargs=True)
+    return module
+
+
+def _bound(mesh: Any) -> BoundMesh:
+    if isinstance(mesh, BoundMesh):
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        return bind_device_mesh(mesh)
+    raise MeshMismatchError(f"fully_shard needs a BoundMesh (mc.init_mesh) or a DeviceMesh,"
+                            f" got {type(mesh).__name__}")
+
+
+def _axis(bound: BoundMesh, axis: str | None) -> str:
+    names = bound.mesh.axis_names
+    if axis is None:
+        found = names if len(names) == 1 else [a for a in ("dp", "fsdp") if a in names]
+        if len(found) != 1:
+            raise MeshAxisError(f"fully_shard: which axis of {bound.mesh!r} shards the"
+                                f" parameters? fix: pass axis= one of {list(names)}")
+        axis = found[0]
+    if axis not in names:
+        raise MeshAxisError(f"fully_shard(axis={axis!r}): not an axis of {bound.mesh!r};"
+                            f" fix: one of {list(names)}")
+    return axis
+
+
+def _owned_params(module: nn.Module) -> list[tuple[nn.Module, str, str, nn.Parameter]]:
+    """(module, attribute, qualified name, parameter) of every parameter `module` owns:
+    not those under a submodule that is a unit already. Tied parameters are refused."""
+    out, seen = [], {}
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            name = f"{prefix}{attr}"
+            if id(p) in seen:
+                raise ShapeError(
+                    f"fully_shard: parameter {name} is the same tensor as {seen[id(p)]} (tied"
+                    " weights), which FSDP would shard twice; fix: untie them, e.g."
+                    f" {name} = nn.Parameter({seen[id(p)]}.detach().clone()), before"
+                    " fully_shard")
+            seen[id(p)] = name
+            if is_dtensor(p) and getattr(p, "_meshcomm_fsdp", False):
+                raise ShapeError(f"fully_shard: parameter {name} is sharded by another unit"
+                                 " already (tied weights?); fix: untie them first")
+            out.append((m, attr, name, p))
+        for child_name, child in m._modules.items():
+            if child is not None and not hasattr(child, UNIT_ATTR):
+                walk(f"{prefix}{child_name}.", child)
+            elif child is not None:
+                for q in child.parameters():
+                    seen.setdefault(id(q), f"{prefix}{child_name}.(unit)")
+
+    walk("", module)
+    return out
+
+
+def _names(ndim: int) -> list[str]:
+    return [f"d{i}" for i in range(ndim)]
+
+
+def _shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name: str,
+                 p: nn.Parameter) -> _Param:
+    """`p` as a DTensor parameter sharded along dim 0 over `axis` (on top of the tensor
+    parallel split a DTensor `p` already has)."""
+    mesh = bound.mesh
+    if p.dim() == 0:
+        raise ShapeError(f"fully_shard: parameter {name} is a scalar; FSDP shards dim 0."
+                         " fix: make it shape (1,) or keep it outside the unit")
+    names = _names(p.dim())
+    if is_dtensor(p):
+        if bound.mesh != type(mesh).from_device_mesh(p.device_mesh):
+            raise MeshMismatchError(f"fully_shard: parameter {name} is a DTensor on"
+                                    f" {type(mesh).from_device_mesh(p.device_mesh)!r}, not on"
+                                    f" {mesh!r}; fix: parallelize on the same mesh")
+        shape = global_shape(p)
+        use = from_placements(mesh, shape, placements_of(p), names=" ".join(names))
+        if axis in use.sharded_axes(mesh) or use.partial_axes:
+            raise ShapeError(f"fully_shard: parameter {name} is already split over {axis!r}"
+                             f' ("{use}"); fix: shard it over another axis')
+        full = p.to_local()
+    else:
+        shape, use, full = tuple(p.shape), Layout(" ".join(names)), p.detach()
+    use_shape = tuple(full.shape)
+    first = use.dims[0].factors
+    stored = Layout(" ".join(
+        ["(" + " ".join([f.name for f in first[:-1]] + [axis, first[-1].name]) + ")"]
+        + [str(d) for d in use.dims[1:]]))
+    n = mesh.axis_size(axis)
+    rows = chunk_sizes(use_shape[0], n)
+    mine = stored.local_shape(mesh, shape, bound.rank) if bound.in_mesh else None
+    me = mesh.coords(bound.rank)[axis]
+    if mine is None or mine[0] != rows[me] or tuple(mine[1:]) != use_shape[1:]:
+        raise ShapeError(
+            f"fully_shard: parameter {name} of shape {shape} (\"{use}\") cannot be split"
+            f" evenly enough over {axis!r}: its shards would not be consecutive rows."
+            f" fix: make dim 0 ({shape[0]}) divisible by the sizes of the axes that split it")
+    start = sum(rows[:me])
+    if full.is_meta:
+        local = torch.empty((rows[me], *use_shape[1:]), dtype=full.dtype, device="meta")
+    else:
+        local = full[start:start + rows[me]].detach().clone()
+    dm = p.device_mesh if is_dtensor(p) else bound.device_mesh
+    dt = wrap(local, dm, to_placements(mesh, shape, stored), shape)
+    param = nn.Parameter(dt, requires_grad=p.requires_grad)
+    param._meshcomm_fsdp = True      # type: ignore[attr-defined]
+    module._parameters[attr] = param
+    return _Param(module, attr, name, param, shape, use_shape, rows, stored, use)
+
+
+# -- meta-device models: fill each rank's shards -----------------------------------------------
+def init_shards(module: nn.Module, fn: Callable[[str, tuple[int, ...], tuple[slice, ...]], Tensor]
+                ) -> nn.Module:
+    """Fill every DTensor parameter's local shard with `fn(name, global_shape, index)`, where
+    `index` is this rank's block of the global tensor as one slice per dim: the function
+    computes only this rank's values (a model built on the meta device never exists whole).
+
+    >>> mc.nn.init_shards(model, lambda name, shape, index: torch.zeros(shape)[index])  # doctest: +SKIP
+
+    Call it after `model.to_empty(device=...)`. Plain (unsharded) parameters get
+    `fn(name, shape, full index)`. Returns `module`.
+    """
+    for name, p in module.named_parameters():
+        if is_dtensor(p):
+            mesh = type(_bound_mesh_of(p)).from_device_mesh(p.device_mesh)
+            layout = from_placements(mesh, global_shape(p), placements_of(p))
+            index = _block(layout, mesh, global_shape(p), _rank())
+            local = p.to_local()
+        else:
+            index, local = tuple(slice(0, n) for n in p.shape), p
+        values = fn(name, tuple(global_shape(p) if is_dtensor(p) else p.shape), index)
+        if tuple(values.shape) != tuple(local.shape):
+            raise ShapeError(f"init_shards: fn gave shape {tuple(values.shape)} for {name},"
+                             f" whose block {index} has shape {tuple(local.shape)}; fix: return"
+                             " the values of exactly that block")
+        with torch.no_grad():
+            local.copy_(values)
+    return module
+
+
+def _bound_mesh_of(p: Any) -> Any:
+    from ..core.mesh import Mesh
+
+    return Mesh.from_device_mesh(p.device_mesh)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _block(layout: Layout, mesh: Any, shape: tuple[int, ...], rank: int) -> tuple[slice, ...]:
+    """This rank's block of `layout` as slices (the layout's indices must be one run per dim)."""
+    out = []
+    for dim, ix in enumerate(layout.indices(mesh, shape, rank)):
+        ix = tuple(ix)
+        if ix and ix != tuple(range(ix[0], ix[0] + len(ix))):
+            raise ShapeError(f"init_shards: dim {dim} of \"{layout}\" gives rank {rank} rows"
+                             " that are not one run; fn gets slices only for blocks")
+        out.append(slice(ix[0], ix[0] + len(ix)) if ix else slice(0, 0))
+    return tuple(out)
