@@ -274,7 +274,7 @@ class _Gathered(torch.autograd.Function):
 
 
 # -- hooks ------------------------------------------------------------------------------------
-def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> None:
+def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit: _Unit = getattr(module, UNIT_ATTR)
     if _SCHEDULE.recording:     # the first forward records the order; a unit seen again ends it
         if unit in _SCHEDULE.order:
@@ -297,6 +297,13 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> None:
     if unit.reshard_after_forward and torch.is_grad_enabled():
         unit.hooks = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
         unit.hooks.__enter__()
+    dtype = unit.mp.param_dtype
+    if dtype is None:
+        return None
+    # as FSDP2: floating-point inputs of the unit computed in param_dtype
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
 def _post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
