@@ -7,6 +7,7 @@ See docs/tutorial.md.
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
 from .fsdp import MixedPrecision, fully_shard, init_shards
+from .parallel import STYLES, parallelize, tp_style
 from .params import (
                      FullyShard,
                      ParamSpec,
@@ -24,7 +25,7 @@ from .tensor_parallel import (
 )
 
 __all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE", "ParamSpec",
-           "Routing", "RowParallelLinear", "ShardedModule", "TPEntry",
+           "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
            "fully_shard", "gather_params", "init_shards", "logical_axes", "param_spec",
-           "planning_mesh"]
+           "parallelize", "planning_mesh", "tp_style"]

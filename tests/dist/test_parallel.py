@@ -1,0 +1,117 @@
+"""mc.nn.parallelize (tensor parallelism on unmodified modules) alone and under fully_shard,
+on 4 gloo ranks (dp=2 tp=2), against the same model trained in one process. The model has
+a vocab-parallel embedding and an output layer of 11 rows (uneven over tp=2), a colwise /
+rowwise MLP with biases, and a residual connection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from conftest import ranks_fixture
+from torch import nn
+
+import meshcomm as mc
+
+PLAN = {"emb": "embedding", "up": "colwise", "down": "rowwise", "out": "colwise_gather"}
+STEPS = 4
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.up = nn.Linear(6, 16)
+        self.down = nn.Linear(16, 6)
+        self.out = nn.Linear(6, 11, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.down(F.relu(self.up(h)))
+        return self.out(h)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)
+
+
+def losses_of(m: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int) -> list[float]:
+    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
+    out = []
+    for _ in range(STEPS):
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if world > 1:
+            total = loss.detach().clone()
+            torch.distributed.all_reduce(total)
+            out.append(total.item() / world)
+        else:
+            out.append(loss.item())
+    return out
+
+
+def worker(rank: int, world: int) -> dict[str, Any]:
+    bound = mc.init_mesh("dp=2 tp=2")
+    out: dict[str, Any] = {}
+    for fsdp in (False, True):
+        m = mc.nn.parallelize(Tiny(), bound, PLAN)
+        x, y = data()
+        if fsdp:
+            mc.nn.fully_shard(m, bound, axis="dp")
+            dp = bound.mesh.coords(rank)["dp"]
+            x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
+        out[fsdp] = (losses_of(m, x, y, world),
+                     {n: str(tuple(p.placements)) for n, p in m.named_parameters()},
+                     {n: p.full_tensor() for n, p in m.named_parameters()})
+    out["styles"] = {n: mc.nn.tp_style(mod) for n, mod in m.named_modules() if n}
+    errors = {}
+    for key, plan in (("pattern", {"nope.*": "colwise"}), ("style", {"up": "diagonal"}),
+                      ("type", {"emb": "colwise"})):
+        try:
+            mc.nn.parallelize(Tiny(), bound, plan)
+            errors[key] = "no error"
+        except mc.errors.MeshcommError as err:
+            errors[key] = f"{type(err).__name__}: {err}"
+    out["errors"] = errors
+    return out
+
+
+four = ranks_fixture(worker, 4)
+
+
+def test_tensor_parallel_alone_and_under_fsdp_equals_one_process(
+        four: list[dict[str, Any]]) -> None:
+    ref = Tiny()
+    x, y = data()
+    want = losses_of(ref, x, y, 1)
+    for fsdp in (False, True):
+        losses, _, params = four[0][fsdp]
+        assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, fsdp
+        for name, p in ref.named_parameters():
+            assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
+
+
+def test_weights_are_split_as_their_styles_say(four: list[dict[str, Any]]) -> None:
+    tp, both = four[0][False][1], four[0][True][1]
+    assert tp["up.weight"] == "(Replicate(), Shard(dim=0))"
+    assert tp["down.weight"] == "(Replicate(), Shard(dim=1))"
+    assert tp["down.bias"] == "(Replicate(), Replicate())"
+    assert tp["emb.weight"] == "(Replicate(), Shard(dim=0))"
+    # fully_shard over dp splits each tp shard further: tp major, dp minor on dim 0
+    assert both["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert both["down.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    assert four[0]["styles"] == {"emb": "embedding", "up": "colwise", "down": "rowwise",
+                                 "out": "colwise_gather"}
+
+
+def test_bad_plans_are_refused(four: list[dict[str, Any]]) -> None:
+    errors = four[0]["errors"]
+    assert errors["pattern"].startswith("ShapeError: parallelize: 'nope.*' matches no module")
+    assert errors["style"].startswith("ShapeError: parallelize: style 'diagonal' for 'up'")
+    assert errors["type"] == ("ShapeError: parallelize: emb is an nn.Embedding; style 'colwise'"
+                              " needs an nn.Linear")
