@@ -6,7 +6,7 @@ See docs/tutorial.md.
 """
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
-from .fsdp import MixedPrecision, fully_shard, init_shards
+from .fsdp import MixedPrecision, fsdp_schedule, fully_shard, init_shards
 from .parallel import STYLES, parallelize, tp_style
 from .params import (
                      FullyShard,
@@ -27,5 +27,5 @@ from .tensor_parallel import (
 __all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE", "ParamSpec",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
-           "fully_shard", "gather_params", "init_shards", "logical_axes", "param_spec",
-           "parallelize", "planning_mesh", "tp_style"]
+           "fsdp_schedule", "fully_shard", "gather_params", "init_shards",
+           "logical_axes", "param_spec", "parallelize", "planning_mesh", "tp_style"]

@@ -9,6 +9,7 @@ whole batch.
 
 from __future__ import annotations
 
+import re
 import resource
 from typing import Any
 
@@ -95,6 +96,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     F.cross_entropy(m(x[:2]), y[:2]).backward()
     norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
     out["clip"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    out["schedule"] = mc.nn.fsdp_schedule(m)
     out["mixed"] = mixed(bound)
     out["meta"] = meta(bound)
     out["errors"] = errors(bound)
@@ -236,3 +238,16 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
     assert "already sharded" in errors["twice"]
     assert errors["mesh"].startswith("MeshMismatchError: fully_shard needs a BoundMesh")
     assert all(r["errors"] == errors for r in four)
+
+
+def test_the_schedule_says_what_overlaps_what(four: list[dict[str, Any]]) -> None:
+    lines = [re.split(r"\s{2,}", line) for line in four[0]["schedule"].splitlines()]
+    assert [(w[0], w[1], w[2]) for w in lines] == [
+        ("forward", "all_gather", "0"), ("forward", "all_gather", "2"),
+        ("forward", "all_gather", "4"),
+        ("backward", "all_gather", "4"), ("backward", "reduce_scatter", "4"),
+        ("backward", "all_gather", "2"), ("backward", "reduce_scatter", "2"),
+        ("backward", "all_gather", "0"), ("backward", "reduce_scatter", "0")]
+    # layer 2: a 7x10 weight (2 rows a rank, padded) + 7 bias (2 a rank): 22 x 4 B x 3 peers
+    assert lines[1][3] == "264 B" and lines[1][4].endswith("issued before 0 computes (prefetch)")
+    assert lines[4][4].endswith("runs while 2's backward computes")
