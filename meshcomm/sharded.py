@@ -37,7 +37,7 @@ from .executors.distributed.checks import (
 )
 from .executors.distributed.compiler import when_dynamo_loads
 from .executors.distributed.cross import execute_cross
-from .executors.distributed.execute import ByteTrace, execute_many
+from .executors.distributed.execute import ByteTrace, execute, execute_many
 from .executors.local import take
 from .executors.sim.shards import scatter
 from .interop.placements import from_placements, to_placements
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
 def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
             cost_model: CostModel | None = None, trace: ByteTrace | None = None,
-            check: bool | None = None) -> Tensor: ...
+            check: bool | None = None, async_op: bool = False) -> Tensor: ...
 @overload
 def reshard(x_local: Tensor | None, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             dst_mesh: BoundMesh, shape: Sequence[int] | None = None,
@@ -78,7 +78,7 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
             dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
             trace: ByteTrace | None = None, check: bool | None = None,
             forward_dtype: torch.dtype | None = None,
-            backward_dtype: torch.dtype | None = None) -> Tensor | None:
+            backward_dtype: torch.dtype | None = None, async_op: bool = False) -> Tensor | None:
     """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
     `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
 
@@ -89,7 +89,9 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     local size times the sizes of the dim's mesh axes), so pass it for uneven layouts.
     `dtype` defaults to `x_local.dtype`. `trace` records the bytes of each collective call
     (eager only). `check` turns check mode on or off for this call (default: the mesh's,
-    `init_mesh(check=...)`; docs/errors.md).
+    `init_mesh(check=...)`; docs/errors.md). `async_op=True` returns at once, the last
+    collective still running: the result is waited on at its first use, so the caller can
+    compute meanwhile (not differentiable; errors surface at that use).
 
     `dst_mesh` (another BoundMesh) puts `dst` on that mesh: call it on every rank of the
     world. Ranks only in `mesh` return None; ranks only in `dst_mesh` pass None as
@@ -100,6 +102,9 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     returns a DTensor (`meshcomm.sharded.reshard_dtensor`, docs/dtensor.md); it takes
     `forward_dtype=` and `backward_dtype=` as `DTensor.redistribute` does.
     """
+    if async_op and (is_dtensor(x_local) or dst_mesh is not None):
+        raise ShapeError("reshard(async_op=True) goes with a local tensor on one mesh; fix:"
+                         " leave async_op out for DTensors and dst_mesh=")
     if is_dtensor(x_local):
         if (src, dst, dst_mesh, shape, dtype) != (None,) * 5:
             raise ShapeError("mc.reshard(dtensor, dst) takes the destination only (a layout or"
@@ -120,14 +125,19 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
             raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
                              " leave it out (the plan's send_bytes/recv_bytes are the same)")
         return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
+    if async_op and torch.is_grad_enabled() and getattr(x_local, "requires_grad", False):
+        raise ShapeError("reshard(async_op=True) returns before its collectives finish and"
+                         " records no gradient; fix: pass x.detach(), or leave async_op out")
     if not checking(mesh, check):
-        return reshard_autograd(x_local, mesh, _plan_for(x_local, mesh, src, dst, shape, dtype,
-                                                         cost_model), trace)
-    try:   # check mode: the ranks agree on the call first, a rank that fails here too
         p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
-    except MeshcommError as err:
-        raise_together(mesh, err, "reshard")
-    agree_reshard(x_local, mesh, p)
+    else:
+        try:   # check mode: the ranks agree on the call first, a rank that fails here too
+            p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+        except MeshcommError as err:
+            raise_together(mesh, err, "reshard")
+        agree_reshard(x_local, mesh, p)
+    if async_op:
+        return execute(p, x_local, mesh, trace=trace, wait=False)
     return reshard_autograd(x_local, mesh, p, trace)
 
 

@@ -84,6 +84,7 @@ class _Run(NamedTuple):
     bound: BoundMesh
     shape: tuple[int, ...]
     trace: ByteTrace | None
+    wait: bool = True      # False: collectives return tensors waited on at first use
 
     def group(self, step: Step) -> tuple[str, int, int]:
         """(group name, group size, this rank's position) of the step's group."""
@@ -128,16 +129,20 @@ def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
     plan.src.check_local(plan.mesh, plan.shape, rank, tuple(local.shape), "local tensor")
 
 
-def execute(plan: Plan, local: Tensor, bound: BoundMesh, *, trace: ByteTrace | None = None
-            ) -> Tensor:
+def execute(plan: Plan, local: Tensor, bound: BoundMesh, *, trace: ByteTrace | None = None,
+            wait: bool = True) -> Tensor:
     """This rank's output of `plan` for its input shard `local` (call it on every rank).
 
     `trace`, when given, records the bytes of every collective call as it is made.
+    `wait=False` leaves every collective's result unwaited (PyTorch's AsyncCollectiveTensor):
+    a step that needs the data waits for it, so the output of a plan whose last step is a
+    collective comes back before that collective completes and is waited on at first use.
+    A failure then surfaces at that use, as PyTorch's own error.
 
     >>> out = execute(mc.plan(bound.mesh, (8,), "(tp b)", "b"), x, bound)  # doctest: +SKIP
     """
     check_local(plan, local, bound)
-    run = _Run(bound, plan.shape, trace)
+    run = _Run(bound, plan.shape, trace, wait)
     for k, step in enumerate(plan.steps):
         try:
             local = _RUN[step.kind](step, local, run)
@@ -188,7 +193,7 @@ def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
         return _all_gather_v(step, x, run)
     name, g, pos = run.group(step)
     buf = x.unsqueeze(0).contiguous()
-    y = wire.call(funcol.all_gather_single, buf, 0, name)
+    y = wire.call(funcol.all_gather_single, buf, 0, name, wait=run.wait)
     run.record(step, Wire("all_gather", g, pos, buf.numel(), y.numel()), x.element_size())
     return step.post.apply(y) if step.post else y
 
@@ -210,7 +215,8 @@ def _reduce_scatter(step: Step, x: Tensor, run: _Run) -> Tensor:
     name, g, pos = run.group(step)
     y = (step.pre.apply(x) if step.pre else x).contiguous()
     op = step.op or "sum"
-    out = wire.call(funcol.reduce_scatter_single, y, _wire_op(op), 0, name).squeeze(0)
+    out = wire.call(funcol.reduce_scatter_single, y, _wire_op(op), 0, name,
+                    wait=run.wait).squeeze(0)
     run.record(step, Wire("reduce_scatter", g, pos, y.numel(), out.numel()), x.element_size())
     return out / g if op == "avg" else out
 
@@ -232,7 +238,7 @@ def _all_reduce(step: Step, x: Tensor, run: _Run) -> Tensor:
     name, g, pos = run.group(step)
     op = step.op or "sum"
     buf = x.contiguous()
-    out = wire.call(funcol.all_reduce, buf, _wire_op(op), name)
+    out = wire.call(funcol.all_reduce, buf, _wire_op(op), name, wait=run.wait)
     run.record(step, Wire("all_reduce", g, pos, buf.numel(), out.numel()), x.element_size())
     return out / g if op == "avg" else out
 
@@ -275,7 +281,7 @@ def _a2a(step: Step, run: _Run, rows: Tensor, out_splits: list[int] | None = Non
          in_splits: list[int] | None = None) -> Tensor:
     """all_to_all_single of `rows` along dim 0 over the step's group, recorded as measured."""
     name, g, pos = run.group(step)
-    y = wire.all_to_all(rows, name, out_splits, in_splits)
+    y = wire.all_to_all(rows, name, out_splits, in_splits, wait=run.wait)
     row = math.prod(rows.shape[1:])
     run.record(step, Wire("all_to_all", g, pos, rows.numel(), y.numel(),
                           tuple(s * row for s in in_splits or ()),
