@@ -41,6 +41,8 @@ _EXPORTS = {
     "reshard": "meshcomm.sharded", "reshard_many": "meshcomm.sharded",
 }
 _NAMESPACES = frozenset({"collectives", "dtensor", "errors", "nn", "sim"})
+_SUBPACKAGES = frozenset({"core", "planner", "executors", "interop", "display", "recipes",
+                          "sharded", "testing", "cli"})
 
 if TYPE_CHECKING:
     from . import collectives, dtensor, errors, nn
@@ -93,6 +95,8 @@ def __getattr__(name: str) -> Any:
         value = module if name in _NAMESPACES else getattr(module, name)
         globals()[name] = value          # later reads skip this function
         return value
+    if name in _SUBPACKAGES:     # the layers below, e.g. mc.planner.plan_cache_info()
+        return importlib.import_module(f"meshcomm.{name}")
     if name not in _MOVED:
         raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
     module, instead = _MOVED[name]
