@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
+import gc
 import itertools
 import os
 from collections.abc import Sequence
@@ -128,6 +129,7 @@ def _ensure_world(backend: str, timeout_s: float | None) -> None:
 def _close_world() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()   # free the groups before interpreter teardown (it can abort otherwise)
 
 
 def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,

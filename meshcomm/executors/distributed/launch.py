@@ -12,8 +12,8 @@ are set) it runs in place: this process is rank RANK of the job, and no child st
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import gc
 import datetime
 import multiprocessing as mp
 import os
@@ -26,7 +26,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...core.errors import RankFailure
-from .bind import _close_world
 
 _GRACE_S = 2.0      # how long a terminated child gets before it is killed
 _POLL_S = 0.1
@@ -206,20 +205,48 @@ def _run_in_place(fn: Callable[..., Any], world_size: int, launched: tuple[int, 
             f" WORLD_SIZE are set), but the job has {world} processes; fix: launch"
             f" {world_size} (torchrun --nproc-per-node {world_size} or meshcomm launch -n"
             f" {world_size}), or run the script with plain python, which starts its own")
-    if not dist.is_initialized():
-        # Opened once and kept for the job's later calls (a default group destroyed and
-        # made again on the launcher's store cannot connect), closed at exit.
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        atexit.register(_close_world)
+    own = not dist.is_initialized()
+    if own:
+        _init_in_place(backend, rank, world, timeout_s)
     try:
-        mine: tuple[bool, Any] = (True, fn(rank, world, *args, **kwargs))
-    except Exception:
-        mine = (False, traceback.format_exc())
-    reports = _all_gather_objects(mine, world)
+        try:
+            mine: tuple[bool, Any] = (True, fn(rank, world, *args, **kwargs))
+        except Exception:
+            mine = (False, traceback.format_exc())
+        reports = _all_gather_objects(mine, world)
+    finally:
+        if own and dist.is_initialized():
+            dist.destroy_process_group()
+            gc.collect()   # free the groups now: one freed at interpreter exit can abort it
     failures = [(r, text, True) for r, (ok, text) in enumerate(reports) if not ok]
     if failures:
         _raise_failures(failures, world)
     return [value for _, value in reports]
+
+
+_MASTER_STORE: list[Any] = []     # the store rank 0 hosts when no launcher agent does
+_IN_PLACE_RUNS = [0]
+
+
+def _init_in_place(backend: str, rank: int, world: int, timeout_s: float) -> None:
+    """The default group for one in-place `run_ranks` call, on the launcher's store under a
+    prefix of its own: every call of the job gets fresh keys (a group made again under the
+    same keys cannot connect), and the group is destroyed after the call."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if rank == 0 and not agent:      # this process hosts the store: once, kept for later calls
+        if not _MASTER_STORE:
+            _MASTER_STORE.append(dist.TCPStore(host, port, world, is_master=True,
+                                               timeout=timeout))
+        base = _MASTER_STORE[0]
+    else:                            # a client, owned by the group and released with it
+        base = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    _IN_PLACE_RUNS[0] += 1       # the same count on every rank: they run the same program
+    store = dist.PrefixStore(f"meshcomm/run_ranks/{_IN_PLACE_RUNS[0]}", base)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _all_gather_objects(obj: Any, world: int) -> list[Any]:
