@@ -7,6 +7,7 @@ See docs/tutorial.md.
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
 from .fsdp import MixedPrecision, fsdp_schedule, fully_shard, init_shards
+from .losses import vocab_parallel_cross_entropy, vocab_range
 from .parallel import STYLES, parallelize, tp_style
 from .params import (
                      FullyShard,
@@ -28,4 +29,5 @@ __all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE"
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards",
-           "logical_axes", "param_spec", "parallelize", "planning_mesh", "tp_style"]
+           "logical_axes", "parallelize", "param_spec", "planning_mesh", "tp_style",
+           "vocab_parallel_cross_entropy", "vocab_range"]
