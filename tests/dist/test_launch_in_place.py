@@ -83,6 +83,7 @@ LAUNCHED_EXAMPLES = [
     (("moe_alltoall.py",), 4, "match the single-process reference"),
     (("reshard_checkpoint.py",), 4, "OK: every tensor gathered on the new mesh"),
     (("pipeline_handoff.py",), 8, "OK: "),
+    (("train_llama.py", "--steps", "3"), 4, "OK: largest relative difference"),
 ]
 
 
