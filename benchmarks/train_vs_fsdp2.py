@@ -70,9 +70,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import llama  # noqa: E402  (examples/llama.py: the model, plain PyTorch)
+import llama
 
-from meshcomm.executors.distributed.launch import run_ranks  # noqa: E402
+from meshcomm.executors.distributed.launch import run_ranks
 
 REFERENCE = "1 process"
 
@@ -163,8 +163,11 @@ def fsdp2(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
 def fsdp2_tp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = mesh_info.device_mesh()
     tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import ModelArgs, Transformer, counting_batches, loss_fn  # noqa: E402
+from llama import ModelArgs, Transformer, counting_batches, loss_fn
 
-import meshcomm as mc  # noqa: E402
-from meshcomm.executors.distributed.launch import run_ranks  # noqa: E402
+import meshcomm as mc
+from meshcomm.executors.distributed.launch import run_ranks
 
 MESH = "dp=2 tp=2"
 PLAN = {   # module-name patterns -> tensor-parallel style (docs/fsdp.md)

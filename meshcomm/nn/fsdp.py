@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +40,13 @@ from ..core.reduce_ops import chunk_sizes
 from ..executors.distributed import wire
 from ..executors.distributed.bind import BoundMesh
 from ..interop.placements import from_placements, to_placements
-from ..interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of, wrap
+from ..interop.runtime import (
+    bind_device_mesh,
+    global_shape,
+    is_dtensor,
+    placements_of,
+    wrap,
+)
 
 UNIT_ATTR = "_meshcomm_fsdp_unit"
 

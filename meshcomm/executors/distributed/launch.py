@@ -13,8 +13,8 @@ are set) it runs in place: this process is rank RANK of the job, and no child st
 from __future__ import annotations
 
 import contextlib
-import gc
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import pickle
