@@ -348,6 +348,11 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     """
     bound = _bound(mesh)
     axis = _axis(bound, axis)
+    if not bound.in_mesh:
+        raise MeshMismatchError(
+            f"fully_shard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
+            f" {list(bound.mesh.ranks)}), so it holds no shard and cannot run the model;"
+            " fix: build and shard the model on the mesh's ranks only (if bound.in_mesh: ...)")
     if hasattr(module, UNIT_ATTR):
         raise MeshMismatchError(f"fully_shard: {type(module).__name__} is already sharded;"
                                 " fix: call fully_shard once per module")

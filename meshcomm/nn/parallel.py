@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.errors import MeshAxisError, ShapeError
+from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from ..core.layout import Layout
 from ..core.reduce_ops import chunk_sizes
 from ..executors.distributed.bind import BoundMesh
@@ -139,6 +139,10 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
     if not isinstance(mesh, BoundMesh):
         raise MeshAxisError(f"parallelize needs a BoundMesh (mc.init_mesh), got"
                             f" {type(mesh).__name__}")
+    if not mesh.in_mesh:
+        raise MeshMismatchError(
+            f"parallelize: rank {mesh.rank} is not in {mesh.mesh!r}, so it holds no shard;"
+            " fix: build and parallelize the model on the mesh's ranks only")
     if axis not in mesh.mesh.axis_names:
         raise MeshAxisError(f"parallelize(axis={axis!r}): not an axis of {mesh.mesh!r}; fix:"
                             f" one of {list(mesh.mesh.axis_names)}")

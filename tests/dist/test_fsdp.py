@@ -185,6 +185,8 @@ def errors(bound: mc.BoundMesh) -> dict[str, str]:
     mc.nn.fully_shard(m, bound)
     attempt("twice", lambda: mc.nn.fully_shard(m, bound))
     attempt("mesh", lambda: mc.nn.fully_shard(nn.Linear(2, 2), mc.Mesh("dp=4")))
+    half = mc.init_mesh("dp=2", ranks=[0, 1])           # made on every rank; 2 and 3 outside
+    attempt("outside", lambda: mc.nn.fully_shard(nn.Linear(2, 2), half))
     return out
 
 
@@ -237,7 +239,12 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
     assert errors["axis"].startswith("MeshAxisError: fully_shard(axis='tp'): not an axis of")
     assert "already sharded" in errors["twice"]
     assert errors["mesh"].startswith("MeshMismatchError: fully_shard needs a BoundMesh")
-    assert all(r["errors"] == errors for r in four)
+    assert [r["errors"]["outside"] for r in four][:2] == ["no error"] * 2
+    for rank in (2, 3):
+        assert four[rank]["errors"]["outside"].startswith(
+            f"MeshMismatchError: fully_shard: rank {rank} is not in Mesh(dp=2,")
+    same = [{k: v for k, v in r["errors"].items() if k != "outside"} for r in four]
+    assert all(e == same[0] for e in same)
 
 
 def test_the_schedule_says_what_overlaps_what(four: list[dict[str, Any]]) -> None:
