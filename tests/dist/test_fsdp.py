@@ -242,7 +242,8 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
     assert [r["errors"]["outside"] for r in four][:2] == ["no error"] * 2
     for rank in (2, 3):
         assert four[rank]["errors"]["outside"].startswith(
-            f"MeshMismatchError: fully_shard: rank {rank} is not in Mesh(dp=2,")
+            f"MeshMismatchError: fully_shard: rank {rank} is not in Mesh(dp=2) (its ranks are"
+            " [0, 1]), so it holds no shard")
     same = [{k: v for k, v in r["errors"].items() if k != "outside"} for r in four]
     assert all(e == same[0] for e in same)
 
