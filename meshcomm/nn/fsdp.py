@@ -126,7 +126,6 @@ class _Schedule:
         return self.order[i - 1] if i > 0 else None
 
 
-_SCHEDULE = _Schedule()
 
 
 class _Unit:
@@ -144,6 +143,7 @@ class _Unit:
         self.regathered: list[Tensor] | None = None
         self.storages: dict[int, int] = {}       # storage data_ptr -> key (see _buffers)
         self.hooks: Any = None
+        self.schedule = _Schedule()      # shared by every unit of one model (see fully_shard)
         self.sent_bytes = 0
         self.received_bytes = 0
 
@@ -208,7 +208,7 @@ class _Unit:
             return saved      # type: ignore[no-any-return]
         if self.regathered is None:
             self.regathered = self.gather()
-            after = _SCHEDULE.next_backward(self)
+            after = self.schedule.next_backward(self)
             if self.prefetch and after is not None and after.reshard_after_forward:
                 after.prefetch_gather()
         base = self.regathered[saved.key]
@@ -247,12 +247,12 @@ class _Unit:
                 p.param.grad += grad
 
 
-def _finish_backward() -> None:
-    pending, _SCHEDULE.pending_reduce = _SCHEDULE.pending_reduce, []
-    _SCHEDULE.callback_queued = False
+def _finish_backward(schedule: _Schedule) -> None:
+    pending, schedule.pending_reduce = schedule.pending_reduce, []
+    schedule.callback_queued = False
     for unit, out in pending:
         unit.finish_reduce(out)
-    for unit in _SCHEDULE.order:     # a prefetch no forward used would be stale next step
+    for unit in schedule.order:     # a prefetch no forward used would be stale next step
         unit.regathered = None
         if unit.pending is not None:
             wire.waited(unit.pending.out)
@@ -272,24 +272,27 @@ class _Gathered(torch.autograd.Function):
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
         unit: _Unit = ctx.unit
         unit.regathered = None     # every use of the saved parameters is behind us
-        _SCHEDULE.pending_reduce.append((unit, unit.issue_reduce(grads)))
-        if not _SCHEDULE.callback_queued:
-            _SCHEDULE.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(_finish_backward)
+        schedule = unit.schedule
+        schedule.pending_reduce.append((unit, unit.issue_reduce(grads)))
+        if not schedule.callback_queued:
+            schedule.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: _finish_backward(schedule))
         return (None, None) + (None,) * len(unit.params)
 
 
 # -- hooks ------------------------------------------------------------------------------------
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit: _Unit = getattr(module, UNIT_ATTR)
-    if _SCHEDULE.recording:     # the first forward records the order; a unit seen again ends it
-        if unit in _SCHEDULE.order:
-            _SCHEDULE.recording = False
+    schedule = unit.schedule
+    if schedule.recording:     # the first forward records the order; a unit seen again ends it
+        if unit in schedule.order:
+            schedule.recording = False
         else:
-            _SCHEDULE.order.append(unit)
-    _SCHEDULE.active.append(unit)
+            schedule.order.append(unit)
+    schedule.active.append(unit)
     gathered = unit.gather() if unit.params else []
-    after = _SCHEDULE.next_forward(unit)
+    after = schedule.next_forward(unit)
     if unit.prefetch and after is not None:
         after.prefetch_gather()
     params = [p.param for p in unit.params]
@@ -320,8 +323,8 @@ def _post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any
     for p in unit.params:
         p.module._parameters[p.attr] = p.param
     unit.storages = {}
-    if _SCHEDULE.active and _SCHEDULE.active[-1] is unit:
-        _SCHEDULE.active.pop()
+    if unit.schedule.active and unit.schedule.active[-1] is unit:
+        unit.schedule.active.pop()
     return output
 
 
@@ -364,6 +367,11 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     unit = _Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
                  reshard_after_forward, prefetch)
     setattr(module, UNIT_ATTR, unit)
+    if has_units:   # the units below and this one: one model, one recorded order
+        shared = _Schedule()
+        for m in module.modules():
+            if hasattr(m, UNIT_ATTR):
+                getattr(m, UNIT_ATTR).schedule = shared
     module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
     module.register_forward_hook(_post_forward, with_kwargs=True)
     return module
@@ -489,7 +497,9 @@ def fsdp_schedule(module: nn.Module) -> str:
 
     units = {id(getattr(m, UNIT_ATTR)): name or "(root)" for name, m in module.named_modules()
              if hasattr(m, UNIT_ATTR)}
-    order = [u for u in _SCHEDULE.order if id(u) in units] or [
+    root = getattr(module, UNIT_ATTR, None)
+    recorded = root.schedule.order if root is not None and not root.schedule.recording else []
+    order = [u for u in recorded if id(u) in units] or [
         getattr(m, UNIT_ATTR) for _, m in module.named_modules() if hasattr(m, UNIT_ATTR)]
     order = [u for u in order if u.params]
     if not order:
@@ -503,7 +513,8 @@ def fsdp_schedule(module: nn.Module) -> str:
     for i, u in enumerate(order):
         name = units[id(u)]
         prev = units[id(order[i - 1])] if i else None
-        when = (f"issued before {prev} computes (prefetch)" if u.prefetch and prev
+        shared = bool(i) and order[i - 1].schedule is u.schedule   # one model: prefetched
+        when = (f"issued before {prev} computes (prefetch)" if u.prefetch and prev and shared
                 else "issued when it starts, waited on at once")
         rows.append(("forward", "all_gather", name, size(u, u.compute_dtype), when))
     for i in range(len(order) - 1, -1, -1):
@@ -511,7 +522,8 @@ def fsdp_schedule(module: nn.Module) -> str:
         nxt = units[id(order[i + 1])] if i + 1 < len(order) else None
         if u.reshard_after_forward:
             when = (f"issued while {nxt}'s backward computes (prefetch)" if u.prefetch and nxt
-                    and order[i + 1].reshard_after_forward else "issued when its backward starts")
+                    and order[i + 1].reshard_after_forward
+                    and order[i + 1].schedule is u.schedule else "issued when its backward starts")
             rows.append(("backward", "all_gather", name, size(u, u.compute_dtype), when))
         before = units[id(order[i - 1])] if i else None
         dtype = u.mp.reduce_dtype or u.params[0].param.dtype

@@ -97,6 +97,9 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     norm = torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
     out["clip"] = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     out["schedule"] = mc.nn.fsdp_schedule(m)
+    units = [getattr(x, mc.nn.fsdp.UNIT_ATTR) for x in (m, m[0], m[2], m[4])]
+    out["shared"] = (len({id(u.schedule) for u in units}), len(units[0].schedule.order),
+                     units[0].schedule.recording)
     out["mixed"] = mixed(bound)
     out["meta"] = meta(bound)
     out["errors"] = errors(bound)
@@ -246,6 +249,12 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
             " [0, 1]), so it holds no shard")
     same = [{k: v for k, v in r["errors"].items() if k != "outside"} for r in four]
     assert all(e == same[0] for e in same)
+
+
+def test_each_model_records_its_own_order(four: list[dict[str, Any]]) -> None:
+    """The fifth model built in the process still gets one schedule for its 4 units, recorded
+    in its first forward (prefetch follows it from the second)."""
+    assert four[0]["shared"] == (1, 4, False)
 
 
 def test_the_schedule_says_what_overlaps_what(four: list[dict[str, Any]]) -> None:
