@@ -37,6 +37,14 @@ PLAN = {   # module-name patterns -> tensor-parallel style (docs/fsdp.md)
     "layers.*.feed_forward.w2": "rowwise",
     "output": "colwise",
 }
+SP_PLAN = {   # --sequence-parallel: activations between blocks split over the sequence
+    "tok_embeddings": "embedding_sp",
+    "layers.*.attention_norm": "sp_params", "layers.*.ffn_norm": "sp_params", "norm": "sp_params",
+    "layers.*.attention": "sp_input", "layers.*.feed_forward": "sp_input",
+    "layers.*.attention.w[qkv]": "colwise_sp", "layers.*.attention.wo": "rowwise_sp",
+    "layers.*.feed_forward.w[13]": "colwise_sp", "layers.*.feed_forward.w2": "rowwise_sp",
+    "output": "colwise_gather_sp",
+}
 
 
 def model_args(vocab: int) -> ModelArgs:
@@ -61,7 +69,8 @@ def reference(cfg: dict[str, int]) -> list[float]:
 def worker(rank: int, world: int, cfg: dict[str, int]) -> list[float]:
     bound = mc.init_mesh(MESH)
     model = Transformer(model_args(cfg["vocab"]))        # the same weights on every rank
-    mc.nn.parallelize(model, bound, PLAN, axis="tp")
+    sp = bool(cfg["sequence_parallel"])
+    mc.nn.parallelize(model, bound, SP_PLAN if sp else PLAN, axis="tp")
     for block in model.layers:
         mc.nn.fully_shard(block, bound, axis="dp")
     mc.nn.fully_shard(model, bound, axis="dp")
@@ -73,9 +82,10 @@ def worker(rank: int, world: int, cfg: dict[str, int]) -> list[float]:
     for step, tokens in enumerate(counting_batches(cfg["steps"], cfg["batch"], cfg["seq"],
                                                    cfg["vocab"]), 1):
         mine = tokens[dp * rows:(dp + 1) * rows]
-        logits = model(mine[:, :-1])                     # (rows, seq, vocab / tp)
-        loss = mc.nn.vocab_parallel_cross_entropy(logits, mine[:, 1:], bound, "tp",
-                                                  vocab_size=cfg["vocab"])
+        logits = model(mine[:, :-1])        # (rows, seq, vocab / tp); whole vocab with sp
+        loss = (loss_fn(logits, mine[:, 1:]) if sp else
+                mc.nn.vocab_parallel_cross_entropy(logits, mine[:, 1:], bound, "tp",
+                                                   vocab_size=cfg["vocab"]))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -93,9 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--tol", type=float, default=1e-5, help="largest relative loss difference")
+    ap.add_argument("--sequence-parallel", action="store_true",
+                    help="split activations between blocks over the sequence too")
     args = ap.parse_args(argv)
-    cfg = {"steps": args.steps, "batch": 8, "seq": 32, "vocab": 251}   # 251: uneven over tp=2
-    print(f"Llama-style model (dim 64, 2 layers, GQA 4/2 heads, vocab {cfg['vocab']}) on {MESH},"
+    cfg = {"steps": args.steps, "batch": 8, "seq": 32, "vocab": 251,   # 251: uneven over tp=2
+           "sequence_parallel": int(args.sequence_parallel)}
+    print(f"Llama-style model (dim 64, 2 layers, GQA 4/2 heads, vocab {cfg['vocab']}) on {MESH}"
+          f"{' with sequence parallelism' if args.sequence_parallel else ''},"
           f" {cfg['steps']} steps, batch {cfg['batch']} x seq {cfg['seq']}", flush=True)
     want = reference(cfg)
     got = run_ranks(worker, 4, cfg, timeout_s=300)

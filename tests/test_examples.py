@@ -81,6 +81,13 @@ def test_train_llama_fsdp_x_tp_matches_one_process() -> None:
                      out, re.MULTILINE), out
 
 
+def test_train_llama_with_sequence_parallelism_matches_one_process() -> None:
+    out = run_example("train_llama.py", "--steps", "3", "--sequence-parallel")
+    assert "with sequence parallelism" in out
+    assert re.search(r"^OK: largest relative difference \S+ \(within 1e-05\) over 3 steps$",
+                     out, re.MULTILINE), out
+
+
 def test_llama_model_example_trains() -> None:
     out = run_example("llama.py", "--steps", "5")
     assert out.strip(), out

@@ -13,6 +13,14 @@ needs. Every move is a meshcomm plan on layouts (`d0 d1 ...` are the activation'
 | `rowwise`        | `d0 (tp d1)`      | last dim split (a colwise output) | `... | sum(tp)` -> all_reduce; bias added after |
 | `embedding`      | `(tp d0) d1` (vocab rows) | replicated token ids  | `... | sum(tp)` -> all_reduce |
 
+Sequence parallelism (`*_sp` styles, `sp_input`, `sp_params`) keeps the activations between
+blocks split over the sequence (dim 1): `embedding_sp` and `rowwise_sp` reduce_scatter
+instead of all_reduce, `sp_input` on a block's attention or MLP module all_gathers its
+input (and reduce_scatters the gradient), `colwise_sp` leaves its input's gradient partial
+for that reduce_scatter, `sp_params` all_reduces over tp the gradients of the replicated
+parameters used on sequence-split activations (norms), `colwise_gather_sp` gathers the
+sequence before an output layer. See `STYLES` and `Style`.
+
 A colwise output keeps the last dim split, so attention heads and MLP hidden units stay
 local until the rowwise projection sums them: two all_reduces per transformer block in
 forward and two in backward, as Megatron-style tensor parallelism.
@@ -21,6 +29,7 @@ forward and two in backward, as Megatron-style tensor parallelism.
 from __future__ import annotations
 
 import fnmatch
+from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,11 +44,39 @@ from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, wrap
 from ..sharded import reshard
 
+@dataclass(frozen=True)
+class Style:
+    """A tensor-parallel style: the module type, its weight's layout (None: weights stay as
+    they are), what the input is and what the output becomes.
+
+    inputs: "replicated" (its gradient is all_reduced over tp), "local" (replicated, its
+    gradient left partial: an enclosing `sp_input` sums it), "split" (last dim split),
+    "tokens" (ids, replicated), "sequence" (dim 1 split: all_gather it, reduce_scatter the
+    gradient), "as is". outputs: "split" (last dim), "gather" (all_gather the last dim),
+    "sum" (`| sum(tp)` -> all_reduce), "sequence" (`| sum(tp)` -> reduce_scatter over dim 1),
+    "as is". `grad_sum`: the module's own parameters get their gradients all_reduced over tp
+    (replicated parameters used on sequence-split activations, e.g. norms).
+    """
+
+    kind: type
+    weight: str | None
+    inputs: str
+    outputs: str
+    grad_sum: bool = False
+
+
 STYLES = {
-    "colwise": (nn.Linear, "(tp d0) d1"),
-    "colwise_gather": (nn.Linear, "(tp d0) d1"),
-    "rowwise": (nn.Linear, "d0 (tp d1)"),
-    "embedding": (nn.Embedding, "(tp d0) d1"),
+    "colwise": Style(nn.Linear, "(tp d0) d1", "replicated", "split"),
+    "colwise_gather": Style(nn.Linear, "(tp d0) d1", "replicated", "gather"),
+    "rowwise": Style(nn.Linear, "d0 (tp d1)", "split", "sum"),
+    "embedding": Style(nn.Embedding, "(tp d0) d1", "tokens", "sum"),
+    # sequence parallelism: activations between blocks split over the sequence (dim 1)
+    "colwise_sp": Style(nn.Linear, "(tp d0) d1", "local", "split"),
+    "rowwise_sp": Style(nn.Linear, "d0 (tp d1)", "split", "sequence"),
+    "embedding_sp": Style(nn.Embedding, "(tp d0) d1", "tokens", "sequence"),
+    "colwise_gather_sp": Style(nn.Linear, "(tp d0) d1", "sequence", "gather"),
+    "sp_input": Style(nn.Module, None, "sequence", "as is"),
+    "sp_params": Style(nn.Module, None, "as is", "as is", grad_sum=True),
 }
 TP_ATTR = "_meshcomm_tp"
 
@@ -51,6 +88,12 @@ def _names(ndim: int) -> str:
 def _last_split(ndim: int, axis: str) -> str:
     names = [f"d{i}" for i in range(ndim)]
     names[-1] = f"({axis} {names[-1]})"
+    return " ".join(names)
+
+
+def _seq_split(ndim: int, axis: str) -> str:
+    names = [f"d{i}" for i in range(ndim)]
+    names[1] = f"({axis} {names[1]})"
     return " ".join(names)
 
 
@@ -69,6 +112,22 @@ class _GradSum(torch.autograd.Function):
         return reshard(g, ctx.bound, f"{names} | sum({ctx.axis})", names), None, None
 
 
+class _SeqGather(torch.autograd.Function):
+    """Forward: all_gather the sequence dim (1) over `axis`. Backward: the (partial) gradient
+    summed and split back over the sequence: a reduce_scatter plan."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, bound: BoundMesh, axis: str) -> Tensor:
+        ctx.bound, ctx.axis = bound, axis
+        return reshard(x, bound, _seq_split(x.dim(), axis), _names(x.dim()))
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
+        names = _names(g.dim())
+        return (reshard(g.contiguous(), ctx.bound, f"{names} | sum({ctx.axis})",
+                        _seq_split(g.dim(), ctx.axis)), None, None)
+
+
 class _TP:
     """A module's tensor-parallel style: its mesh, axis and the forward wrapping."""
 
@@ -76,6 +135,7 @@ class _TP:
                  axis: str) -> None:
         self.module, self.name, self.style, self.bound, self.axis = (
             module, name, style, bound, axis)
+        self.spec = STYLES[style]
         self.n = bound.mesh.axis_size(axis)
         self.pos = bound.mesh.coords(bound.rank)[axis]
         self.swapped: dict[str, Any] = {}
@@ -83,44 +143,59 @@ class _TP:
         self.mask: Tensor | None = None
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        spec, grad = self.spec, torch.is_grad_enabled()
         for attr, p in list(module._parameters.items()):
             if p is not None and is_dtensor(p):     # not gathered by fully_shard: use the shard
                 self.swapped[attr] = p
                 module._parameters[attr] = p.to_local()   # type: ignore[assignment]
+        if spec.grad_sum and grad:
+            for attr, p in list(module._parameters.items()):
+                if p is not None:
+                    self.swapped.setdefault(attr, p)
+                    module._parameters[attr] = _GradSum.apply(p, self.bound, self.axis)
         x = args[0]
-        if self.style in ("colwise", "colwise_gather") and torch.is_grad_enabled():
+        if spec.inputs == "replicated" and grad:
             x = _GradSum.apply(x, self.bound, self.axis)
-        elif self.style == "rowwise":
-            self.bias = module._parameters.get("bias")
-            if self.bias is not None:
-                self.swapped.setdefault("bias", self.bias)
-                module._parameters["bias"] = None
-        elif self.style == "embedding":
+        elif spec.inputs == "sequence":
+            x = _SeqGather.apply(x, self.bound, self.axis)
+        elif spec.inputs == "tokens":
             rows = chunk_sizes(module.num_embeddings, self.n)
             start = sum(rows[:self.pos])
             local = x - start
             self.mask = (local >= 0) & (local < rows[self.pos])
             x = local.clamp(0, max(rows[self.pos] - 1, 0))
+        if spec.outputs in ("sum", "sequence") and spec.weight is not None:
+            self.bias = module._parameters.get("bias")   # added once, after the sum
+            if self.bias is not None:
+                self.swapped.setdefault("bias", self.bias)
+                module._parameters["bias"] = None
+                if spec.outputs == "sequence" and grad:   # used on this rank's rows only
+                    self.bias = _GradSum.apply(self.bias, self.bound, self.axis)
         return (x, *args[1:])
 
     def post(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
         for attr, p in self.swapped.items():
             module._parameters[attr] = p
         self.swapped = {}
+        spec = self.spec
+        if spec.outputs == "as is":
+            return out
         names = _names(out.dim())
-        if self.style == "colwise_gather":
+        if self.mask is not None:
+            if module.num_embeddings:
+                out = out * self.mask.unsqueeze(-1).to(out.dtype)
+            self.mask = None
+        if spec.outputs == "gather":
             out = reshard(out, self.bound, _last_split(out.dim(), self.axis), names,
                           shape=(*out.shape[:-1], module.out_features))
-        elif self.style == "rowwise":
+        elif spec.outputs == "sum":
             out = reshard(out, self.bound, f"{names} | sum({self.axis})", names)
-            if self.bias is not None:
-                out = out + self.bias
+        elif spec.outputs == "sequence":
+            out = reshard(out, self.bound, f"{names} | sum({self.axis})",
+                          _seq_split(out.dim(), self.axis))
+        if self.bias is not None:
+            out = out + self.bias
             self.bias = None
-        elif self.style == "embedding":
-            if module.num_embeddings and self.mask is not None:
-                out = out * self.mask.unsqueeze(-1).to(out.dtype)
-            out = reshard(out, self.bound, f"{names} | sum({self.axis})", names)
-            self.mask = None
         return out
 
 
@@ -151,7 +226,7 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
         if style not in STYLES:
             raise ShapeError(f"parallelize: style {style!r} for {pattern!r} is not one of"
                              f" {sorted(STYLES)}")
-        kind = STYLES[style][0]
+        kind = STYLES[style].kind
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
             raise ShapeError(f"parallelize: {pattern!r} matches no module; names look like"
@@ -168,16 +243,16 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
 
 
 def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str) -> None:
-    weight_layout = STYLES[style][1].replace("tp", axis)
+    spec = STYLES[style]
     for attr, p in list(m._parameters.items()):
-        if p is None:
+        if p is None or spec.weight is None:
             continue
         if is_dtensor(p):
             raise ShapeError(f"parallelize: {name}.{attr} is a DTensor already; fix:"
                              " parallelize before fully_shard, once")
         if attr == "weight":
-            layout = Layout(weight_layout)
-        elif style in ("colwise", "colwise_gather"):
+            layout = Layout(spec.weight.replace("tp", axis))
+        elif spec.outputs in ("split", "gather"):
             layout = Layout(f"({axis} d0)")            # the bias follows the output rows
         else:
             layout = Layout(_names(p.dim()))           # replicated

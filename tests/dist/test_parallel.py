@@ -33,9 +33,42 @@ class Tiny(nn.Module):
         return self.out(h)
 
 
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 16)
+        self.down = nn.Linear(16, 6)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(h)))
+
+
+class TinySP(nn.Module):
+    """Tiny with norms and the MLP in a submodule: the shape sequence parallelism needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(11, 6)
+        self.norm1 = nn.LayerNorm(6)
+        self.mlp = Mlp()
+        self.norm2 = nn.LayerNorm(6)
+        self.out = nn.Linear(6, 11, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        h = h + self.mlp(self.norm1(h))
+        return self.out(self.norm2(h))
+
+
+SP_PLAN = {"emb": "embedding_sp", "norm1": "sp_params", "norm2": "sp_params",
+           "mlp": "sp_input", "mlp.up": "colwise_sp", "mlp.down": "rowwise_sp",
+           "out": "colwise_gather_sp"}
+
+
 def data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return torch.randint(0, 11, (8, 5), generator=g), torch.randint(0, 11, (8, 5), generator=g)
+    return torch.randint(0, 11, (8, 6), generator=g), torch.randint(0, 11, (8, 6), generator=g)
 
 
 def losses_of(m: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int) -> list[float]:
@@ -69,6 +102,16 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                      {n: str(tuple(p.placements)) for n, p in m.named_parameters()},
                      {n: p.full_tensor() for n, p in m.named_parameters()})
     out["styles"] = {n: mc.nn.tp_style(mod) for n, mod in m.named_modules() if n}
+    for fsdp in (False, True):      # sequence parallel: activations split over dim 1 (seq)
+        m = mc.nn.parallelize(TinySP(), bound, SP_PLAN)
+        x, y = data()
+        if fsdp:
+            mc.nn.fully_shard(m, bound, axis="dp")
+            dp = bound.mesh.coords(rank)["dp"]
+            x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
+        out[("sp", fsdp)] = (losses_of(m, x, y, world),
+                             {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                              for n, p in m.named_parameters()})
     errors = {}
     for key, plan in (("pattern", {"nope.*": "colwise"}), ("style", {"up": "diagonal"}),
                       ("type", {"emb": "colwise"})):
@@ -93,6 +136,18 @@ def test_tensor_parallel_alone_and_under_fsdp_equals_one_process(
         losses, _, params = four[0][fsdp]
         assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, fsdp
         for name, p in ref.named_parameters():
+            assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
+
+
+def test_sequence_parallel_alone_and_under_fsdp_equals_one_process(
+        four: list[dict[str, Any]]) -> None:
+    ref = TinySP()
+    x, y = data()
+    want = losses_of(ref, x, y, 1)
+    for fsdp in (False, True):
+        losses, params = four[0][("sp", fsdp)]
+        assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, (fsdp, losses, want)
+        for name, p in ref.named_parameters():   # the norms' gradients were summed over tp
             assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
 
 
