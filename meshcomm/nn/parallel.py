@@ -29,8 +29,8 @@ forward and two in backward, as Megatron-style tensor parallelism.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from ..executors.distributed.bind import BoundMesh
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, wrap
 from ..sharded import reshard
+
 
 @dataclass(frozen=True)
 class Style:
