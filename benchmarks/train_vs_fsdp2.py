@@ -188,6 +188,47 @@ def fsdp2_tp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     return model
 
 
+@config("fsdp2_tp_sp", dp=2, tp=2)
+def fsdp2_tp_sp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
+    """FSDP2 + tensor parallel + sequence parallel (activations between blocks split over
+    the sequence), the torchtitan way."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = mesh_info.device_mesh()
+    tp_mesh, dp_mesh = mesh["tp"], mesh["dp"]
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                           desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, block_plan)
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
 # ==== meshcomm: the same model, unmodified, with mc.nn.fully_shard / mc.nn.parallelize ====
 MESHCOMM_TP_PLAN = {
     "tok_embeddings": "embedding", "output": "colwise_gather",
@@ -217,6 +258,26 @@ def meshcomm_fsdp_tp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Mod
     return mc.nn.fully_shard(model, bound, axis="dp")
 
 
+MESHCOMM_SP_PLAN = {
+    "tok_embeddings": "embedding_sp", "norm": "sp_params", "output": "colwise_gather_sp",
+    "layers.*.attention_norm": "sp_params", "layers.*.ffn_norm": "sp_params",
+    "layers.*.attention": "sp_input", "layers.*.feed_forward": "sp_input",
+    "layers.*.attention.w[qkv]": "colwise_sp", "layers.*.attention.wo": "rowwise_sp",
+    "layers.*.feed_forward.w[13]": "colwise_sp", "layers.*.feed_forward.w2": "rowwise_sp",
+}
+
+
+@config("meshcomm_fsdp_tp_sp", dp=2, tp=2)
+def meshcomm_fsdp_tp_sp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
+    import meshcomm as mc
+
+    bound = mc.init_mesh("dp=2 tp=2")
+    mc.nn.parallelize(model, bound, MESHCOMM_SP_PLAN, axis="tp")
+    for block in model.layers:
+        mc.nn.fully_shard(block, bound, axis="dp")
+    return mc.nn.fully_shard(model, bound, axis="dp")
+
+
 @config("meshcomm_fsdp_no_prefetch", dp=4)
 def meshcomm_fsdp_no_prefetch(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     """meshcomm_fsdp with prefetch off: every all_gather waited on where it is issued."""
@@ -229,6 +290,7 @@ def meshcomm_fsdp_no_prefetch(model: nn.Module, rank: int, mesh_info: MeshInfo) 
 
 
 RATIOS += [("meshcomm_fsdp", "fsdp2"), ("meshcomm_fsdp_tp", "fsdp2_tp"),
+           ("meshcomm_fsdp_tp_sp", "fsdp2_tp_sp"),
            ("meshcomm_fsdp", "meshcomm_fsdp_no_prefetch")]
 # =============================================================================================
 

@@ -25,9 +25,10 @@ def test_tiny_run_matches_pytorch_in_losses_and_bytes(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["ok"]
     ratios = report["ratio_values"]
-    assert set(ratios) == {"meshcomm_fsdp/fsdp2", "meshcomm_fsdp_tp/fsdp2_tp",
+    assert set(ratios) == {"meshcomm_fsdp/fsdp2", "meshcomm_fsdp_tp/fsdp2_tp", "meshcomm_fsdp_tp_sp/fsdp2_tp_sp",
                            "meshcomm_fsdp/meshcomm_fsdp_no_prefetch"}
     assert ratios["meshcomm_fsdp/fsdp2"]["sent"] == 1.0
     assert ratios["meshcomm_fsdp_tp/fsdp2_tp"]["sent"] == 1.0
+    assert ratios["meshcomm_fsdp_tp_sp/fsdp2_tp_sp"]["sent"] == 1.0
     assert ratios["meshcomm_fsdp/fsdp2"]["state"] == 1.0
     assert "OK: largest relative loss difference" in proc.stdout
