@@ -4,6 +4,7 @@ plans chosen by a layout recipe (`import meshcomm as mc; mc.nn.ColumnParallelLin
 Every block has `explain(shape)`: the plans it runs in forward and backward, one line each.
 See docs/tutorial.md.
 """
+from .checkpoint import CheckpointError, CheckpointRead, load_checkpoint, save_checkpoint
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
 from .fsdp import MixedPrecision, fsdp_schedule, fully_shard, init_shards
@@ -25,9 +26,10 @@ from .tensor_parallel import (
                      VocabParallelEmbedding,
 )
 
-__all__ = ["ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE", "ParamSpec",
+__all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE", "ParamSpec",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
-           "fsdp_schedule", "fully_shard", "gather_params", "init_shards",
-           "logical_axes", "parallelize", "param_spec", "planning_mesh", "tp_style",
+           "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
+           "logical_axes", "parallelize", "param_spec", "planning_mesh", "save_checkpoint",
+           "tp_style",
            "vocab_parallel_cross_entropy", "vocab_range"]

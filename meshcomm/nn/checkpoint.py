@@ -1,0 +1,340 @@
+"""Sharded checkpoints that load onto any mesh and layout through meshcomm plans.
+
+`save_checkpoint(state_dict, folder)`: every rank writes the shards it holds of each tensor
+(`rank<r>.pt`), once per distinct shard: a shard replicated over some mesh axes is written by
+the ranks at coordinate 0 of those axes only. Global rank 0 writes `meshcomm.json`: per
+tensor, the mesh that wrote it (axes and global ranks), its layout, global shape and dtype.
+Nothing is gathered.
+
+`load_checkpoint(state_dict, folder)`: per tensor, `mc.plan(saved mesh, shape, saved layout,
+this layout, dst_mesh=this mesh)` with the saved ranks standing for the files. The plan's one
+send_recv step names, for each rank, which block of which file lands where: every element is
+read once, reads of replicated blocks spread over the files that hold them, and a rank opens
+(memory-mapped) only the files its transfers name. Loading does not communicate, so it works
+with another world size than saving did.
+
+State dicts hold DTensors (`model.state_dict()` under `mc.nn.fully_shard`/`parallelize`, or
+DCP's optimizer state dicts), `mc.Sharded` values, plain tensors (replicated: written by rank
+0) and plain Python values (written by rank 0, put back as they are); nested mappings are
+flattened with ".". docs/fsdp.md has the guide.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.errors import MeshcommError, ShapeError
+from ..core.layout import Layout, Shape
+from ..core.mesh import Mesh
+from ..executors.local import grid, take
+from ..interop.placements import from_placements
+from ..interop.runtime import global_shape, is_dtensor, placements_of
+from ..planner.plan import plan
+from ..planner.values import Transfer
+from ..sharded import Sharded
+
+FORMAT = "meshcomm-checkpoint/1"
+META = "meshcomm.json"
+_ONE = "one"          # the one-axis mesh of a tensor a single rank writes
+
+
+class CheckpointError(MeshcommError, KeyError):
+    """A checkpoint that cannot fill the given state dict (missing keys, other shapes)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class CheckpointRead:
+    """What `load_checkpoint` read on this rank: the saved ranks whose files it opened and
+    the bytes it copied out of them (equal to the bytes of its own shards)."""
+
+    files: tuple[int, ...]
+    bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A tensor value as meshcomm sees it: the mesh over its holders, its layout (dims named
+    d0, d1, ...), the global shape and this rank's local tensor (None off the mesh)."""
+
+    mesh: Mesh
+    layout: Layout
+    shape: Shape
+    local: Tensor | None
+
+
+# -- the one way a state-dict value is placed -------------------------------------------------
+def _place(key: str, value: Any, rank: int, plain_rank: int) -> _Placed | None:
+    """`value` as a mesh, layout and this rank's local tensor; None for a plain Python value
+    (or a 0-dim tensor). A plain tensor is whole on the one rank `plain_rank`."""
+    if is_dtensor(value):
+        mesh = Mesh.from_device_mesh(value.device_mesh)
+        shape = global_shape(value)
+        names = " ".join(f"d{i}" for i in range(len(shape)))
+        layout = from_placements(mesh, shape, placements_of(value), names=names)
+        local = value._local_tensor if rank in mesh.ranks else None
+        return _check_placed(key, _Placed(mesh, layout, shape, local))
+    if isinstance(value, Sharded):
+        mesh = value.mesh.mesh
+        layout = _named_by_position(value.layout, mesh)
+        local = value.local if value.mesh.in_mesh else None
+        return _check_placed(key, _Placed(mesh, layout, tuple(value.shape), local))
+    if isinstance(value, Tensor) and value.dim() > 0:
+        shape = tuple(value.shape)
+        return _Placed(Mesh({_ONE: 1}, ranks=[plain_rank]),
+                       Layout(" ".join(f"d{i}" for i in range(len(shape)))), shape, value)
+    return None
+
+
+def _check_placed(key: str, placed: _Placed) -> _Placed:
+    if placed.layout.partial_axes:
+        raise ShapeError(f'checkpoint: {key} is a pending reduction ("{placed.layout}"); a'
+                         " checkpoint holds values. fix: reduce it first (reshard to a layout"
+                         " without \"| sum(...)\")")
+    return placed
+
+
+def _named_by_position(layout: Layout, mesh: Mesh) -> Layout:
+    """`layout` with each dim's local name replaced by d<i> (so layouts from any source
+    can be planned against each other)."""
+    text = str(layout)
+    old = layout.dim_names(mesh)
+    for i, name in enumerate(old):      # through placeholders: "d1 d0" renames safely
+        text = re.sub(rf"\b{re.escape(name)}\b", f"\x00{i}\x00", text)
+    return Layout(re.sub(r"\x00(\d+)\x00", r"d\1", text))
+
+
+def _writers(placed: _Placed) -> tuple[Mesh, Layout]:
+    """The mesh of the ranks that write `placed`: one per distinct shard (coordinate 0 of
+    every axis that only replicates), with the layout's axes only."""
+    mesh = placed.mesh
+    keep = [a for a in mesh.axis_names if a in placed.layout.sharded_axes(mesh)]
+    if not keep:
+        return Mesh({_ONE: 1}, ranks=[mesh.ranks[0]]), Layout(str(placed.layout))
+    ranks = [r for r in mesh.ranks
+             if all(c == 0 for a, c in mesh.coords(r).items() if a not in keep)]
+    return Mesh({a: mesh.axis_size(a) for a in keep}, ranks=ranks), placed.layout
+
+
+# -- flattening ------------------------------------------------------------------------------
+def _flatten(state: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any, Any]]:
+    """(flat key, value, (mapping, key) holding it) for every leaf; nested mappings join
+    their keys with "."."""
+    for k, v in state.items():
+        if not isinstance(k, str):
+            raise CheckpointError(f"checkpoint: state dict key {k!r} is not a string;"
+                                  " fix: use string keys (as module.state_dict() does)")
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            yield from _flatten(v, key + ".")
+        else:
+            yield key, v, (state, k)
+
+
+def _leaves(state: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    out: dict[str, tuple[Any, Any]] = {}
+    for key, value, where in _flatten(state):
+        if key in out:
+            raise CheckpointError(f"checkpoint: two entries of the state dict flatten to"
+                                  f" {key!r}; fix: rename one")
+        out[key] = (value, where)
+    return out
+
+
+# -- saving ----------------------------------------------------------------------------------
+def save_checkpoint(state_dict: Mapping[str, Any], folder: str | os.PathLike[str], *,
+                    barrier: bool = True) -> Path:
+    """Write this rank's shards of `state_dict` to `folder` (see the module doc); rank 0
+    also writes the index `meshcomm.json`. Call it on every rank with the same keys.
+
+    With `barrier` (the default) it ends with one `dist.barrier()` so that the checkpoint is
+    complete on every rank when it returns; that is the only communication. Returns the
+    folder.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    mine: dict[str, Tensor] = {}
+    objects: dict[str, Any] = {}
+    index: dict[str, Any] = {}
+    for key, (value, _) in _leaves(state_dict).items():
+        placed = _place(key, value, rank, plain_rank=0)
+        if placed is None:
+            objects[key] = value.item() if isinstance(value, Tensor) else value
+            index[key] = {"object": True, "tensor": isinstance(value, Tensor),
+                          "dtype": str(value.dtype).removeprefix("torch.")
+                          if isinstance(value, Tensor) else None}
+            continue
+        writers, layout = _writers(placed)
+        index[key] = {"mesh": {a: writers.axis_size(a) for a in writers.axis_names},
+                      "ranks": list(writers.ranks), "layout": str(layout),
+                      "shape": list(placed.shape),
+                      "dtype": str(_dtype(value)).removeprefix("torch.")}
+        if rank in writers.ranks and placed.local is not None:
+            mine[key] = placed.local.detach().cpu().contiguous()
+    if mine or rank == 0:
+        _write(torch.save, {"tensors": mine, "objects": objects if rank == 0 else {}},
+               folder / f"rank{rank}.pt")
+    if rank == 0:
+        meta = {"format": FORMAT, "tensors": index}
+        _write(lambda m, f: f.write(json.dumps(m, indent=1).encode()), meta, folder / META)
+    if barrier and dist.is_initialized():
+        dist.barrier()
+    return folder
+
+
+def _dtype(value: Any) -> torch.dtype:
+    return value.local.dtype if isinstance(value, Sharded) else value.dtype
+
+
+def _write(save: Any, obj: Any, path: Path) -> None:
+    """Write through a temporary name, so that a file is there whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        save(obj, f)
+    os.replace(tmp, path)
+
+
+# -- loading ---------------------------------------------------------------------------------
+def load_checkpoint(state_dict: MutableMapping[str, Any], folder: str | os.PathLike[str], *,
+                    strict: bool = True) -> CheckpointRead:
+    """Fill `state_dict` in place from a checkpoint `save_checkpoint` wrote, on any mesh and
+    layouts: DTensor/Sharded shards are copied into, plain tensors are overwritten with the
+    saved values, plain values are replaced (see the module doc). Nothing is communicated.
+
+    Every key and shape is checked against the index before any file is read: a key the
+    checkpoint lacks raises `CheckpointError` (with `strict=False` it is left as it is),
+    another global shape raises `ShapeError`. Dtypes are cast as `Tensor.copy_` does.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    folder = Path(folder)
+    meta = _read_index(folder)
+    saved = meta["tensors"]
+    leaves = _leaves(state_dict)
+    missing = [k for k in leaves if k not in saved]
+    if missing and strict:
+        near = difflib.get_close_matches(missing[0], list(saved), n=1)
+        raise CheckpointError(
+            f"load_checkpoint: {len(missing)} key(s) of the state dict are not in {folder}:"
+            f" {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+            + (f" (closest saved key to {missing[0]!r}: {near[0]!r})" if near else "")
+            + "; fix: load with strict=False to keep them as they are")
+    work: list[tuple[str, Any, Any, _Placed | None]] = []
+    for key, (value, where) in leaves.items():
+        if key not in saved:
+            continue
+        info = saved[key]
+        placed = _place(key, value, rank, plain_rank=rank)
+        if info.get("object") or placed is None:
+            if placed is not None or not info.get("object"):
+                raise CheckpointError(f"load_checkpoint: {key} is a {type(value).__name__}"
+                                      f" here but {'a value' if info.get('object') else 'a tensor'}"
+                                      " in the checkpoint; fix: give the state dict entry"
+                                      " the saved kind")
+        elif tuple(info["shape"]) != placed.shape:
+            raise ShapeError(f"load_checkpoint: {key} has global shape {placed.shape} here but"
+                             f" {tuple(info['shape'])} in {folder}; fix: build the model with"
+                             " the saved sizes")
+        work.append((key, value, where, placed))
+    files: dict[int, dict[str, Any]] = {}
+    opened: set[int] = set()
+    copied = 0
+    count = 0
+    for key, value, (holder, k), placed in work:
+        info = saved[key]
+        if placed is None:                          # a plain value: rank 0's file has it
+            obj = _file(folder, 0, files)["objects"][key]
+            holder[k] = (torch.tensor(obj, dtype=getattr(torch, info["dtype"]))
+                         if info.get("tensor") else obj)
+            opened.add(0)
+            continue
+        if placed.local is None:                   # this rank holds no shard of it
+            continue
+        count += 1
+        for src, blocks in _reads(info, placed, rank).items():
+            data = _file(folder, src, files)["tensors"][key]
+            opened.add(src)
+            with torch.no_grad():
+                for t in blocks:
+                    copied += _copy_block(data, t, placed.local)
+    return CheckpointRead(tuple(sorted(opened)), copied, count)
+
+
+def _read_index(folder: Path) -> dict[str, Any]:
+    path = folder / META
+    if not path.exists():
+        raise CheckpointError(f"load_checkpoint: {path} does not exist; fix: give the folder"
+                              " that mc.nn.save_checkpoint wrote (a DCP checkpoint loads with"
+                              " torch.distributed.checkpoint.load)")
+    meta: dict[str, Any] = json.loads(path.read_text())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"load_checkpoint: {path} has format {meta.get('format')!r},"
+                              f" this meshcomm reads {FORMAT!r}")
+    return meta
+
+
+def _file(folder: Path, rank: int, files: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    if rank not in files:
+        files[rank] = torch.load(folder / f"rank{rank}.pt", mmap=True, weights_only=True)
+    return files[rank]
+
+
+def _reads(info: Mapping[str, Any], placed: _Placed, rank: int) -> dict[int, list[Transfer]]:
+    """The blocks this rank reads, by saved rank: the transfers of the cross-mesh plan from
+    the saved mesh to `placed`'s (numbered after the saved ranks, which are files here)."""
+    saved = Mesh(info["mesh"], ranks=info["ranks"])
+    first = max(saved.ranks) + 1
+    here = placed.mesh
+    renumbered = Mesh({a: here.axis_size(a) for a in here.axis_names},
+                      ranks=[first + here.position(r) for r in here.ranks])
+    me = first + here.position(rank)
+    p = plan(saved, placed.shape, info["layout"], placed.layout,
+             dtype=getattr(torch, info["dtype"]), dst_mesh=renumbered)
+    (step,) = p.steps                       # values, not pending sums: one send_recv step
+    out: dict[int, list[Transfer]] = {}
+    for t in step.transfers:
+        if t.dst == me:
+            out.setdefault(t.src, []).append(t)
+    return out
+
+
+def _copy_block(data: Tensor, t: Transfer, out: Tensor) -> int:
+    """Copy block `t` of a saved shard into `out`; the bytes copied. Runs of consecutive
+    positions are read as slices (only their pages of the mapped file are touched)."""
+    src = _slices(t.src_index)
+    block = data[src] if src is not None else take(data, t.src_index)
+    dst = _slices(t.dst_index)
+    if not t.dst_index:
+        out.copy_(block)
+    elif dst is not None:
+        out[dst] = block
+    else:
+        out[grid(t.dst_index)] = block
+    return math.prod(block.shape) * data.element_size()
+
+
+def _slices(index: tuple[tuple[int, ...], ...]) -> tuple[slice, ...] | None:
+    out = []
+    for ix in index:
+        if ix and ix != tuple(range(ix[0], ix[0] + len(ix))):
+            return None
+        out.append(slice(ix[0], ix[0] + len(ix)) if ix else slice(0, 0))
+    return tuple(out)
