@@ -91,8 +91,10 @@ def shards_of(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def save_both(rank: int, world: int, dcp_folder: str, mc_folder: str) -> dict[str, Any]:
-    """dp=4 under fully_shard, one Adam step: the same state saved by DCP and by meshcomm."""
+    """dp=4 under fully_shard, one Adam step: the same state saved by DCP and by meshcomm
+    (meshcomm's with the optimizer state too)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     objects_without_numpy()
     bound = mc.init_mesh("dp=4")
@@ -104,10 +106,16 @@ def save_both(rank: int, world: int, dcp_folder: str, mc_folder: str) -> dict[st
     model(torch.arange(32).reshape(2, 16) % 130).sum().backward()
     opt.step()
     dcp.save(model.state_dict(), checkpoint_id=dcp_folder)
-    state = {"model": model.state_dict(), "step": 1}
-    mc.nn.save_checkpoint(state, mc_folder)
+    optim = get_optimizer_state_dict(model, opt)
+    mc.nn.save_checkpoint({"model": model.state_dict(), "optim": optim, "step": 1}, mc_folder)
     return {"files": sorted(p.name for p in Path(mc_folder).iterdir()),
-            "full": {k: v.full_tensor() for k, v in model.state_dict().items()}}
+            "full": {k: v.full_tensor() for k, v in model.state_dict().items()},
+            "optim": optim_values(optim)}
+
+
+def optim_values(optim: dict[str, Any]) -> dict[str, Any]:
+    return {f"{k}.{n}": v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, state in optim["state"].items() for n, v in state.items()}
 
 
 def tp_model(bound: Any) -> torch.nn.Module:
@@ -122,8 +130,12 @@ def tp_model(bound: Any) -> torch.nn.Module:
 
 def load_2d(rank: int, world: int, dcp_folder: str, mc_folder: str) -> dict[str, Any]:
     """dp=2 x tp=2: DCP's load and meshcomm's load give the same shards, and meshcomm reads
-    exactly the bytes this rank holds."""
+    exactly the bytes this rank holds; the Adam state loads too."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     objects_without_numpy()
     bound = mc.init_mesh("dp=2 tp=2")
@@ -136,9 +148,17 @@ def load_2d(rank: int, world: int, dcp_folder: str, mc_folder: str) -> dict[str,
     want = shards_of(by_dcp.state_dict())
     got = shards_of(by_mc.state_dict())
     held = sum(v.numel() * v.element_size() for v in got.values())
+    full = {k: v.full_tensor() for k, v in by_mc.state_dict().items()}
+    opt = torch.optim.Adam(by_mc.parameters(), lr=0.5)   # its state made by one step
+    by_mc(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    optim = get_optimizer_state_dict(by_mc, opt)
+    mc.nn.load_checkpoint({"optim": optim}, mc_folder)
+    set_optimizer_state_dict(by_mc, opt, optim)
     return {"differ": [k for k in want if not torch.equal(want[k], got[k])],
             "count": len(got), "step": target["step"], "read": read, "held": held,
-            "full": {k: v.full_tensor() for k, v in by_mc.state_dict().items()}}
+            "full": full, "optim": optim_values(get_optimizer_state_dict(by_mc, opt)),
+            "lr": opt.param_groups[0]["lr"]}
 
 
 def load_tp2(rank: int, world: int, mc_folder: str) -> dict[str, Any]:
@@ -169,6 +189,9 @@ def test_meshcomm_checkpoint_loads_onto_other_meshes_like_dcp(tmp_path: Path) ->
         assert r["read"].bytes == r["held"]          # each element read once, nothing more
         assert set(r["read"].files) <= {0, 1, 2, 3}
         assert all(torch.equal(r["full"][k], full[k]) for k in full)
+        assert r["lr"] == 0.01 and sorted(r["optim"]) == sorted(saved[0]["optim"])
+        for k, v in saved[0]["optim"].items():           # exp_avg, exp_avg_sq, step
+            assert torch.equal(torch.as_tensor(r["optim"][k]), torch.as_tensor(v)), k
 
     # 2 processes, another layout per tensor, plain tensors where nothing is parallel
     for r in run_scaled(load_tp2, 2, mc_folder, timeout_s=240):
@@ -178,3 +201,44 @@ def test_meshcomm_checkpoint_loads_onto_other_meshes_like_dcp(tmp_path: Path) ->
     read = mc.nn.load_checkpoint({"model": model.state_dict()}, mc_folder)
     assert read.files == (0, 1, 2, 3)
     assert all(torch.equal(model.state_dict()[k], full[k]) for k in full)
+
+
+SHARDED = {   # name: (global shape, layout when saved on dp=2 tp=2, layout when loaded on tp=4)
+    "a": ((6, 4), "(dp x) y", "x (tp y)"),          # replicated over tp: ranks 0 and 2 write
+    "b": ((5, 7), "x (tp y)", "(tp x) y"),          # replicated over dp; uneven both sides
+    "c": ((3, 2), "x y", "(tp x) y"),               # replicated: rank 0 writes; 3 rows over 4
+    "e": ((0, 4), "(dp tp x) y", "x y"),            # size-0 dim
+}
+
+
+def sharded_save_load(rank: int, world: int, folder: str) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    full = {k: torch.randn(shape, generator=gen) for k, (shape, _, _) in SHARDED.items()}
+    bound = mc.init_mesh("dp=2 tp=2")
+    saved = {k: mc.distribute(full[k], bound, src) for k, (_, src, _) in SHARDED.items()}
+    pending = {"p": mc.Sharded(torch.ones(2, 2), bound, "x y | sum(tp)", (2, 2))}
+    try:
+        mc.nn.save_checkpoint(pending, folder + "-pending", barrier=False)
+        refused = ""
+    except mc.errors.ShapeError as e:
+        refused = str(e)
+    mc.nn.save_checkpoint(saved, folder)
+    mine = sorted(torch.load(Path(folder) / f"rank{rank}.pt")["tensors"])
+    other = mc.init_mesh("tp=4")
+    # renamed dims on purpose: layouts are matched by position, not by name
+    target = {k: mc.Sharded(torch.zeros(dst.local_shape(other.mesh, shape, rank)), other,
+                            dst, shape)
+              for k, (shape, _, d) in SHARDED.items()
+              for dst in [mc.Layout(d.replace("x", "rows").replace("y", "cols"))]}
+    read = mc.nn.load_checkpoint(target, folder)
+    return {"refused": refused, "mine": mine, "read": read,
+            "equal": {k: torch.equal(v.full(), full[k]) for k, v in target.items()}}
+
+
+def test_sharded_values_replicas_written_once_and_loaded_onto_another_mesh(tmp_path: Path) -> None:
+    out = run_scaled(sharded_save_load, 4, str(tmp_path / "ck"), timeout_s=240)
+    # a: dp shards (tp coordinate 0 writes), b: tp shards (dp coordinate 0), c: rank 0, e: all
+    assert [r["mine"] for r in out] == [["a", "b", "c", "e"], ["b", "e"], ["a", "e"], ["e"]]
+    for r in out:
+        assert "p is a pending reduction" in r["refused"] and "fix:" in r["refused"]
+        assert all(r["equal"].values()), r["equal"]

@@ -1,0 +1,79 @@
+"""mc.nn.save_checkpoint / load_checkpoint in one process (no torch.distributed): plain
+tensors and values round-trip, and every bad input is refused before any file is read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import meshcomm as mc
+from meshcomm.errors import ShapeError
+
+
+def state() -> dict[str, object]:
+    gen = torch.Generator().manual_seed(0)
+    return {"model": {"w": torch.randn(5, 3, generator=gen), "b": torch.randn(4, generator=gen)},
+            "step": 7, "lr": torch.tensor(0.5), "empty": torch.zeros(0, 3)}
+
+
+def zeros() -> dict[str, object]:
+    return {"model": {"w": torch.zeros(5, 3), "b": torch.zeros(4)}, "step": 0,
+            "lr": torch.tensor(0.0), "empty": torch.ones(0, 3)}
+
+
+def test_round_trip_in_place(tmp_path: Path) -> None:
+    saved = state()
+    mc.nn.save_checkpoint(saved, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meshcomm.json", "rank0.pt"]
+    target = zeros()
+    w = target["model"]["w"]    # type: ignore[index]
+    read = mc.nn.load_checkpoint(target, tmp_path)
+    assert target["model"]["w"] is w and torch.equal(w, saved["model"]["w"])  # type: ignore[index]
+    assert torch.equal(target["model"]["b"], saved["model"]["b"])  # type: ignore[index]
+    assert target["step"] == 7 and torch.equal(target["lr"], torch.tensor(0.5))  # type: ignore[arg-type]
+    assert read == mc.nn.CheckpointRead(files=(0,), bytes=(15 + 4) * 4, tensors=3)
+
+
+def test_missing_key_names_it_and_the_closest_saved_key(tmp_path: Path) -> None:
+    mc.nn.save_checkpoint(state(), tmp_path)
+    target = zeros()
+    target["model"]["wq"] = target["model"].pop("w")  # type: ignore[union-attr,attr-defined]
+    with pytest.raises(mc.nn.CheckpointError, match=r"\['model.wq'\].*closest saved key to"
+                       r" 'model.wq': 'model.w'.*strict=False"):
+        mc.nn.load_checkpoint(target, tmp_path)
+    assert torch.equal(target["model"]["b"], torch.zeros(4))  # type: ignore[index]  # nothing read
+    mc.nn.load_checkpoint(target, tmp_path, strict=False)
+    assert torch.equal(target["model"]["wq"], torch.zeros(5, 3))  # type: ignore[index]
+    assert target["step"] == 7
+
+
+def test_other_shape_or_kind_is_refused_before_reading(tmp_path: Path) -> None:
+    mc.nn.save_checkpoint(state(), tmp_path)
+    target = zeros()
+    target["model"]["w"] = torch.zeros(5, 4)  # type: ignore[index]
+    with pytest.raises(ShapeError, match=r"model.w has global shape \(5, 4\) here but \(5, 3\)"):
+        mc.nn.load_checkpoint(target, tmp_path)
+    assert target["step"] == 0
+    target = zeros()
+    target["step"] = torch.zeros(2)
+    with pytest.raises(mc.nn.CheckpointError, match="step is a Tensor here but a value"):
+        mc.nn.load_checkpoint(target, tmp_path)
+
+
+def test_not_a_checkpoint_folder(tmp_path: Path) -> None:
+    with pytest.raises(mc.nn.CheckpointError, match="meshcomm.json does not exist.*DCP"):
+        mc.nn.load_checkpoint(zeros(), tmp_path)
+    (tmp_path / "meshcomm.json").write_text(json.dumps({"format": "other/9", "tensors": {}}))
+    with pytest.raises(mc.nn.CheckpointError, match="format 'other/9'"):
+        mc.nn.load_checkpoint(zeros(), tmp_path)
+
+
+def test_keys_that_cannot_be_flattened(tmp_path: Path) -> None:
+    with pytest.raises(mc.nn.CheckpointError, match="flatten to 'a.b'"):
+        mc.nn.save_checkpoint({"a.b": torch.zeros(1), "a": {"b": torch.zeros(1)}}, tmp_path)
+    with pytest.raises(mc.nn.CheckpointError, match="key 3 is not a string"):
+        mc.nn.save_checkpoint({3: torch.zeros(1)}, tmp_path)  # type: ignore[dict-item]
+    assert not (tmp_path / "meshcomm.json").exists()
