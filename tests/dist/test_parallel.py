@@ -1,6 +1,7 @@
 """mc.nn.parallelize (tensor parallelism on unmodified modules) alone and under fully_shard,
 on 4 gloo ranks (dp=2 tp=2), against the same model trained in one process. The model has
-a vocab-parallel embedding and an output layer of 11 rows (uneven over tp=2), a colwise /
+a vocab-parallel embedding and an output layer of 11 rows (uneven over tp=2, then over dp=2
+within each tp shard), a colwise /
 rowwise MLP with biases, and a residual connection."""
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ def worker(rank: int, world: int) -> dict[str, Any]:
             mc.nn.fully_shard(m, bound, axis="dp")
             dp = bound.mesh.coords(rank)["dp"]
             x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
+        if fsdp:
+            out["rows"] = {n: p.to_local().shape[0] for n, p in m.named_parameters()}
         out[fsdp] = (losses_of(m, x, y, world),
                      {n: str(tuple(p.placements)) for n, p in m.named_parameters()},
                      {n: p.full_tensor() for n, p in m.named_parameters()})
@@ -162,6 +165,14 @@ def test_weights_are_split_as_their_styles_say(four: list[dict[str, Any]]) -> No
     assert both["down.weight"] == "(Shard(dim=0), Shard(dim=1))"
     assert four[0]["styles"] == {"emb": "embedding", "up": "colwise", "down": "rowwise",
                                  "out": "colwise_gather"}
+
+
+def test_uneven_at_both_levels_is_split_tp_first_then_dp(four: list[dict[str, Any]]) -> None:
+    # 11 vocabulary rows: tp=2 takes 6 and 5 (torch.chunk), dp=2 splits each: 3+3 and 3+2;
+    # ranks are (dp, tp) = (0,0), (0,1), (1,0), (1,1). FSDP pads its gather buffer to 3 rows.
+    assert [r["rows"]["emb.weight"] for r in four] == [3, 3, 3, 2]
+    assert [r["rows"]["out.weight"] for r in four] == [3, 3, 3, 2]
+    assert [r["rows"]["up.bias"] for r in four] == [4, 4, 4, 4]
 
 
 def test_bad_plans_are_refused(four: list[dict[str, Any]]) -> None:
