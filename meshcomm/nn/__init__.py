@@ -26,7 +26,8 @@ from .tensor_parallel import (
                      VocabParallelEmbedding,
 )
 
-__all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm", "FullyShard", "MixedPrecision", "MoE", "ParamSpec",
+__all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm", "FullyShard",
+           "MixedPrecision", "MoE", "ParamSpec",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",

@@ -9,9 +9,8 @@ Nothing is gathered.
 `load_checkpoint(state_dict, folder)`: per tensor, `mc.plan(saved mesh, shape, saved layout,
 this layout, dst_mesh=this mesh)` with the saved ranks standing for the files. The plan's one
 send_recv step names, for each rank, which block of which file lands where: every element is
-read once, reads of replicated blocks spread over the files that hold them, and a rank opens
-(memory-mapped) only the files its transfers name. Loading does not communicate, so it works
-with another world size than saving did.
+read once, and a rank opens (memory-mapped) only the files its transfers name. Loading does
+not communicate, so it works with another world size than saving did.
 
 State dicts hold DTensors (`model.state_dict()` under `mc.nn.fully_shard`/`parallelize`, or
 DCP's optimizer state dicts), `mc.Sharded` values, plain tensors (replicated: written by rank

@@ -219,8 +219,10 @@ def test_reshard_checkpoint_example() -> None:
     done = run_example("reshard_checkpoint.py")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("OK: ") == 2 and "FAIL" not in done.stdout
+    # "(tp v) e" is replicated over dp: only dp coordinate 0 (ranks 0, 1) wrote it
     assert 'embedding: "(tp v) e" -> "v (tp e)": process 0 files [0, 1], process 1 files' \
-           " [2, 3]" in done.stdout
+           " [0, 1]" in done.stdout
+    assert 'norm: "e" -> "(tp e)": process 0 files [0], process 1 files [0]' in done.stdout
 
 
 # -- explain --------------------------------------------------------------------------------
