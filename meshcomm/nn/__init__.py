@@ -7,7 +7,13 @@ See docs/tutorial.md.
 from .checkpoint import CheckpointError, CheckpointRead, load_checkpoint, save_checkpoint
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
-from .fsdp import MixedPrecision, fsdp_schedule, fully_shard, init_shards
+from .fsdp import (
+    MixedPrecision,
+    fsdp_schedule,
+    fully_shard,
+    init_shards,
+    set_requires_gradient_sync,
+)
 from .losses import vocab_parallel_cross_entropy, vocab_range
 from .parallel import STYLES, parallelize, tp_style
 from .params import (
@@ -32,5 +38,5 @@ __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm", 
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
            "logical_axes", "parallelize", "param_spec", "planning_mesh", "save_checkpoint",
-           "tp_style",
+           "set_requires_gradient_sync", "tp_style",
            "vocab_parallel_cross_entropy", "vocab_range"]

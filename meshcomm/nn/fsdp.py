@@ -110,7 +110,7 @@ class _Schedule:
         self.order: list[_Unit] = []
         self.recording = True
         self.active: list[_Unit] = []
-        self.pending_reduce: list[tuple[_Unit, Tensor]] = []
+        self.pending_reduce: list[tuple[_Unit, Tensor, bool]] = []   # (unit, out, replicas done)
         self.callback_queued = False
 
     def next_forward(self, unit: _Unit) -> _Unit | None:
@@ -132,12 +132,18 @@ class _Unit:
     """A fully_shard'ed module's parameters and their communication."""
 
     def __init__(self, module: nn.Module, bound: BoundMesh, axis: str, params: list[_Param],
-                 mp: MixedPrecision, reshard_after_forward: bool, prefetch: bool) -> None:
+                 mp: MixedPrecision, reshard_after_forward: bool, prefetch: bool,
+                 replicate: str | None = None) -> None:
         self.module, self.bound, self.axis, self.params = module, bound, axis, params
         self.mp, self.reshard_after_forward, self.prefetch = mp, reshard_after_forward, prefetch
         self.group = bound.group_name(axis)
         self.n = bound.mesh.axis_size(axis)
         self.pos = bound.mesh.coords(bound.rank)[axis]
+        self.replicate = replicate       # HSDP: gradients also averaged over this axis
+        self.rep_group = bound.group_name(replicate) if replicate else None
+        self.n_rep = bound.mesh.axis_size(replicate) if replicate else 1
+        self.sync = True                 # False: accumulate unsharded gradients, no reduce
+        self.unsharded_grads: list[Tensor] | None = None
         self.pending: _Pending | None = None
         self.gathered: list[Tensor] | None = None
         self.regathered: list[Tensor] | None = None
@@ -215,11 +221,20 @@ class _Unit:
         return base.as_strided(saved.size, saved.stride, saved.offset)
 
     # -- reduce_scatter -----------------------------------------------------------------
-    def issue_reduce(self, grads: Sequence[Tensor | None]) -> Tensor:
+    def accumulate(self, grads: Sequence[Tensor | None]) -> list[Tensor]:
+        """`grads` plus the unsharded gradients kept by backward passes without sync."""
         dtype = self.mp.reduce_dtype or self.params[0].param.dtype
+        out = [torch.zeros(p.use_shape, dtype=dtype) if g is None else g.to(dtype)
+               for p, g in zip(self.params, grads)]
+        if self.unsharded_grads is not None:
+            out = [a + b for a, b in zip(out, self.unsharded_grads)]
+        self.unsharded_grads = None
+        return out
+
+    def issue_reduce(self, grads: Sequence[Tensor]) -> Tensor:
+        """Start the reduce_scatter of `grads` (from `accumulate`: in the reduce dtype)."""
         columns = []
         for p, g in zip(self.params, grads):
-            g = torch.zeros(p.use_shape, dtype=dtype) if g is None else g.to(dtype)
             rows = g.reshape(p.use_shape[0], p.inner)
             chunks = list(torch.split(rows, list(p.rows)))
             padded = [c if c.shape[0] == p.pad else
@@ -231,6 +246,17 @@ class _Unit:
         self.received_bytes += size * (self.n - 1)
         return funcol.reduce_scatter_single(buf, "sum", 0, self.group)
 
+    def issue_replica_reduce(self, out: Tensor) -> Tensor:
+        """HSDP: the reduce_scatter's shard summed over the replicate axis (waits for the
+        reduce_scatter, returns the all_reduce at once); without HSDP, `out` itself."""
+        if self.rep_group is None:
+            return out
+        flat = wire.waited(out)
+        size = flat.numel() * flat.element_size()
+        self.sent_bytes += 2 * size * (self.n_rep - 1) // self.n_rep
+        self.received_bytes += 2 * size * (self.n_rep - 1) // self.n_rep
+        return funcol.all_reduce(flat, "sum", self.rep_group)
+
     def finish_reduce(self, out: Tensor) -> None:
         flat = wire.waited(out)
         off = 0
@@ -239,7 +265,7 @@ class _Unit:
             rows = p.rows[self.pos]
             local = flat[off:off + rows * p.inner].view(p.param.to_local().shape)
             off += width
-            local = local.to(p.param.dtype) / self.n
+            local = local.to(p.param.dtype) / (self.n * self.n_rep)
             grad = wrap(local, p.param.device_mesh, p.param.placements, p.shape)
             if p.param.grad is None:
                 p.param.grad = grad
@@ -250,7 +276,8 @@ class _Unit:
 def _finish_backward(schedule: _Schedule) -> None:
     pending, schedule.pending_reduce = schedule.pending_reduce, []
     schedule.callback_queued = False
-    for unit, out in pending:
+    outs = [out if done else unit.issue_replica_reduce(out) for unit, out, done in pending]
+    for (unit, _, _), out in zip(pending, outs):
         unit.finish_reduce(out)
     for unit in schedule.order:     # a prefetch no forward used would be stale next step
         unit.regathered = None
@@ -273,11 +300,21 @@ class _Gathered(torch.autograd.Function):
         unit: _Unit = ctx.unit
         unit.regathered = None     # every use of the saved parameters is behind us
         schedule = unit.schedule
-        schedule.pending_reduce.append((unit, unit.issue_reduce(grads)))
         if not schedule.callback_queued:
             schedule.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: _finish_backward(schedule))
+        grads_now = unit.accumulate(grads)
+        if not unit.sync:          # gradient accumulation: keep them unsharded, send nothing
+            unit.unsharded_grads = grads_now
+            return (None, None) + (None,) * len(unit.params)
+        if schedule.pending_reduce and not schedule.pending_reduce[-1][2]:
+            # HSDP: the previous unit's reduce_scatter had this unit's backward to finish;
+            # its all_reduce over the replicas now runs while the rest of backward computes
+            before, out, _ = schedule.pending_reduce[-1]
+            schedule.pending_reduce[-1] = (before, before.issue_replica_reduce(out), True)
+        schedule.pending_reduce.append((unit, unit.issue_reduce(grads_now),
+                                        unit.rep_group is None))
         return (None, None) + (None,) * len(unit.params)
 
 
@@ -331,7 +368,8 @@ def _post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any
 # -- fully_shard ---------------------------------------------------------------------------
 def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
                 reshard_after_forward: bool | None = None,
-                mp_policy: MixedPrecision | None = None, prefetch: bool = True) -> nn.Module:
+                mp_policy: MixedPrecision | None = None, prefetch: bool = True,
+                replicate: str | None = None) -> nn.Module:
     """Shard the parameters `module` owns over mesh axis `axis` and gather them around its
     forward (FSDP); returns `module` (changed in place), as FSDP2's `fully_shard`.
 
@@ -346,11 +384,17 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     True, False for a module that holds other units) frees the gathered parameters after
     forward and gathers them again in backward. `mp_policy`: `MixedPrecision`. `prefetch`:
     issue the next unit's all_gather before computing this one (forward and backward).
+    `replicate`: HSDP, a second mesh axis over which the shards are replicated and the
+    gradients averaged too (one all_reduce of the shard per unit after its reduce_scatter).
     Parameters on the meta device stay on it (shard-sized): `model.to_empty(device=...)`
     then `mc.nn.init_shards(model, fn)` fills them.
     """
     bound = _bound(mesh)
     axis = _axis(bound, axis)
+    if replicate is not None and (replicate not in bound.mesh.axis_names or replicate == axis):
+        raise MeshAxisError(f"fully_shard(replicate={replicate!r}): not an axis of"
+                            f" {bound.mesh!r} other than axis={axis!r}; fix: one of"
+                            f" {[a for a in bound.mesh.axis_names if a != axis]}")
     if not bound.in_mesh:
         raise MeshMismatchError(
             f"fully_shard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
@@ -362,10 +406,10 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     has_units = any(hasattr(m, UNIT_ATTR) for m in module.modules() if m is not module)
     if reshard_after_forward is None:
         reshard_after_forward = not has_units
-    params = [_shard_param(bound, axis, m, attr, name, p)
+    params = [_shard_param(bound, axis, m, attr, name, p, replicate)
               for m, attr, name, p in _owned_params(module)]
     unit = _Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
-                 reshard_after_forward, prefetch)
+                 reshard_after_forward, prefetch, replicate)
     setattr(module, UNIT_ATTR, unit)
     if has_units:   # the units below and this one: one model, one recorded order
         shared = _Schedule()
@@ -437,7 +481,7 @@ def _names(ndim: int) -> list[str]:
 
 
 def _shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name: str,
-                 p: nn.Parameter) -> _Param:
+                 p: nn.Parameter, replicate: str | None = None) -> _Param:
     """`p` as a DTensor parameter sharded along dim 0 over `axis` (on top of the tensor
     parallel split a DTensor `p` already has)."""
     mesh = bound.mesh
@@ -452,9 +496,10 @@ def _shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name
                                     f" {mesh!r}; fix: parallelize on the same mesh")
         shape = global_shape(p)
         use = from_placements(mesh, shape, placements_of(p), names=" ".join(names))
-        if axis in use.sharded_axes(mesh) or use.partial_axes:
-            raise ShapeError(f"fully_shard: parameter {name} is already split over {axis!r}"
-                             f' ("{use}"); fix: shard it over another axis')
+        for taken in (axis, replicate):
+            if taken is not None and (taken in use.sharded_axes(mesh) or use.partial_axes):
+                raise ShapeError(f"fully_shard: parameter {name} is already split over"
+                                 f' {taken!r} ("{use}"); fix: shard it over another axis')
         full = p.to_local()
     else:
         shape, use, full = tuple(p.shape), Layout(" ".join(names)), p.detach()
@@ -530,9 +575,33 @@ def fsdp_schedule(module: nn.Module) -> str:
         rows.append(("backward", "reduce_scatter", name, size(u, dtype),
                      f"runs while {before}'s backward computes" if before
                      else "waited on when backward ends"))
+        if u.replicate:
+            shard = sum(p.pad * p.inner for p in u.params) * dtype.itemsize
+            rows.append(("backward", f"all_reduce({u.replicate})", name,
+                         format_bytes(2 * shard * (u.n_rep - 1) // u.n_rep),
+                         f"issued with {before}'s reduce_scatter, runs while backward goes on"
+                         if before else "issued when backward ends"))
     widths = [max(len(r[k]) for r in rows) for k in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4]
                      for r in rows)
+
+
+def set_requires_gradient_sync(module: nn.Module, requires: bool) -> nn.Module:
+    """Turn gradient reduction of every fully_shard unit in `module` off or back on (as
+    FSDP2's `set_requires_gradient_sync`): gradient accumulation over micro-batches.
+
+    With `requires=False`, backward sends nothing: each unit adds its unsharded gradients to
+    a buffer it keeps (the unit's full parameter size, per rank). The next backward with
+    `requires=True` adds the buffer to its gradients and reduce_scatters the sum once, so
+    `.grad` gets the average over ranks of the sum over micro-batches. Returns `module`.
+    """
+    units = [getattr(m, UNIT_ATTR) for m in module.modules() if hasattr(m, UNIT_ATTR)]
+    if not units:
+        raise MeshMismatchError(f"set_requires_gradient_sync: {type(module).__name__} has no"
+                                " fully_shard units; fix: call mc.nn.fully_shard first")
+    for unit in units:
+        unit.sync = bool(requires)
+    return module
 
 
 # -- meta-device models: fill each rank's shards -----------------------------------------------
