@@ -117,8 +117,9 @@ ConfigFn = Callable[[nn.Module, int, MeshInfo], nn.Module]
 class Config:
     name: str
     fn: ConfigFn
-    dp: int
+    dp: int          # the batch is split over dp (tp ranks see the same rows)
     tp: int
+    mesh: str | None = None     # the mesh the configuration builds, when not "dp=.. tp=.."
 
     @property
     def world_size(self) -> int:
@@ -126,7 +127,7 @@ class Config:
 
     @property
     def mesh_text(self) -> str:
-        return f"dp={self.dp}" + (f" tp={self.tp}" if self.tp > 1 else "")
+        return self.mesh or f"dp={self.dp}" + (f" tp={self.tp}" if self.tp > 1 else "")
 
 
 CONFIGS: dict[str, Config] = {}
@@ -134,9 +135,10 @@ CONFIGS: dict[str, Config] = {}
 RATIOS: list[tuple[str, str]] = []
 
 
-def config(name: str, *, dp: int, tp: int = 1) -> Callable[[ConfigFn], ConfigFn]:
+def config(name: str, *, dp: int, tp: int = 1, mesh: str | None = None
+           ) -> Callable[[ConfigFn], ConfigFn]:
     def register(fn: ConfigFn) -> ConfigFn:
-        CONFIGS[name] = Config(name, fn, dp, tp)
+        CONFIGS[name] = Config(name, fn, dp, tp, mesh)
         return fn
     return register
 
@@ -237,6 +239,20 @@ MESHCOMM_TP_PLAN = {
 }
 
 
+@config("fsdp2_hsdp", dp=4, mesh="rep=2 dp=2")
+def fsdp2_hsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
+    """HSDP: FSDP2 on a 2-D mesh replicates over dim 0 and shards over dim 1; the batch is
+    split over all 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 @config("meshcomm_fsdp", dp=4)
 def meshcomm_fsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     import meshcomm as mc
@@ -278,6 +294,17 @@ def meshcomm_fsdp_tp_sp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.
     return mc.nn.fully_shard(model, bound, axis="dp")
 
 
+@config("meshcomm_hsdp", dp=4, mesh="rep=2 dp=2")
+def meshcomm_hsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
+    """HSDP: shards over dp, replicas over rep; the batch is split over all 4 ranks."""
+    import meshcomm as mc
+
+    bound = mc.init_mesh("rep=2 dp=2")
+    for block in model.layers:
+        mc.nn.fully_shard(block, bound, axis="dp", replicate="rep")
+    return mc.nn.fully_shard(model, bound, axis="dp", replicate="rep")
+
+
 @config("meshcomm_fsdp_no_prefetch", dp=4)
 def meshcomm_fsdp_no_prefetch(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     """meshcomm_fsdp with prefetch off: every all_gather waited on where it is issued."""
@@ -290,7 +317,7 @@ def meshcomm_fsdp_no_prefetch(model: nn.Module, rank: int, mesh_info: MeshInfo) 
 
 
 RATIOS += [("meshcomm_fsdp", "fsdp2"), ("meshcomm_fsdp_tp", "fsdp2_tp"),
-           ("meshcomm_fsdp_tp_sp", "fsdp2_tp_sp"),
+           ("meshcomm_fsdp_tp_sp", "fsdp2_tp_sp"), ("meshcomm_hsdp", "fsdp2_hsdp"),
            ("meshcomm_fsdp", "meshcomm_fsdp_no_prefetch")]
 # =============================================================================================
 

@@ -100,10 +100,25 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     units = [getattr(x, mc.nn.fsdp.UNIT_ATTR) for x in (m, m[0], m[2], m[4])]
     out["shared"] = (len({id(u.schedule) for u in units}), len(units[0].schedule.order),
                      units[0].schedule.recording)
+    out["in_flight"] = {prefetch: in_flight(bound, prefetch) for prefetch in (True, False)}
     out["mixed"] = mixed(bound)
     out["meta"] = meta(bound)
     out["errors"] = errors(bound)
     return out
+
+
+def in_flight(bound: mc.BoundMesh, prefetch: bool) -> list[tuple[str, bool]]:
+    """Per step, whether the next unit's all_gather was issued (and not yet used) while a
+    unit computes: in forward while layer 0 runs (layer 2's gather), in backward when layer
+    4's backward is done (layer 2's gather, issued at layer 4's first saved-tensor use)."""
+    m = sharded(bound, prefetch=prefetch)
+    unit = getattr(m[2], mc.nn.fsdp.UNIT_ATTR)
+    seen: list[tuple[str, bool]] = []
+    m[0].register_forward_hook(lambda *_: seen.append(("forward", unit.pending is not None)))
+    m[4].register_full_backward_hook(
+        lambda *_: seen.append(("backward", unit.pending is not None)))
+    train(bound, m, 2)
+    return seen
 
 
 def mixed(bound: mc.BoundMesh) -> dict[str, Any]:
@@ -249,6 +264,15 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
             " [0, 1]), so it holds no shard")
     same = [{k: v for k, v in r["errors"].items() if k != "outside"} for r in four]
     assert all(e == same[0] for e in same)
+
+
+def test_prefetch_issues_the_next_gather_before_a_unit_computes(
+        four: list[dict[str, Any]]) -> None:
+    # step 1 records the order (no forward prefetch yet); from step 2 on, layer 2's gather
+    # is in flight while layer 0 computes; backward prefetches in both steps
+    assert four[0]["in_flight"][True] == [("forward", False), ("backward", True),
+                                          ("forward", True), ("backward", True)]
+    assert four[0]["in_flight"][False] == [("forward", False), ("backward", False)] * 2
 
 
 def test_each_model_records_its_own_order(four: list[dict[str, Any]]) -> None:
