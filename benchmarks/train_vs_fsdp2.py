@@ -18,6 +18,13 @@ Each configuration runs in fresh processes (`run_ranks`), one after the other:
   the output projection column-wise with a replicated output), then `fully_shard` per
   block and on the root over dp. Each dp rank trains on 1/2 of the global batch; the two
   tp ranks of a dp rank see the same rows.
+- `fsdp2_tp_sp`: `fsdp2_tp` with torchtitan's sequence-parallel plan (SequenceParallel
+  norms, PrepareModuleInput before attention and the MLP).
+- `fsdp2_hsdp`: HSDP, `fully_shard` over a (rep=2, dp=2) mesh: shards over dp, replicas
+  over rep, gradients reduce_scattered over dp then all_reduced over rep; each of the 4
+  ranks trains on 1/4 of the global batch.
+- `meshcomm_*`: the same with `mc.nn.fully_shard` (`replicate="rep"` for HSDP) and
+  `mc.nn.parallelize`; `meshcomm_fsdp_no_prefetch` turns prefetch off.
 
 The loss of a step is the mean over the global batch: each rank takes the mean over its
 rows and FSDP2 averages gradients over the dp ranks (equal rows per rank, so the average of
@@ -42,7 +49,7 @@ Measured per configuration:
   RSS at the first step (the memory training adds on top of the built, sharded model).
 
 Adding a configuration (meshcomm's own, say): write `fn(model, rank, mesh_info) -> model`
-and register it with `@config("name", dp=..., tp=...)` below the marked place; the common
+and register it with `@config("name", dp=..., tp=..., mesh=...)` below the marked place; the common
 training loop, the measurements and the table pick it up. Put a pair in `RATIOS` to get a
 column of its time, bytes and memory relative to another configuration.
 """

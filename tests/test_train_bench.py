@@ -1,5 +1,6 @@
 """benchmarks/train_vs_fsdp2.py on a tiny model: every configuration (1 process, FSDP2,
-FSDP2 + TP, meshcomm FSDP with and without prefetch, meshcomm FSDP x TP) trains to the same
+FSDP2 + TP (+ SP), FSDP2 HSDP, meshcomm FSDP with and without prefetch, meshcomm FSDP x TP
+(+ SP), meshcomm HSDP) trains to the same
 losses, meshcomm sends the same bytes as PyTorch, and the JSON holds the ratios. Speed is
 reported by the benchmark, never asserted here."""
 
@@ -25,10 +26,13 @@ def test_tiny_run_matches_pytorch_in_losses_and_bytes(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["ok"]
     ratios = report["ratio_values"]
-    assert set(ratios) == {"meshcomm_fsdp/fsdp2", "meshcomm_fsdp_tp/fsdp2_tp", "meshcomm_fsdp_tp_sp/fsdp2_tp_sp",
+    assert set(ratios) == {"meshcomm_fsdp/fsdp2", "meshcomm_fsdp_tp/fsdp2_tp",
+                           "meshcomm_fsdp_tp_sp/fsdp2_tp_sp", "meshcomm_hsdp/fsdp2_hsdp",
                            "meshcomm_fsdp/meshcomm_fsdp_no_prefetch"}
     assert ratios["meshcomm_fsdp/fsdp2"]["sent"] == 1.0
     assert ratios["meshcomm_fsdp_tp/fsdp2_tp"]["sent"] == 1.0
     assert ratios["meshcomm_fsdp_tp_sp/fsdp2_tp_sp"]["sent"] == 1.0
+    assert ratios["meshcomm_hsdp/fsdp2_hsdp"]["sent"] == 1.0
+    assert ratios["meshcomm_hsdp/fsdp2_hsdp"]["state"] == 1.0
     assert ratios["meshcomm_fsdp/fsdp2"]["state"] == 1.0
     assert "OK: largest relative loss difference" in proc.stdout
