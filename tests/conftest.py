@@ -133,3 +133,15 @@ def dtensor_placements(text: str) -> tuple[Any, ...]:
             raise ValueError(f"placement word {word!r} in {text!r}: use R, S<dim>,"
                              " SS<dim>.<split> or P<op>")
     return tuple(out)
+
+
+def outcome(call: Callable[[], Any]) -> str:
+    """"ran" if `call()` returns, else the meshcomm error it raised as "Type: message" (for
+    workers that report their errors back as plain data)."""
+    import meshcomm as mc
+
+    try:
+        call()
+        return "ran"
+    except mc.errors.MeshcommError as err:
+        return f"{type(err).__name__}: {err}"

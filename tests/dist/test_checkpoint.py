@@ -49,22 +49,11 @@ def worker(rank: int, world: int, folder: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     objects_without_numpy()
-    saved_mesh = mc.init_mesh("dp=4")
-    model = build()
-    for block in model.layers:
-        mc.nn.fully_shard(block, saved_mesh)
-    mc.nn.fully_shard(model, saved_mesh)
+    model = fsdp_model(mc.init_mesh("dp=4"))
     want = {k: v.full_tensor() for k, v in model.state_dict().items()}
     dcp.save(model.state_dict(), checkpoint_id=folder)
 
-    bound = mc.init_mesh("dp=2 tp=2")
-    with torch.device("meta"):
-        loaded = build()
-    mc.nn.parallelize(loaded, bound, PLAN)
-    for block in loaded.layers:
-        mc.nn.fully_shard(block, bound, axis="dp")
-    mc.nn.fully_shard(loaded, bound, axis="dp")
-    loaded.to_empty(device="cpu")
+    loaded = tp_model(mc.init_mesh("dp=2 tp=2"))
     state = loaded.state_dict()
     dcp.load(state, checkpoint_id=folder)
     loaded.load_state_dict(state)
@@ -97,11 +86,7 @@ def save_both(rank: int, world: int, dcp_folder: str, mc_folder: str) -> dict[st
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     objects_without_numpy()
-    bound = mc.init_mesh("dp=4")
-    model = build()
-    for block in model.layers:
-        mc.nn.fully_shard(block, bound)
-    mc.nn.fully_shard(model, bound)
+    model = fsdp_model(mc.init_mesh("dp=4"))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     model(torch.arange(32).reshape(2, 16) % 130).sum().backward()
     opt.step()
@@ -118,7 +103,16 @@ def optim_values(optim: dict[str, Any]) -> dict[str, Any]:
             for k, state in optim["state"].items() for n, v in state.items()}
 
 
+def fsdp_model(bound: Any) -> torch.nn.Module:
+    """The model under fully_shard on every block and the root."""
+    model = build()
+    for block in model.layers:
+        mc.nn.fully_shard(block, bound)
+    return mc.nn.fully_shard(model, bound)
+
+
 def tp_model(bound: Any) -> torch.nn.Module:
+    """The model built on the meta device, then parallelize + fully_shard, then allocated."""
     with torch.device("meta"):
         model = build()
     mc.nn.parallelize(model, bound, PLAN)

@@ -29,7 +29,7 @@ import meshcomm as mc
 from meshcomm.core.errors import RankFailure
 from meshcomm.executors.distributed import launch
 
-from conftest import run_scaled, scaled, set_group_timeout
+from conftest import outcome, run_scaled, scaled, set_group_timeout
 
 MESH = "dp=2 tp=2"
 SRC, DST = "(dp b) h | sum(tp)", "b h"
@@ -165,13 +165,8 @@ def world_worker(rank: int, world: int) -> dict[str, str]:
         out["too_big"] = f"{type(err).__name__}: {err}"
     bound = mc.init_mesh("tp=2")               # rank 2 is outside the mesh
     x = torch.zeros(2, 4)
-    for name, call in (("reshard", lambda: mc.reshard(x, bound, "(tp b) h", "b h")),
-                       ("all_gather", lambda: mc.collectives.all_gather(x, bound, "tp"))):
-        try:
-            call()
-            out[name] = "ran"
-        except mc.errors.MeshcommError as err:
-            out[name] = f"{type(err).__name__}: {err}"
+    out["reshard"] = outcome(lambda: mc.reshard(x, bound, "(tp b) h", "b h"))
+    out["all_gather"] = outcome(lambda: mc.collectives.all_gather(x, bound, "tp"))
     return out
 
 

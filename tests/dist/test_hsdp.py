@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from conftest import ranks_fixture
+from conftest import outcome, ranks_fixture
 from test_fsdp import BATCH, data, model, reference
 from torch import nn
 
@@ -92,17 +92,11 @@ def accumulation(rank: int) -> dict[str, Any]:
 
 def errors() -> dict[str, str]:
     bound = mc.init_mesh("rep=2 dp=2")
-    out = {}
-    for key, call in (
-            ("same", lambda: mc.nn.fully_shard(model(), bound, axis="dp", replicate="dp")),
-            ("unknown", lambda: mc.nn.fully_shard(model(), bound, axis="dp", replicate="pp")),
-            ("no units", lambda: mc.nn.set_requires_gradient_sync(model(), False))):
-        try:
-            call()
-            out[key] = "no error"
-        except mc.errors.MeshcommError as err:
-            out[key] = f"{type(err).__name__}: {err}"
-    return out
+    return {"same": outcome(lambda: mc.nn.fully_shard(model(), bound, axis="dp",
+                                                      replicate="dp")),
+            "unknown": outcome(lambda: mc.nn.fully_shard(model(), bound, axis="dp",
+                                                         replicate="pp")),
+            "no units": outcome(lambda: mc.nn.set_requires_gradient_sync(model(), False))}
 
 
 def worker(rank: int, world: int) -> dict[str, Any]:
