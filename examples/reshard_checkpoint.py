@@ -10,11 +10,11 @@ its writers, its layout, global shape and dtype. Nothing is gathered.
 
 Loading, Mesh(tp=2) on 2 other processes (under `meshcomm launch -n 4` or torchrun, on
 ranks 0 and 1 of the same 4 processes; ranks 2 and 3 take part in making its groups only),
-with `mc.nn.load_checkpoint`: per tensor it plans the move from the saved mesh and layout to
-its own with `mc.plan(saved_mesh, ..., dst_mesh=new_mesh)`. The saved mesh's ranks are files
-here, so the new mesh is numbered after them (ranks 4 and 5 for processes 0 and 1): the
-plan's one send_recv step then says, for each new rank, which block of which file lands
-where, every element read exactly once. Each rank opens only the files its transfers name,
+with `mc.nn.load_checkpoint`. The move from the saved mesh and layout to the new one is
+`mc.plan(saved_mesh, ..., dst_mesh=new_mesh)` (printed below), the saved mesh's ranks being
+files here, so the new mesh is numbered after them (ranks 4 and 5 for processes 0 and 1):
+its one send_recv step says, for each new rank, which block of which file lands where,
+every element read exactly once; each loading rank computes its own blocks of that step. Each rank opens only the files its transfers name,
 and nothing is communicated. The loaded tensors are checked against the original state,
 gathered on the new mesh with `Sharded.full()`.
 """

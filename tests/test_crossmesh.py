@@ -173,3 +173,77 @@ def test_a_replicated_block_is_split_over_its_holders():
     sends = p.send_bytes[:4]
     total = sum(p.recv_bytes)
     assert max(sends) == total // 4 == min(sends)      # the ideal: total / number of senders
+
+
+# -- one receiver's blocks (checkpoint loading): the plan's transfers, for one rank -----------
+RECEIVER_CASES = [   # (saved mesh, saved layout, loading mesh, loading layout, shape)
+    ("dp=2 tp=2", "(dp a) (tp b)", "tp=4", "a (tp b)", (6, 10)),           # uneven
+    ("dp=4", "(dp a) b", "x=2 y=2", "(y x a) b", (7, 3)),                   # uneven, 2 axes
+    ("dp=4", "(a dp) b", "tp=2", "(tp a) b", (8, 4)),                       # strided source
+    ("dp=3", "(dp a) b", "tp=2", "a (tp b)", (0, 5)),                       # size-0 dim
+    ("dp=1 tp=2", "a (tp b)", "one=1", "a b", (3, 5)),                     # size-1 axis, plain
+    ("a=2 b=1 c=2 d=1 e=2", "(a c a0) (e b0) c0", "p=2 q=3", "(q a0) (p b0) c0", (9, 4, 3)),
+    ("one=1", "a b", "dp=2 tp=2", "(dp a) (tp b)", (5, 5)),                 # one file
+]
+
+
+@pytest.mark.parametrize("case", RECEIVER_CASES, ids=[c[0] + " -> " + c[2] for c in RECEIVER_CASES])
+def test_receiver_transfers_are_the_plan_s_for_that_rank(case):
+    from meshcomm.executors.local import grid, take
+    from meshcomm.planner.states import from_layout
+    from meshcomm.planner.transfers import receiver_transfers
+
+    saved_text, src, here_text, dst, shape = case
+    saved, here = mc.Mesh(saved_text), mc.Mesh(here_text)
+    x = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+    shards = {r: take(x, mc.Layout(src).indices(saved, shape, r)) for r in saved.ranks}
+    first = max(saved.ranks) + 1                    # the plan needs the receivers numbered apart
+    renumbered = mc.Mesh(dict(here.axes), ranks=[first + p for p in range(here.size)])
+    p = mc.plan(saved, shape, src, dst, dst_mesh=renumbered, dtype=torch.float64)
+    by_plan = execute(p, [shards[r] for r in saved.ranks])
+    a = from_layout(mc.Layout(src), saved, shape)
+    b = from_layout(mc.Layout(dst), here, shape)
+    for k, r in enumerate(here.ranks):
+        mine = receiver_transfers(a, saved, b, here, r)
+        out = torch.full(mc.Layout(dst).local_shape(here, shape, r), -1.0, dtype=torch.float64)
+        for t in mine:
+            out[grid(t.dst_index)] = take(shards[t.src], t.src_index)
+        assert torch.equal(out, take(x, mc.Layout(dst).indices(here, shape, r)))
+        assert torch.equal(out, by_plan.outputs[p.ranks.index(first + k)])
+        # the same senders with the same element counts as the plan's step
+        (step,) = p.steps
+        planned: dict[int, int] = {}
+        for t in step.transfers:
+            if t.dst == first + k:
+                planned[t.src] = planned.get(t.src, 0) + t.numel
+        assert {t.src: t.numel for t in mine if t.numel} == planned
+
+
+def test_receiver_transfers_refuse_a_replicated_or_pending_source():
+    from meshcomm.planner.states import from_layout
+    from meshcomm.planner.transfers import receiver_transfers
+
+    mesh, here = mc.Mesh("dp=2 tp=2"), mc.Mesh("tp=2")
+    b = from_layout(mc.Layout("a b"), here, (4, 4))
+    for src in ("(dp a) b", "a (tp b) | sum(dp)"):
+        a = from_layout(mc.Layout(src), mesh, (4, 4))
+        with pytest.raises(ValueError, match="every element needs one holder"):
+            receiver_transfers(a, mesh, b, here, 0)
+
+
+def test_receiver_transfers_at_production_scale_cost_no_element_count():
+    """1,024 saved ranks, vocab 50257 x hidden 8192 loaded onto dp=32 x tp=16: one rank's
+    blocks without planning the other 511 ranks (the full cross-mesh plan takes minutes)."""
+    from meshcomm.planner.states import from_layout
+    from meshcomm.planner.transfers import receiver_transfers
+
+    saved, here, shape = mc.Mesh("dp=1024"), mc.Mesh("dp=32 tp=16"), (50257, 8192)
+    a = from_layout(mc.Layout("(dp v) e"), saved, shape)
+    b = from_layout(mc.Layout("(tp v) (dp e)"), here, shape)
+    # rank 17 is dp 1, tp 1: rows 3142..6283 (3142 a tp shard), columns 256..511; the files
+    # hold 50 rows each (torch.chunk of 50257 over 1024), so files 62..125 (rows 3100..6299)
+    mine = receiver_transfers(a, saved, b, here, 17)
+    assert [t.src for t in mine] == list(range(62, 126))
+    assert sum(t.numel for t in mine) == 3142 * 256
+    assert mine[0].src_index[0] == tuple(range(42, 50))    # rows 3142..3149 of file 62
+    assert mine[0].dst_index[1] == tuple(range(256))

@@ -6,11 +6,14 @@ the ranks at coordinate 0 of those axes only. Global rank 0 writes `meshcomm.jso
 tensor, the mesh that wrote it (axes and global ranks), its layout, global shape and dtype.
 Nothing is gathered.
 
-`load_checkpoint(state_dict, folder)`: per tensor, `mc.plan(saved mesh, shape, saved layout,
-this layout, dst_mesh=this mesh)` with the saved ranks standing for the files. The plan's one
-send_recv step names, for each rank, which block of which file lands where: every element is
-read once, and a rank opens (memory-mapped) only the files its transfers name. Loading does
-not communicate, so it works with another world size than saving did.
+`load_checkpoint(state_dict, folder)`: per tensor, the move from the saved mesh and layout to
+this one, with the saved ranks standing for the files: the transfers that the send_recv step
+of `mc.plan(saved mesh, shape, saved layout, this layout, dst_mesh=this mesh)` gives this
+rank, computed for this rank alone (`planner.transfers.receiver_transfers`: every saved
+element has one writer, so nothing is balanced; the cost follows the saved ranks, not the
+elements). They name which block of which file lands where: every element is read once, and
+a rank opens (memory-mapped) only the files they name. Loading does not communicate, so it
+works with another world size than saving did.
 
 State dicts hold DTensors (`model.state_dict()` under `mc.nn.fully_shard`/`parallelize`, or
 DCP's optimizer state dicts), `mc.Sharded` values, plain tensors (replicated: written by rank
@@ -39,7 +42,8 @@ from ..core.mesh import Mesh
 from ..executors.local import grid, take
 from ..interop.placements import from_placements
 from ..interop.runtime import global_shape, is_dtensor, placements_of
-from ..planner.plan import plan
+from ..planner.states import from_layout
+from ..planner.transfers import receiver_transfers
 from ..planner.values import Transfer
 from ..sharded import Sharded
 
@@ -297,21 +301,17 @@ def _file(folder: Path, rank: int, files: dict[int, dict[str, Any]]) -> dict[str
 
 
 def _reads(info: Mapping[str, Any], placed: _Placed, rank: int) -> dict[int, list[Transfer]]:
-    """The blocks this rank reads, by saved rank: the transfers of the cross-mesh plan from
-    the saved mesh to `placed`'s (numbered after the saved ranks, which are files here)."""
+    """The blocks this rank reads, by saved rank: the send_recv transfers of the plan from
+    the saved mesh and layout to `placed`'s that this rank receives (the saved ranks are
+    files here). Every saved element has one writer, so there is nothing to balance and
+    the planner computes this rank's blocks alone (`receiver_transfers`)."""
     saved = Mesh(info["mesh"], ranks=info["ranks"])
-    first = max(saved.ranks) + 1
-    here = placed.mesh
-    renumbered = Mesh({a: here.axis_size(a) for a in here.axis_names},
-                      ranks=[first + here.position(r) for r in here.ranks])
-    me = first + here.position(rank)
-    p = plan(saved, placed.shape, info["layout"], placed.layout,
-             dtype=getattr(torch, info["dtype"]), dst_mesh=renumbered)
-    (step,) = p.steps                       # values, not pending sums: one send_recv step
+    shape = placed.shape
+    state = from_layout(Layout(info["layout"]), saved, shape)
+    goal = from_layout(placed.layout, placed.mesh, shape)
     out: dict[int, list[Transfer]] = {}
-    for t in step.transfers:
-        if t.dst == me:
-            out.setdefault(t.src, []).append(t)
+    for t in receiver_transfers(state, saved, goal, placed.mesh, rank):
+        out.setdefault(t.src, []).append(t)
     return out
 
 
