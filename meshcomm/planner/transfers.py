@@ -57,8 +57,18 @@ def _cells_of(need: Index, atoms: list[list[tuple[int, ...]]]) -> list[tuple[tup
     return cells
 
 
-def _holds(have: Index, cell: tuple[tuple[int, ...], ...]) -> bool:
-    return all(a[0] in set(h) for h, a in zip(have, cell))
+def _holds(members: tuple[range | frozenset[int], ...], cell: tuple[tuple[int, ...], ...]) -> bool:
+    return all(a[0] in m for m, a in zip(members, cell))
+
+
+def _members(index: Index) -> tuple[range | frozenset[int], ...]:
+    """Per dim, the indices held, for O(1) membership (a range where they are one run)."""
+    return tuple(range(ix[0], ix[-1] + 1) if _run(ix) else frozenset(ix) for ix in index)
+
+
+def _run(ix: tuple[int, ...]) -> bool:
+    """Whether `ix` is consecutive ascending integers (and not empty)."""
+    return bool(ix) and ix[-1] - ix[0] == len(ix) - 1 and (len(ix) < 3 or ix[1] == ix[0] + 1)
 
 
 Blocks = dict[int, Index]
@@ -105,13 +115,14 @@ def _assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
             same_group: Callable[[int, int], bool],
             split: bool) -> tuple[list[Transfer], dict[int, int]] | None:
     load = dict.fromkeys(have, 0)
+    members = {s: _members(ix) for s, ix in have.items()}
     transfers = []
     for r in need:
         for cell in _cells_of(need[r], atoms):
-            if r in have and _holds(have[r], cell):
+            if r in have and _holds(members[r], cell):
                 transfers.append(_transfer(r, r, cell, have, need))
                 continue
-            holders = [s for s in have if same_group(s, r) and _holds(have[s], cell)]
+            holders = [s for s in have if same_group(s, r) and _holds(members[s], cell)]
             if not holders:
                 return None
             for piece in _split(cell, len(holders)) if split else [cell]:
@@ -142,7 +153,14 @@ def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Tra
     from .values import Transfer
 
     def positions(index: Index) -> tuple[tuple[int, ...], ...]:
-        return tuple(tuple(p[g] for g in atom) for p, atom in zip(_where(index), cell))
+        out = []
+        for d, (ix, atom) in enumerate(zip(index, cell)):
+            if _run(ix) and _run(atom):      # both one run: the positions are one run too
+                out.append(tuple(range(atom[0] - ix[0], atom[-1] - ix[0] + 1)))
+            else:
+                where = _where(index)[d]
+                out.append(tuple(where[g] for g in atom))
+        return tuple(out)
 
     return Transfer(src, dst, positions(have[src]), positions(need[dst]))
 
