@@ -116,13 +116,26 @@ def _assign(have: Blocks, need: Blocks, atoms: list[list[tuple[int, ...]]],
             split: bool) -> tuple[list[Transfer], dict[int, int]] | None:
     load = dict.fromkeys(have, 0)
     members = {s: _members(ix) for s, ix in have.items()}
+    order = {s: i for i, s in enumerate(have)}
+    by_atom: list[dict[int, frozenset[int]]] = [{} for _ in atoms]
+
+    def holding(d: int, atom: tuple[int, ...]) -> frozenset[int]:
+        """The ranks whose dim-d block holds `atom` (once per atom, not per receiver)."""
+        found = by_atom[d].get(atom[0])
+        if found is None:
+            found = by_atom[d][atom[0]] = frozenset(
+                s for s in have if atom[0] in members[s][d])
+        return found
+
     transfers = []
     for r in need:
         for cell in _cells_of(need[r], atoms):
             if r in have and _holds(members[r], cell):
                 transfers.append(_transfer(r, r, cell, have, need))
                 continue
-            holders = [s for s in have if same_group(s, r) and _holds(members[s], cell)]
+            sets = sorted((holding(d, atom) for d, atom in enumerate(cell)), key=len)
+            common = sets[0].intersection(*sets[1:]) if sets else frozenset(have)
+            holders = [s for s in sorted(common, key=order.__getitem__) if same_group(s, r)]
             if not holders:
                 return None
             for piece in _split(cell, len(holders)) if split else [cell]:
