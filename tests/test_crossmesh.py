@@ -245,5 +245,5 @@ def test_receiver_transfers_at_production_scale_cost_no_element_count():
     mine = receiver_transfers(a, saved, b, here, 17)
     assert [t.src for t in mine] == list(range(62, 126))
     assert sum(t.numel for t in mine) == 3142 * 256
-    assert mine[0].src_index[0] == tuple(range(42, 50))    # rows 3142..3149 of file 62
-    assert mine[0].dst_index[1] == tuple(range(256))
+    assert tuple(mine[0].src_index[0]) == tuple(range(42, 50))   # rows 3142..3149 of file 62
+    assert tuple(mine[0].dst_index[1]) == tuple(range(256))

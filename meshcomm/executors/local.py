@@ -7,7 +7,7 @@ one code path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ from ..core.reduce_ops import identity_like
 from ..planner.transfers import step_transfers
 from ..planner.values import Step, Transfer
 
-Index = tuple[tuple[int, ...], ...]
+Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)
 
 
 def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ...],
@@ -61,9 +61,16 @@ def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Ten
 
 
 # -- running a send_recv step as one all_to_all with uneven splits -------------------
+def positions(ix: Sequence[int]) -> Tensor:
+    """One dim's positions as an int64 tensor."""
+    if isinstance(ix, range):
+        return torch.arange(ix.start, ix.stop, ix.step, dtype=torch.long)
+    return torch.tensor(ix, dtype=torch.long)
+
+
 def grid(index: Index) -> tuple[Tensor, ...]:
     """Advanced-indexing tensors for the cartesian product of per-dim positions."""
-    axes = [torch.tensor(ix, dtype=torch.long) for ix in index]
+    axes = [positions(ix) for ix in index]
     return torch.meshgrid(*axes, indexing="ij") if axes else ()
 
 
@@ -71,9 +78,10 @@ def take(tensor: Tensor, index: Index) -> Tensor:
     """The sub-tensor at the cartesian product of per-dim positions (a copy)."""
     out = tensor
     for d, ix in enumerate(index):
-        if len(ix) == out.shape[d] and ix == tuple(range(len(ix))):
+        if len(ix) == out.shape[d] and (ix == range(len(ix)) if isinstance(ix, range)
+                                        else ix == tuple(range(len(ix)))):
             continue
-        out = out.index_select(d, torch.tensor(ix, dtype=torch.long))
+        out = out.index_select(d, positions(ix))
     return out.clone() if out is tensor else out
 
 

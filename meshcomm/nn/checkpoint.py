@@ -28,7 +28,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -330,10 +330,14 @@ def _copy_block(data: Tensor, t: Transfer, out: Tensor) -> int:
     return math.prod(block.shape) * data.element_size()
 
 
-def _slices(index: tuple[tuple[int, ...], ...]) -> tuple[slice, ...] | None:
+def _slices(index: tuple[Sequence[int], ...]) -> tuple[slice, ...] | None:
+    """`index` as slices, when every dim's positions are one run."""
     out = []
     for ix in index:
-        if ix and ix != tuple(range(ix[0], ix[0] + len(ix))):
+        if isinstance(ix, range) and ix.step == 1:
+            out.append(slice(ix.start, ix.stop))
+        elif not ix or tuple(ix) == tuple(range(ix[0], ix[0] + len(ix))):
+            out.append(slice(ix[0], ix[0] + len(ix)) if ix else slice(0, 0))
+        else:
             return None
-        out.append(slice(ix[0], ix[0] + len(ix)) if ix else slice(0, 0))
     return tuple(out)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -38,9 +38,19 @@ Index = tuple[tuple[int, ...], ...]
 
 
 def _atoms(sets: list[tuple[int, ...]], size: int) -> list[tuple[int, ...]]:
-    """Classes of indices 0..size-1 that belong to exactly the same sets."""
-    members = [frozenset(s) for s in {tuple(sorted(s)) for s in sets}]
+    """Classes of indices 0..size-1 that belong to exactly the same sets (in order of their
+    first index)."""
+    distinct = {tuple(sorted(s)) for s in sets}
     classes: dict[tuple[bool, ...], list[int]] = defaultdict(list)
+    if all(not s or _run(s) for s in distinct):
+        # every set one run: membership is constant between consecutive run ends, so the
+        # classes are found per interval (cost: the sets squared, not size x sets)
+        runs = [(s[0], s[-1] + 1) for s in distinct if s]
+        ends = sorted({0, size} | {e for run in runs for e in run})
+        for a, b in zip(ends, ends[1:]):
+            classes[tuple(lo <= a < hi for lo, hi in runs)].extend(range(a, b))
+        return [tuple(c) for c in classes.values()]
+    members = [frozenset(s) for s in distinct]
     for i in range(size):
         classes[tuple(i in m for m in members)].append(i)
     return [tuple(c) for c in classes.values()]
@@ -165,11 +175,11 @@ def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Tra
     """The Transfer of `cell` from `src`'s local positions to `dst`'s."""
     from .values import Transfer
 
-    def positions(index: Index) -> tuple[tuple[int, ...], ...]:
-        out = []
+    def positions(index: Index) -> tuple[Sequence[int], ...]:
+        out: list[Sequence[int]] = []
         for d, (ix, atom) in enumerate(zip(index, cell)):
             if _run(ix) and _run(atom):      # both one run: the positions are one run too
-                out.append(tuple(range(atom[0] - ix[0], atom[-1] - ix[0] + 1)))
+                out.append(range(atom[0] - ix[0], atom[-1] - ix[0] + 1))
             else:
                 where = _where(index)[d]
                 out.append(tuple(where[g] for g in atom))
@@ -386,12 +396,13 @@ def receiver_transfers(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
         coords = dict(zero)
         for c in combo:
             coords.update(c)
-        src_pos, dst_pos = [], []
+        src_pos: list[Sequence[int]] = []
+        dst_pos: list[Sequence[int]] = []
         for h, n, n_ix in zip(block(state, mesh, coords), need, need_ix):
             both = h & n
             if n_ix is None and not h.digits:       # two ranges: positions are ranges too
-                src_pos.append(tuple(range(both.start - h.start, both.stop - h.start)))
-                dst_pos.append(tuple(range(both.start - n.start, both.stop - n.start)))
+                src_pos.append(range(both.start - h.start, both.stop - h.start))
+                dst_pos.append(range(both.start - n.start, both.stop - n.start))
                 continue
             common = both.indices()
             src_pos.append(tuple(torch.searchsorted(h.indices(), common).tolist()))

@@ -7,7 +7,7 @@ Nothing here searches or communicates. `Plan.explain()` and `print(plan)` format
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,6 +137,8 @@ class CostModel:
 class Transfer:
     """Part of a send_recv step: `src` sends `dst` the cartesian block of its local tensor at
     per-dim positions `src_index`; `dst` writes it at per-dim positions `dst_index` of its output.
+    Positions are a tuple of ints per dim, or a `range` where they are one run (so a plan's
+    size follows its blocks, not their lengths: compare with `tuple(ix)`).
 
     Ranks are global. A pair may have several transfers; they travel in tuple order.
     `src == dst` is a local copy and moves no bytes. `mc.sim.send_recv` takes these too
@@ -145,8 +147,8 @@ class Transfer:
 
     src: int
     dst: int
-    src_index: tuple[tuple[int, ...], ...]
-    dst_index: tuple[tuple[int, ...], ...] = ()
+    src_index: tuple[Sequence[int], ...]
+    dst_index: tuple[Sequence[int], ...] = ()
 
     @property
     def numel(self) -> int:
