@@ -64,3 +64,18 @@ def test_summary_lines_are_printed(quick_run: tuple[str, dict]) -> None:
     stdout, _ = quick_run
     assert "cases where meshcomm moves more bytes or uses more peak memory" in stdout
     assert "geometric mean of meshcomm max-rank received bytes / lower bound" in stdout
+
+
+def test_crossmesh_scale_quick_run_writes_its_json(tmp_path: Path) -> None:
+    """benchmarks/crossmesh_scale.py --quick: every case planned, every receiver's blocks
+    found (times are reported, never asserted)."""
+    out = tmp_path / "crossmesh_scale.json"
+    script = SCRIPT.parent / "crossmesh_scale.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [c["id"] for c in report["cases"]][:2] == ["64->64 rows to tp", "128->128 rows to tp"]
+    for case in report["cases"]:
+        assert case["transfers"] > 0 and case["plan_s"] > 0
+        assert all(r["blocks"] > 0 for r in case["receiver"].values())
