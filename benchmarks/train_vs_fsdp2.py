@@ -238,14 +238,6 @@ def fsdp2_tp_sp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     return model
 
 
-# ==== meshcomm: the same model, unmodified, with mc.nn.fully_shard / mc.nn.parallelize ====
-MESHCOMM_TP_PLAN = {
-    "tok_embeddings": "embedding", "output": "colwise_gather",
-    "layers.*.attention.w[qkv]": "colwise", "layers.*.attention.wo": "rowwise",
-    "layers.*.feed_forward.w[13]": "colwise", "layers.*.feed_forward.w2": "rowwise",
-}
-
-
 @config("fsdp2_hsdp", dp=4, mesh="rep=2 dp=2")
 def fsdp2_hsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     """HSDP: FSDP2 on a 2-D mesh replicates over dim 0 and shards over dim 1; the batch is
@@ -260,25 +252,36 @@ def fsdp2_hsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     return model
 
 
-@config("meshcomm_fsdp", dp=4)
-def meshcomm_fsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
+# ==== meshcomm: the same model, unmodified, with mc.nn.fully_shard / mc.nn.parallelize ====
+MESHCOMM_TP_PLAN = {
+    "tok_embeddings": "embedding", "output": "colwise_gather",
+    "layers.*.attention.w[qkv]": "colwise", "layers.*.attention.wo": "rowwise",
+    "layers.*.feed_forward.w[13]": "colwise", "layers.*.feed_forward.w2": "rowwise",
+}
+
+
+def meshcomm_sharded(model: nn.Module, mesh: str, tp_plan: dict[str, str] | None = None,
+                     **fsdp: Any) -> nn.Module:
+    """meshcomm's side of every pair: `parallelize` over tp with `tp_plan` (if any), then
+    `fully_shard` on every block and on the root with the `fsdp` options."""
     import meshcomm as mc
 
-    bound = mc.init_mesh("dp=4")
+    bound = mc.init_mesh(mesh)
+    if tp_plan is not None:
+        mc.nn.parallelize(model, bound, tp_plan, axis="tp")
     for block in model.layers:
-        mc.nn.fully_shard(block, bound)
-    return mc.nn.fully_shard(model, bound)
+        mc.nn.fully_shard(block, bound, **fsdp)
+    return mc.nn.fully_shard(model, bound, **fsdp)
+
+
+@config("meshcomm_fsdp", dp=4)
+def meshcomm_fsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
+    return meshcomm_sharded(model, "dp=4")
 
 
 @config("meshcomm_fsdp_tp", dp=2, tp=2)
 def meshcomm_fsdp_tp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
-    import meshcomm as mc
-
-    bound = mc.init_mesh("dp=2 tp=2")
-    mc.nn.parallelize(model, bound, MESHCOMM_TP_PLAN, axis="tp")
-    for block in model.layers:
-        mc.nn.fully_shard(block, bound, axis="dp")
-    return mc.nn.fully_shard(model, bound, axis="dp")
+    return meshcomm_sharded(model, "dp=2 tp=2", MESHCOMM_TP_PLAN, axis="dp")
 
 
 MESHCOMM_SP_PLAN = {
@@ -292,35 +295,19 @@ MESHCOMM_SP_PLAN = {
 
 @config("meshcomm_fsdp_tp_sp", dp=2, tp=2)
 def meshcomm_fsdp_tp_sp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
-    import meshcomm as mc
-
-    bound = mc.init_mesh("dp=2 tp=2")
-    mc.nn.parallelize(model, bound, MESHCOMM_SP_PLAN, axis="tp")
-    for block in model.layers:
-        mc.nn.fully_shard(block, bound, axis="dp")
-    return mc.nn.fully_shard(model, bound, axis="dp")
+    return meshcomm_sharded(model, "dp=2 tp=2", MESHCOMM_SP_PLAN, axis="dp")
 
 
 @config("meshcomm_hsdp", dp=4, mesh="rep=2 dp=2")
 def meshcomm_hsdp(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     """HSDP: shards over dp, replicas over rep; the batch is split over all 4 ranks."""
-    import meshcomm as mc
-
-    bound = mc.init_mesh("rep=2 dp=2")
-    for block in model.layers:
-        mc.nn.fully_shard(block, bound, axis="dp", replicate="rep")
-    return mc.nn.fully_shard(model, bound, axis="dp", replicate="rep")
+    return meshcomm_sharded(model, "rep=2 dp=2", axis="dp", replicate="rep")
 
 
 @config("meshcomm_fsdp_no_prefetch", dp=4)
 def meshcomm_fsdp_no_prefetch(model: nn.Module, rank: int, mesh_info: MeshInfo) -> nn.Module:
     """meshcomm_fsdp with prefetch off: every all_gather waited on where it is issued."""
-    import meshcomm as mc
-
-    bound = mc.init_mesh("dp=4")
-    for block in model.layers:
-        mc.nn.fully_shard(block, bound, prefetch=False)
-    return mc.nn.fully_shard(model, bound, prefetch=False)
+    return meshcomm_sharded(model, "dp=4", prefetch=False)
 
 
 RATIOS += [("meshcomm_fsdp", "fsdp2"), ("meshcomm_fsdp_tp", "fsdp2_tp"),

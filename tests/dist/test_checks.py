@@ -24,7 +24,7 @@ from meshcomm.executors.distributed.checks import (FINGERPRINT_BYTES, TEXT_BYTES
                                                    checking, decode, encode, mismatch_message,
                                                    reshard_fields)
 
-from conftest import run_scaled, scaled, set_group_timeout
+from conftest import outcome, run_scaled, scaled, set_group_timeout
 
 MESH = "dp=2 tp=2"
 HANG_TIMEOUT_S = 2.0          # the hanging group's (tp [0, 1]) check timeout: short, never scaled
@@ -153,11 +153,7 @@ def mismatch_worker(rank: int, world: int) -> dict[str, Any]:
     mesh, out = bound.mesh, {}
 
     def attempt(name: str, call: Any) -> None:
-        try:
-            call()
-            out[name] = "ran"
-        except mc.errors.MeshcommError as err:
-            out[name] = f"{type(err).__name__}: {err}"
+        out[name] = outcome(call)
 
     x = local(mesh, "(dp b) h", (8, 6), rank)
     y = mc.reshard(x, bound, "(dp b) h", "b h")

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from conftest import ranks_fixture
+from conftest import outcome, ranks_fixture
 from torch import nn
 
 import meshcomm as mc
@@ -89,16 +89,24 @@ def losses_of(m: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int) -> lis
     return out
 
 
+def built(module: nn.Module, bound: mc.BoundMesh, plan: dict[str, str], fsdp: bool
+          ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """`module` parallelized with `plan` (and fully_shard over dp), with this rank's data:
+    the whole batch, or under FSDP its dp half."""
+    m = mc.nn.parallelize(module, bound, plan)
+    x, y = data()
+    if fsdp:
+        mc.nn.fully_shard(m, bound, axis="dp")
+        dp = bound.mesh.coords(bound.rank)["dp"]
+        x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
+    return m, x, y
+
+
 def worker(rank: int, world: int) -> dict[str, Any]:
     bound = mc.init_mesh("dp=2 tp=2")
     out: dict[str, Any] = {}
     for fsdp in (False, True):
-        m = mc.nn.parallelize(Tiny(), bound, PLAN)
-        x, y = data()
-        if fsdp:
-            mc.nn.fully_shard(m, bound, axis="dp")
-            dp = bound.mesh.coords(rank)["dp"]
-            x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
+        m, x, y = built(Tiny(), bound, PLAN, fsdp)
         if fsdp:
             out["rows"] = {n: p.to_local().shape[0] for n, p in m.named_parameters()}
         out[fsdp] = (losses_of(m, x, y, world),
@@ -106,24 +114,14 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                      {n: p.full_tensor() for n, p in m.named_parameters()})
     out["styles"] = {n: mc.nn.tp_style(mod) for n, mod in m.named_modules() if n}
     for fsdp in (False, True):      # sequence parallel: activations split over dim 1 (seq)
-        m = mc.nn.parallelize(TinySP(), bound, SP_PLAN)
-        x, y = data()
-        if fsdp:
-            mc.nn.fully_shard(m, bound, axis="dp")
-            dp = bound.mesh.coords(rank)["dp"]
-            x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
+        m, x, y = built(TinySP(), bound, SP_PLAN, fsdp)
         out[("sp", fsdp)] = (losses_of(m, x, y, world),
                              {n: p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
                               for n, p in m.named_parameters()})
-    errors = {}
-    for key, plan in (("pattern", {"nope.*": "colwise"}), ("style", {"up": "diagonal"}),
-                      ("type", {"emb": "colwise"})):
-        try:
-            mc.nn.parallelize(Tiny(), bound, plan)
-            errors[key] = "no error"
-        except mc.errors.MeshcommError as err:
-            errors[key] = f"{type(err).__name__}: {err}"
-    out["errors"] = errors
+    out["errors"] = {key: outcome(lambda plan=plan: mc.nn.parallelize(Tiny(), bound, plan))
+                     for key, plan in (("pattern", {"nope.*": "colwise"}),
+                                       ("style", {"up": "diagonal"}),
+                                       ("type", {"emb": "colwise"}))}
     return out
 
 
