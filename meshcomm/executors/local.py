@@ -68,6 +68,22 @@ def positions(ix: Sequence[int]) -> Tensor:
     return torch.tensor(ix, dtype=torch.long)
 
 
+def run_slice(ix: Sequence[int]) -> slice | None:
+    """One dim's positions as a slice when they are one run (or none), else None."""
+    if isinstance(ix, range) and ix.step == 1:
+        return slice(ix.start, ix.stop)
+    if not ix:
+        return slice(0, 0)
+    return slice(ix[0], ix[0] + len(ix)) if tuple(ix) == tuple(range(ix[0], ix[0] + len(ix))) \
+        else None
+
+
+def slices(index: Index) -> tuple[slice, ...] | None:
+    """`index` as basic slices (a view, not a copy) when every dim is one run, else None."""
+    out = [run_slice(ix) for ix in index]
+    return None if any(s is None for s in out) else tuple(s for s in out if s is not None)
+
+
 def grid(index: Index) -> tuple[Tensor, ...]:
     """Advanced-indexing tensors for the cartesian product of per-dim positions."""
     axes = [positions(ix) for ix in index]

@@ -28,7 +28,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from torch import Tensor
 from ..core.errors import MeshcommError, ShapeError
 from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
-from ..executors.local import grid, take
+from ..executors.local import grid, slices, take
 from ..interop.placements import from_placements
 from ..interop.runtime import global_shape, is_dtensor, placements_of
 from ..planner.states import from_layout
@@ -318,9 +318,9 @@ def _reads(info: Mapping[str, Any], placed: _Placed, rank: int) -> dict[int, lis
 def _copy_block(data: Tensor, t: Transfer, out: Tensor) -> int:
     """Copy block `t` of a saved shard into `out`; the bytes copied. Runs of consecutive
     positions are read as slices (only their pages of the mapped file are touched)."""
-    src = _slices(t.src_index)
+    src = slices(t.src_index)
     block = data[src] if src is not None else take(data, t.src_index)
-    dst = _slices(t.dst_index)
+    dst = slices(t.dst_index)
     if not t.dst_index:
         out.copy_(block)
     elif dst is not None:
@@ -328,16 +328,3 @@ def _copy_block(data: Tensor, t: Transfer, out: Tensor) -> int:
     else:
         out[grid(t.dst_index)] = block
     return math.prod(block.shape) * data.element_size()
-
-
-def _slices(index: tuple[Sequence[int], ...]) -> tuple[slice, ...] | None:
-    """`index` as slices, when every dim's positions are one run."""
-    out = []
-    for ix in index:
-        if isinstance(ix, range) and ix.step == 1:
-            out.append(slice(ix.start, ix.stop))
-        elif not ix or tuple(ix) == tuple(range(ix[0], ix[0] + len(ix))):
-            out.append(slice(ix[0], ix[0] + len(ix)) if ix else slice(0, 0))
-        else:
-            return None
-    return tuple(out)

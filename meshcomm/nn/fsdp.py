@@ -39,6 +39,7 @@ from ..core.layout import Layout
 from ..core.reduce_ops import chunk_sizes
 from ..executors.distributed import wire
 from ..executors.distributed.bind import BoundMesh
+from ..executors.local import run_slice
 from ..interop.placements import from_placements, to_placements
 from ..interop.runtime import (
     bind_device_mesh,
@@ -291,7 +292,8 @@ class _Gathered(torch.autograd.Function):
     Backward: the unit's gradients reduce_scattered, written to `.grad` when backward ends."""
 
     @staticmethod
-    def forward(ctx: Any, unit: _Unit, gathered: list[Tensor], *params: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, unit: _Unit, gathered: list[Tensor], *params: Tensor
+                ) -> tuple[Tensor, ...]:
         ctx.unit = unit
         return tuple(t.view_as(t) for t in gathered)
 
@@ -650,9 +652,9 @@ def _block(layout: Layout, mesh: Any, shape: tuple[int, ...], rank: int) -> tupl
     """This rank's block of `layout` as slices (the layout's indices must be one run per dim)."""
     out = []
     for dim, ix in enumerate(layout.indices(mesh, shape, rank)):
-        ix = tuple(ix)
-        if ix and ix != tuple(range(ix[0], ix[0] + len(ix))):
+        s = run_slice(ix)
+        if s is None:
             raise ShapeError(f"init_shards: dim {dim} of \"{layout}\" gives rank {rank} rows"
                              " that are not one run; fn gets slices only for blocks")
-        out.append(slice(ix[0], ix[0] + len(ix)) if ix else slice(0, 0))
+        out.append(s)
     return tuple(out)

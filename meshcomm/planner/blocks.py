@@ -121,6 +121,8 @@ def _below(radix: Radix, x: int) -> int:
 def _count(b: DimBlock) -> int:
     if b.stop <= b.start or b.size == 0:
         return 0
+    if not b.digits:           # one run
+        return b.stop - b.start
     radix = _radix(b.size, b.digits)
     if radix is None:
         return int(_indices(b).numel())

@@ -356,12 +356,21 @@ def _cell(src: int, dst_rank: int, state: State, dst: State, mesh: Mesh) -> Tran
     """The block `src` holds in `state` that `dst_rank` needs in `dst`, at local positions."""
     have = block(state, mesh, mesh.coords(src))
     need = block(dst, mesh, mesh.coords(dst_rank))
-    src_pos, dst_pos = [], []
-    for h, n in zip(have, need):
-        common = (h & n).indices()
-        src_pos.append(tuple(torch.searchsorted(h.indices(), common).tolist()))
-        dst_pos.append(tuple(torch.searchsorted(n.indices(), common).tolist()))
-    return Transfer(src, dst_rank, tuple(src_pos), tuple(dst_pos))
+    pairs = [_positions(h, n) for h, n in zip(have, need)]
+    return Transfer(src, dst_rank, tuple(s for s, _ in pairs), tuple(d for _, d in pairs))
+
+
+def _positions(h: DimBlock, n: DimBlock, runs: bool = False
+               ) -> tuple[Sequence[int], Sequence[int]]:
+    """The local positions, in `h`'s block and in `n`'s, of the indices both hold; with
+    `runs`, two one-run blocks give ranges (no index spelled out)."""
+    both = h & n
+    if runs and not h.digits and not n.digits:
+        return (range(both.start - h.start, both.stop - h.start),
+                range(both.start - n.start, both.stop - n.start))
+    common = both.indices()
+    return (tuple(torch.searchsorted(h.indices(), common).tolist()),
+            tuple(torch.searchsorted(n.indices(), common).tolist()))
 
 
 # -- one receiver's blocks between meshes, when every element has one holder -----------------
@@ -389,31 +398,16 @@ def receiver_transfers(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
     for dim, n in zip(state.dims, need):
         axes = in_mesh_order(mesh, dim.axes)
         options.append([c for c in coords_grid(mesh, axes)
-                        if _count(dim_block(dim, mesh, {**zero, **c}) & n)])
-    need_ix = [None if not n.digits else n.indices() for n in need]
+                        if (dim_block(dim, mesh, {**zero, **c}) & n).count()])
     out = []
     for combo in _product(options):
         coords = dict(zero)
         for c in combo:
             coords.update(c)
-        src_pos: list[Sequence[int]] = []
-        dst_pos: list[Sequence[int]] = []
-        for h, n, n_ix in zip(block(state, mesh, coords), need, need_ix):
-            both = h & n
-            if n_ix is None and not h.digits:       # two ranges: positions are ranges too
-                src_pos.append(range(both.start - h.start, both.stop - h.start))
-                dst_pos.append(range(both.start - n.start, both.stop - n.start))
-                continue
-            common = both.indices()
-            src_pos.append(tuple(torch.searchsorted(h.indices(), common).tolist()))
-            dst_pos.append(tuple(torch.searchsorted(
-                n.indices() if n_ix is None else n_ix, common).tolist()))
-        out.append(Transfer(mesh.rank_at(**coords), rank, tuple(src_pos), tuple(dst_pos)))
+        pairs = [_positions(h, n, runs=True) for h, n in zip(block(state, mesh, coords), need)]
+        out.append(Transfer(mesh.rank_at(**coords), rank, tuple(s for s, _ in pairs),
+                            tuple(d for _, d in pairs)))
     return tuple(out)
-
-
-def _count(b: DimBlock) -> int:
-    return max(0, b.stop - b.start) if not b.digits else b.count()
 
 
 def _product(options: list[list[dict[AxisName, int]]]) -> list[tuple[dict[AxisName, int], ...]]:
