@@ -25,7 +25,7 @@ from .core.errors import (
     PlanError,
     ShapeError,
 )
-from .core.layout import Layout, Shape, as_layout
+from .core.layout import Layout, Shape, as_layout, positional_names
 from .core.mesh import Mesh
 from .executors.distributed.autograd import plan_untraced, reshard_autograd
 from .executors.distributed.bind import BoundMesh
@@ -47,6 +47,7 @@ from .interop.runtime import (
     global_shape,
     is_dtensor,
     placements_of,
+    slice_meshes,
     wrap,
 )
 from .planner.plan import plan
@@ -271,7 +272,7 @@ def replicated(layout: Layout, mesh: Mesh) -> Layout:
     """The fully replicated layout with the dims (and names, where unique) of `layout`."""
     names = layout.dim_names(mesh)
     if len(set(names)) != len(names):
-        names = tuple(f"d{i}" for i in range(len(names)))
+        names = positional_names(len(names), mesh)
     return Layout(" ".join(names))
 
 
@@ -296,8 +297,14 @@ class Sharded:
                                     f" mc.init_mesh({str(self.mesh)!r}) on every rank")
         object.__setattr__(self, "layout", as_layout(self.layout))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-        self.layout.check_local(self.mesh.mesh, self.shape, self.mesh.rank,
-                                tuple(self.local.shape), "Sharded.local")
+        if self.mesh.in_mesh:
+            self.layout.check_local(self.mesh.mesh, self.shape, self.mesh.rank,
+                                    tuple(self.local.shape), "Sharded.local")
+        elif self.local.numel():
+            raise ShapeError(
+                f"Sharded.local on rank {self.mesh.rank} has shape {tuple(self.local.shape)},"
+                f" but the rank is not in {self.mesh.mesh!r}, so it holds no shard."
+                " fix: pass an empty tensor there (what DTensor gives ranks outside its mesh)")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -305,13 +312,19 @@ class Sharded:
 
     def reshard(self, dst: str | Layout, *, cost_model: CostModel | None = None,
                 check: bool | None = None) -> Sharded:
-        """The same global tensor under layout `dst` (call it on every rank)."""
+        """The same global tensor under layout `dst` (call it on every rank of the mesh; a
+        rank outside it holds nothing and does nothing, as DTensor's `redistribute`)."""
+        if not self.mesh.in_mesh:
+            dst = as_layout(dst, "dst")
+            dst.local_shape(self.mesh.mesh, self.shape, self.mesh.mesh.ranks[0])  # dst fits
+            return Sharded(self.local, self.mesh, dst, self.shape)
         out = reshard(self.local, self.mesh, self.layout, dst, shape=self.shape,
                       cost_model=cost_model, check=check)
         return Sharded(out, self.mesh, as_layout(dst, "dst"), self.shape)
 
     def full(self) -> Tensor:
-        """The global tensor, on every rank (a reshard to the replicated layout)."""
+        """The global tensor, on every rank of the mesh (a reshard to the replicated
+        layout); on a rank outside it, its empty local tensor (as DTensor's `full_tensor`)."""
         return self.reshard(replicated(self.layout, self.mesh.mesh)).local
 
     def to_dtensor(self, *, device_mesh: Any = None) -> DTensor:
@@ -482,7 +495,8 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
         layout = from_placements(mesh, shape, placements, names=src_layout.dim_names(mesh))
     p = plan(mesh, shape, src_layout, layout, dtype=forward_dtype or dt.dtype,
              cost_model=cost_model)
-    flatten_groups(mesh, [step.axes for step in p.steps if step.kind != "local"])
+    flatten_groups(slice_meshes(dt.device_mesh),
+                   [step.axes for step in p.steps if step.kind != "local"])
     if dt.device_mesh.get_coordinate() is None:   # as DTensor: ranks outside its mesh do nothing
         return wrap(dt.to_local(), dt.device_mesh, placements, shape)
     src = from_dtensor(dt)

@@ -191,7 +191,7 @@ def test_from_placements_names_dims_and_sized_factors() -> None:
     assert str(mc.dtensor.from_placements(M4, (8, 6), pl("SS0.2 SS0.2"))) == "(d0 dp tp) d1"
     assert mc.dtensor.to_placements(M4, (24, 6), "(b tp y=3) h") == pl("R SS0.4")  # = "(x=4 tp b) h"
     assert str(mc.dtensor.from_placements(M4, (4,), pl("S0 S0"))) == "(dp tp d0)"
-    assert str(mc.dtensor.from_placements(mc.Mesh("d0=2"), (4,), pl("S0"))) == "(d0 d0_)"
+    assert str(mc.dtensor.from_placements(mc.Mesh("d0=2"), (4,), pl("S0"))) == "(d0 dim0)"
     assert str(mc.dtensor.from_placements(M4, (8, 6), pl("S0 SS0.2"), names=("b", "h"))) == \
         "(dp b tp) h"
 
@@ -219,8 +219,9 @@ def test_error_uneven_strided_split_that_differs() -> None:
             'layout "(c b n)" of shape (7,) on Mesh(a=2, b=3, c=2) has no DTensor placements:'
             " dim 0 has 7 elements, not a multiple of 6, and DTensor's uneven _StridedShard"
             ' splits it differently from "(c b n)". fix: use "(b c n)" (mesh order: plain'
-            " Shard), or pad dim 0 to 12")):
+            " Shard), or pad dim 0 to 8")):
         mc.dtensor.to_placements(mesh, (7,), "(c b n)")
+    assert mc.dtensor.to_placements(mesh, (8,), "(c b n)") == pl("R SS0.2 S0")   # uneven
     assert mc.dtensor.to_placements(mesh, (12,), "(c b n)") == pl("R SS0.2 S0")
 
 
@@ -228,8 +229,8 @@ def test_error_placements_without_a_layout() -> None:
     with pytest.raises(mc.errors.InteropError, match=msg(
             "dim 0 of shape (7,) on Mesh(dp=2, tp=2) is split unevenly (dp: _StridedShard(0,"
             ' split_factor=3)) in a way no layout describes: only "(axes... name)" groups may'
-            " be uneven, split with torch.chunk axis by axis. fix: pad dim 0 to 12 (a multiple"
-            " of each axis size times its split factor), or redistribute it to Shard placements"
+            " be uneven, split with torch.chunk axis by axis. fix: pad dim 0 to 12 (the smallest"
+            " size from 7 on that a layout describes), or redistribute it to Shard placements"
             " in mesh order")):
         mc.dtensor.from_placements(M4, (7,), pl("SS0.3 R"))
     # The padding it suggests is accepted (the split factor counts, not only the axis size).
@@ -288,3 +289,71 @@ def test_plain_tensors_are_not_dtensors() -> None:
     assert not is_dtensor(torch.zeros(2))
     with pytest.raises(mc.errors.InteropError, match="from_dtensor needs a torch DTensor, got Tensor"):
         mc.dtensor.from_dtensor(torch.zeros(2))
+
+
+# -- padding suggestions are the smallest size that works -------------------------------------
+def _maps(mesh: mc.Mesh, n: int, placements: tuple[Any, ...]) -> bool:
+    try:
+        mc.dtensor.from_placements(mesh, (n,), placements)
+        return True
+    except mc.errors.InteropError:
+        return False
+
+
+# (mesh, placements, rows): uneven _StridedShard splits no layout describes at that size;
+# the size used to be rounded up to a multiple of every axis size times its split factor
+# (64, 512), far above the smallest size that maps, or a size that does not map at all.
+PAD_CASES = [
+    (mc.Mesh("dp=4 tp=2"), "SS0.4 SS0.2", 13),      # 64 suggested before, 16 maps
+    (mc.Mesh("dp=4 tp=2"), "SS0.2 SS0.4", 13),      # 64 before
+    (mc.Mesh("dp=4 tp=2"), "SS0.8 SS0.8", 32),      # 512 before, 64 maps
+    (mc.Mesh("a=2 b=2 c=2"), "SS0.2 SS0.4 SS0.8", 32),
+    (M4, "SS0.3 R", 7),
+]
+
+
+@pytest.mark.parametrize(("mesh", "text", "n"), PAD_CASES)
+def test_suggested_padding_is_the_smallest_size_that_maps(mesh: mc.Mesh, text: str, n: int) -> None:
+    placements = pl(text)
+    with pytest.raises(mc.errors.InteropError) as info:
+        mc.dtensor.from_placements(mesh, (n,), placements)
+    pad = int(re.search(r"pad dim 0 to (\d+)", str(info.value)).group(1))  # type: ignore[union-attr]
+    assert _maps(mesh, pad, placements)
+    assert not any(_maps(mesh, m, placements) for m in range(n, pad))
+
+
+def test_placements_no_size_maps_are_told_so() -> None:
+    """dp: _StridedShard(0, 3), tp: _StridedShard(0, 4) on dp=4 tp=2: the factors do not nest,
+    so no padding helps (it used to say "pad dim 0 to 96", and at 96 "pad to 192")."""
+    mesh, placements = mc.Mesh("dp=4 tp=2"), pl("SS0.3 SS0.4")
+    for n in (39, 96):
+        with pytest.raises(mc.errors.InteropError, match=re.escape(
+                f"fix: no size of dim 0 from {n} to 192 makes these placements a layout (their"
+                " split factors do not nest); redistribute it to Shard placements in mesh"
+                " order")):
+            mc.dtensor.from_placements(mesh, (n, 2), placements)
+    assert not any(_maps(mesh, m, placements) for m in range(39, 193))
+
+
+def test_layout_padding_is_the_smallest_size_with_placements() -> None:
+    mesh = mc.Mesh("a=2 b=3 c=2")
+    for n in (7, 13, 25):
+        with pytest.raises(mc.errors.InteropError) as info:
+            mc.dtensor.to_placements(mesh, (n,), "(c b n)")
+        pad = int(re.search(r"pad dim 0 to (\d+)$", str(info.value)).group(1))  # type: ignore[union-attr]
+        fits = []
+        for m in range(n, pad + 1):
+            try:
+                mc.dtensor.to_placements(mesh, (m,), "(c b n)")
+                fits.append(m)
+            except mc.errors.InteropError:
+                pass
+        assert fits and fits[0] == pad, (n, pad, fits)
+
+
+def test_unnamed_mesh_dims_are_dim0_dim1() -> None:
+    """An unnamed DeviceMesh's axes are d0, d1: its dims are named dim0, dim1 (not d0_)."""
+    mesh = mc.Mesh("d0=2 d1=2")
+    assert str(mc.dtensor.from_placements(mesh, (8, 6), pl("S0 S1"))) == "(d0 dim0) (d1 dim1)"
+    assert str(mc.dtensor.from_placements(M4, (8, 6), pl("S0 S1"))) == "(dp d0) (tp d1)"
+    assert mc.core.layout.positional_names(3, mc.Mesh("d0=2 dim1=2")) == ("t0", "t1", "t2")

@@ -174,6 +174,21 @@ def as_layout(value: str | Layout, argument: str = "layout") -> Layout:
     raise ShapeError(f"{argument} must be a layout string or Layout, got {type(value).__name__}")
 
 
+def positional_names(ndim: int, mesh: Mesh) -> tuple[str, ...]:
+    """Dim names by position that are not axes of `mesh`: d0 d1 ..., or dim0 dim1 ... on a
+    mesh whose axes are named so (an unnamed DeviceMesh's axes are d0, d1, ...).
+
+    >>> positional_names(2, Mesh("dp=2 tp=2")), positional_names(2, Mesh("d0=2 d1=2"))
+    (('d0', 'd1'), ('dim0', 'dim1'))
+    """
+    taken = set(mesh.axis_names)
+    for form in ("d{}", "dim{}", "t{}", "dim{}_"):
+        names = tuple(form.format(i) for i in range(ndim))
+        if taken.isdisjoint(names):
+            return names
+    raise AssertionError(f"no positional dim names free of the axes of {mesh!r}")
+
+
 @functools.lru_cache(maxsize=4096)
 def _parse_layout(text: str) -> Layout:
     return Layout._from_pattern(notation.parse(text))

@@ -17,11 +17,18 @@ import functools
 import itertools
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.errors import InteropError, caret
-from ..core.layout import DimPlacement, Layout, Shape, as_layout, chunk_range
+from ..core.layout import (
+    DimPlacement,
+    Layout,
+    Shape,
+    as_layout,
+    chunk_range,
+    positional_names,
+)
 from ..core.mesh import AxisName, Mesh
 from ..core.reduce_ops import REDUCE_OPS
 
@@ -83,12 +90,21 @@ def _check_expressible(mesh: Mesh, shape: Shape, layout: Layout, d: int, dim: Di
     if dim.uneven and len(axes) > 1 and not _matches(mesh, shape[d], axes, shards):
         order = [a for a in mesh.axis_names if a in axes]
         total = math.prod(mesh.axis_size(a) for a in axes)
+        # A multiple of `total` is even, so always fits; a smaller uneven size may too.
+        pad = _smallest_size(shape[d], -(-shape[d] // total) * total,
+                             lambda m: m % total == 0 or _matches(mesh, m, axes, shards))
         raise InteropError(
             f'layout "{layout}" of shape {shape} on {mesh!r} has no DTensor placements:'
             f" dim {d} has {shape[d]} elements, not a multiple of {total}, and DTensor's"
             f' uneven _StridedShard splits it differently from "{layout.dims[d]}".'
             f' fix: use "{_blocks(layout, mesh, d, order)}" (mesh order: plain Shard),'
-            f" or pad dim {d} to {-(-shape[d] // total) * total}")
+            f" or pad dim {d} to {pad}")
+
+
+def _smallest_size(n: int, limit: int, fits: Callable[[int], bool]) -> int | None:
+    """The smallest size m, n <= m <= limit, that `fits`; None where none does (a
+    padding suggestion: only the size of one dim changes)."""
+    return next((m for m in range(n, limit + 1) if fits(m)), None)
 
 
 def _blocks(layout: Layout, mesh: Mesh, d: int, order: Sequence[str] | None = None) -> str:
@@ -111,7 +127,8 @@ def from_placements(mesh: Mesh, shape: Sequence[int], placements: Sequence[Any],
     >>> mc.dtensor.from_placements(mc.Mesh("dp=2 tp=2"), (8, 6), [Shard(1), Partial("max")], names="b h")
     Layout('b (dp h) | max(tp)')
 
-    `names` names the dims (default d0, d1, ...); sized factors get fresh names.
+    `names` names the dims (default d0, d1, ..., or dim0, dim1, ... on an unnamed mesh,
+    whose axes are d0, d1, ...); sized factors get fresh names.
     """
     shape_t = tuple(int(s) for s in shape)
     return _from_desc(mesh, shape_t, _descs(mesh, placements, len(shape_t)),
@@ -150,9 +167,7 @@ def _descs(mesh: Mesh, placements: Sequence[Any], ndim: int) -> tuple[Desc, ...]
 
 def _dim_names(mesh: Mesh, names: str | Sequence[str] | None, ndim: int) -> tuple[str, ...]:
     if names is None:
-        taken = set(mesh.axis_names)
-        return tuple(next(n for n in (f"d{i}", f"d{i}_", f"dim{i}") if n not in taken)
-                     for i in range(ndim))
+        return positional_names(ndim, mesh)
     out = tuple(names.split() if isinstance(names, str) else names)
     if len(out) != ndim or len(set(out)) != ndim or set(out) & set(mesh.axis_names):
         raise InteropError(f"names={names!r}: give {ndim} distinct dim names that are not"
@@ -240,14 +255,23 @@ def _uneven_dim(mesh: Mesh, shape: Shape, desc: tuple[Desc, ...], names: tuple[s
         return text
     placements = [f"{a}: Shard({d})" if split == 1 else
                   f"{a}: _StridedShard({d}, split_factor={split})" for a, _, split in shards]
-    # Every split even: a multiple of each axis size times its split factor.
+    # Every split even at a multiple of each axis size times its split factor, where the
+    # splits nest at all; search up to twice that for the smallest size that is a layout.
     total = math.prod(k * split for _, k, split in shards)
+    limit = 2 * -(-shape[d] // total) * total
+    pad = _smallest_size(shape[d], limit, lambda m: (
+        _even_segments(m, list(shards)) is not None
+        or (order is not None and _matches(mesh, m, order, shards))))
+    fix = (f"pad dim {d} to {pad} (the smallest size from {shape[d]} on that a layout"
+           " describes), or redistribute it to Shard placements in mesh order"
+           if pad is not None else
+           f"no size of dim {d} from {shape[d]} to {limit} makes these placements a layout"
+           " (their split factors do not nest); redistribute it to Shard placements in"
+           " mesh order")
     raise InteropError(
         f"dim {d} of shape {shape} on {mesh!r} is split unevenly ({', '.join(placements)})"
         " in a way no layout describes: only \"(axes... name)\" groups may be uneven, split"
-        f" with torch.chunk axis by axis. fix: pad dim {d} to {-(-shape[d] // total) * total}"
-        " (a multiple of each axis size times its split factor), or redistribute it to Shard"
-        " placements in mesh order")
+        f" with torch.chunk axis by axis. fix: {fix}")
 
 
 def _decode_order(shards: list[tuple[AxisName, int, int]]) -> list[AxisName] | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor
 
 from ..core.errors import InteropError
 from ..core.layout import Shape
-from ..core.mesh import Mesh
+from ..core.mesh import Mesh, device_axis_names
 from ..executors.distributed.bind import BoundMesh, check_default, create_groups
 from .placements import Placements
 
@@ -56,16 +57,19 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
 
     mesh = Mesh.from_device_mesh(device_mesh)
     if flatten:
-        flatten_groups(mesh, [axes for k in range(2, len(mesh.axis_names) + 1)
-                              for axes in itertools.combinations(mesh.axis_names, k)])
+        flatten_groups(slice_meshes(device_mesh),
+                       [axes for k in range(2, len(mesh.axis_names) + 1)
+                        for axes in itertools.combinations(mesh.axis_names, k)])
     rank = dist.get_rank()
     if rank not in mesh.ranks:    # as init_mesh: a rank outside gets a mesh it is not in
-        return BoundMesh(mesh, dist.get_backend(), torch.device(device_mesh.device_type),
-                         rank, {}, check_default(check))
+        outside = BoundMesh(mesh, dist.get_backend(), torch.device(device_mesh.device_type),
+                            rank, {}, check_default(check))
+        vars(outside)["device_mesh"] = device_mesh   # DTensors on it are still made there
+        return outside
     names = {(axis,): device_mesh.get_group(i).group_name
              for i, axis in enumerate(mesh.axis_names)}
     existing = _groups_by_ranks()
-    made = _FLATTENED.get(_mesh_key(mesh), (set(), {}))[1]
+    made = _MADE.get(_mesh_key(mesh), {})
     for k in range(2, len(mesh.axis_names) + 1):
         for axes in itertools.combinations(mesh.axis_names, k):
             ranks = next(g for g in mesh.groups(*axes) if rank in g)
@@ -82,28 +86,73 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
     return bound
 
 
-# Flattened groups meshcomm made for DeviceMeshes: per mesh (axes, sizes, ranks), the sets
-# of axes made (the same on every rank: every rank makes them) and this rank's group name
-# per set (only where it is a member).
-_FLATTENED: dict[tuple[Any, ...], tuple[set[tuple[str, ...]], dict[tuple[str, ...], str]]] = {}
+def slice_meshes(device_mesh: Any) -> tuple[Mesh, ...]:
+    """The Mesh of every slice that `device_mesh` is one of, in one order on every rank.
+
+    >>> dm = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))  # doctest: +SKIP
+    >>> slice_meshes(dm["b", "c"])                                               # doctest: +SKIP
+    (Mesh(b=2, c=2), Mesh(b=2, c=2, ranks=[4, 5, 6, 7]))
+
+    A slice such as `dm["b", "c"]` is a different mesh on different ranks (ranks 0-3 see
+    [[0, 1], [2, 3]], ranks 4-7 [[4, 5], [6, 7]]), but groups must be created by every rank
+    of the world alike: this is the list every rank agrees on. A mesh that is no slice is
+    its own only entry. Reads the DeviceMesh's layout over its root's ranks (torch >= 2.9);
+    on older torch, the root mesh's grid with the slice's dims last.
+    """
+    names = device_axis_names(getattr(device_mesh, "mesh_dim_names", None),
+                              len(device_mesh.mesh.shape))
+    layout, rank_map = getattr(device_mesh, "_layout", None), getattr(device_mesh, "_rank_map",
+                                                                      None)
+    if layout is not None and rank_map is not None:
+        grids = layout.remap_to_tensor(rank_map)
+    else:
+        grids = _root_grids(device_mesh)
+    grids = grids.reshape(-1, *device_mesh.mesh.shape)
+    return tuple(Mesh(dict(zip(names, grids.shape[1:])), ranks=g.tolist()) for g in grids)
+
+
+def _root_grids(device_mesh: Any) -> Tensor:
+    """Every slice's rank grid from the root mesh (torch before DeviceMesh layouts)."""
+    root_of = getattr(device_mesh, "_get_root_mesh", None)
+    root = root_of() if root_of is not None else device_mesh
+    own = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+    root_names = tuple(getattr(root, "mesh_dim_names", None) or ())
+    if root is device_mesh or not own or not set(own) <= set(root_names):
+        return device_mesh.mesh.unsqueeze(0)
+    dims = [root_names.index(n) for n in own]
+    rest = [i for i in range(len(root_names)) if i not in dims]
+    return root.mesh.permute(*rest, *dims)
+
+
+# Flattened groups meshcomm made for DeviceMeshes. _DONE: per set of slice meshes (the
+# same on every rank: every rank makes them), the sets of axes made. _MADE: per mesh (axes,
+# sizes, ranks), this rank's group name per set of axes (only where it is a member).
+_DONE: dict[tuple[Any, ...], set[tuple[str, ...]]] = {}
+_MADE: dict[tuple[Any, ...], dict[tuple[str, ...], str]] = {}
 
 
 def _mesh_key(mesh: Mesh) -> tuple[Any, ...]:
     return (mesh.axis_names, mesh.shape, mesh.ranks)
 
 
-def flatten_groups(mesh: Mesh, subsets: Any) -> None:
-    """Create the flattened groups over each set of axes in `subsets` that meshcomm has not
-    made for `mesh` yet (the whole world's group is reused, not made). A collective over
-    the whole world: every rank calls it with the same arguments in the same order; what
-    to make depends on those arguments only, never on what groups this rank happens to see.
+def flatten_groups(meshes: Sequence[Mesh], subsets: Any) -> None:
+    """Create the flattened groups over each set of axes in `subsets`, on every mesh of
+    `meshes` (`slice_meshes` of a DeviceMesh), that meshcomm has not made for them yet (the
+    whole world's group is reused, not made). A collective over the whole world: every
+    rank calls it with the same arguments in the same order and creates every slice's
+    groups, in one order (set of axes, then slice, then group); what to make depends on
+    those arguments only, never on which slice this rank is in.
     """
-    done, names = _FLATTENED.setdefault(_mesh_key(mesh), (set(), {}))
+    meshes = tuple(meshes)
+    first = meshes[0]
+    assert all(m.axes == first.axes for m in meshes), f"slices differ in axes: {meshes}"
+    done = _DONE.setdefault(tuple(_mesh_key(m) for m in meshes), set())
     todo = sorted({tuple(a) for a in subsets if len(a) > 1} - done,
-                  key=lambda axes: (len(axes), [mesh.axis_names.index(a) for a in axes]))
-    if todo:
-        names.update(create_groups(mesh, todo))
-        done.update(todo)
+                  key=lambda axes: (len(axes), [first.axis_names.index(a) for a in axes]))
+    for axes in todo:
+        for mesh in meshes:
+            _MADE.setdefault(_mesh_key(mesh), {}).update(create_groups(mesh, [axes]))
+        done.add(axes)
 
 
 def _groups_by_ranks() -> dict[tuple[int, ...], str]:

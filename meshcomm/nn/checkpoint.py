@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..core.errors import MeshcommError, ShapeError
-from ..core.layout import Layout, Shape
+from ..core.layout import Layout, Shape, positional_names
 from ..core.mesh import Mesh
 from ..executors.local import grid, slices, take
 from ..interop.placements import from_placements
@@ -87,8 +87,8 @@ def _place(key: str, value: Any, rank: int, plain_rank: int) -> _Placed | None:
     if is_dtensor(value):
         mesh = Mesh.from_device_mesh(value.device_mesh)
         shape = global_shape(value)
-        names = " ".join(f"d{i}" for i in range(len(shape)))
-        layout = from_placements(mesh, shape, placements_of(value), names=names)
+        layout = from_placements(mesh, shape, placements_of(value),
+                                 names=positional_names(len(shape), mesh))
         local = value._local_tensor if rank in mesh.ranks else None
         return _check_placed(key, _Placed(mesh, layout, shape, local))
     if isinstance(value, Sharded):
@@ -112,13 +112,14 @@ def _check_placed(key: str, placed: _Placed) -> _Placed:
 
 
 def _named_by_position(layout: Layout, mesh: Mesh) -> Layout:
-    """`layout` with each dim's local name replaced by d<i> (so layouts from any source
-    can be planned against each other)."""
+    """`layout` with each dim's local name replaced by its position's name, d<i> (dim<i> on
+    a mesh with axes d0, d1, ...), so layouts from any source plan against each other."""
     text = str(layout)
     old = layout.dim_names(mesh)
+    new = positional_names(len(old), mesh)
     for i, name in enumerate(old):      # through placeholders: "d1 d0" renames safely
         text = re.sub(rf"\b{re.escape(name)}\b", f"\x00{i}\x00", text)
-    return Layout(re.sub(r"\x00(\d+)\x00", r"d\1", text))
+    return Layout(re.sub(r"\x00(\d+)\x00", lambda m: new[int(m.group(1))], text))
 
 
 def _writers(placed: _Placed) -> tuple[Mesh, Layout]:

@@ -267,6 +267,22 @@ def check_outside() -> list[str]:
                 not torch.equal(got.to_local(), want.to_local()) or got.shape != want.shape:
             problems.append(f"rank {torch.distributed.get_rank()}: reshard on a sub-mesh to"
                             f" {dst} gave {got.placements} {tuple(got.to_local().shape)}")
+    # from_dtensor agrees: outside ranks get a Sharded that holds nothing and does nothing
+    dt = distribute_tensor(x, sub, [Shard(0)], src_data_rank=None)
+    s = mc.dtensor.from_dtensor(dt, names="b h")
+    moved = s.reshard("b (tp h)")
+    full, want = s.full(), dt.full_tensor()
+    rank = torch.distributed.get_rank()
+    inside = rank in (0, 2)
+    if s.mesh.in_mesh != inside or s.local.data_ptr() != dt.to_local().data_ptr():
+        problems.append(f"rank {rank}: from_dtensor on a sub-mesh: in_mesh {s.mesh.in_mesh}")
+    mine = x[:, 2 * (rank // 2):2 * (rank // 2) + 2] if inside else dt.to_local()
+    if not torch.equal(full, want) or not torch.equal(moved.local, mine):
+        problems.append(f"rank {rank}: from_dtensor on a sub-mesh: full {tuple(full.shape)},"
+                        f" DTensor's {tuple(want.shape)}; reshard {tuple(moved.local.shape)}")
+    back = moved.to_dtensor()
+    if tuple(back.placements) != (Shard(1),) or back.device_mesh is not sub:
+        problems.append(f"rank {rank}: to_dtensor on a sub-mesh gave {back.placements}")
     return problems
 
 
