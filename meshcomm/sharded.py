@@ -194,7 +194,16 @@ def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
             () if dtype is None else (dtype,), cost)
 
 
+def _concrete(value: Any) -> Any:
+    """`value` with every SymInt made an int (a guard on its value). After a recompile
+    Dynamo makes the ints a call passes dynamic; a plan is made for one shape."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_concrete(v) for v in value)
+    return int(value) if isinstance(value, torch.SymInt) else value
+
+
 def _reshard_opaque(x: Tensor, static: tuple[Any, ...]) -> Tensor:
+    static = _concrete(static)
     axes, sizes, ranks, backend, device, rank, names, src, dst, shape, dtype, cost = static
     bound = BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
                       torch.device(device), rank, dict(names))

@@ -7,10 +7,15 @@ one code path.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import (
+    _disable_current_modes,
+    _get_current_dispatch_mode,
+)
 
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
@@ -40,12 +45,23 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
     if step.action == "relabel":
         return x.clone()
     if step.action == "select":
-        return fill_reindexed(step_transfers(step, mesh, shape, rank), rank, x,
+        return fill_reindexed(rank_transfers(step, mesh, shape, rank), rank, x,
                                   x.new_empty(out_shape))
     if step.action == "reindex":
-        out = identity_like(torch.empty(out_shape, dtype=x.dtype), step.op or "sum")
-        return fill_reindexed(step_transfers(step, mesh, shape, rank), rank, x, out)
+        out = identity_like(x.new_empty(out_shape), step.op or "sum")
+        return fill_reindexed(rank_transfers(step, mesh, shape, rank), rank, x, out)
     raise AssertionError(f"unknown local action {step.action!r} in {step}")
+
+
+def rank_transfers(step: Step, mesh: Mesh, shape: tuple[int, ...], rank: int
+                   ) -> list[Transfer]:
+    """The transfers of `step` that `rank` takes part in (`step_transfers`), worked out
+    outside any active dispatch mode: the planner counts with small real tensors, which
+    must not become fake (data-dependent) ones while torch.compile traces the executor."""
+    if _get_current_dispatch_mode() is None:
+        return list(step_transfers(step, mesh, shape, rank))
+    with _disable_current_modes():
+        return list(step_transfers(step, mesh, shape, rank))
 
 
 def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Tensor) -> Tensor:
@@ -54,18 +70,25 @@ def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Ten
     for t in transfers:
         if t.dst == rank:
             if t.dst_index:
-                out[grid(t.dst_index)] = x[grid(t.src_index)]
+                out[grid(t.dst_index, x.device)] = x[grid(t.src_index, x.device)]
             else:
                 out = x.clone()
     return out
 
 
+def storage_key(t: Tensor) -> int:
+    """An id of `t`'s storage: the same for every view of it, distinct for live storages
+    on every device (meta storages all have data_ptr 0, so data_ptr cannot tell them apart)."""
+    return int(t.untyped_storage()._cdata)
+
+
 # -- running a send_recv step as one all_to_all with uneven splits -------------------
-def positions(ix: Sequence[int]) -> Tensor:
-    """One dim's positions as an int64 tensor."""
+def positions(ix: Sequence[int], device: torch.device | None = None) -> Tensor:
+    """One dim's positions as an int64 tensor on `device` (the indexed tensor's: an index
+    made on the host for a GPU tensor would be a copy and a sync)."""
     if isinstance(ix, range):
-        return torch.arange(ix.start, ix.stop, ix.step, dtype=torch.long)
-    return torch.tensor(ix, dtype=torch.long)
+        return torch.arange(ix.start, ix.stop, ix.step, dtype=torch.long, device=device)
+    return torch.tensor(ix, dtype=torch.long, device=device)
 
 
 def run_slice(ix: Sequence[int]) -> slice | None:
@@ -84,9 +107,9 @@ def slices(index: Index) -> tuple[slice, ...] | None:
     return None if any(s is None for s in out) else tuple(s for s in out if s is not None)
 
 
-def grid(index: Index) -> tuple[Tensor, ...]:
-    """Advanced-indexing tensors for the cartesian product of per-dim positions."""
-    axes = [positions(ix) for ix in index]
+def grid(index: Index, device: torch.device | None = None) -> tuple[Tensor, ...]:
+    """Advanced-indexing tensors (on `device`) for the cartesian product of per-dim positions."""
+    axes = [positions(ix, device) for ix in index]
     return torch.meshgrid(*axes, indexing="ij") if axes else ()
 
 
@@ -97,15 +120,17 @@ def take(tensor: Tensor, index: Index) -> Tensor:
         if len(ix) == out.shape[d] and (ix == range(len(ix)) if isinstance(ix, range)
                                         else ix == tuple(range(len(ix)))):
             continue
-        out = out.index_select(d, positions(ix))
+        out = out.index_select(d, positions(ix, tensor.device))
     return out.clone() if out is tensor else out
 
 
 Order = Mesh | tuple[int, ...]
 
 
+@functools.lru_cache(maxsize=256)
 def _positions(order: Order) -> dict[int, int]:
-    """Rank -> position: mesh order for a Mesh, else the order of the given ranks."""
+    """Rank -> position: mesh order for a Mesh, else the order of the given ranks (built
+    once per mesh: a step never walks the world). Read only."""
     ranks = order.ranks if isinstance(order, Mesh) else order
     return {r: i for i, r in enumerate(ranks)}
 
@@ -121,7 +146,8 @@ def pack(transfers: Iterable[Transfer], mesh: Order, rank: int,
     parts = []
     for t in sorted(transfers, key=lambda t: where[t.dst] if t.src == rank else -1):
         if t.src == rank:
-            parts.append(x[grid(t.src_index)].reshape(-1) if t.src_index else x.reshape(-1))
+            parts.append(x[grid(t.src_index, x.device)].reshape(-1) if t.src_index
+                         else x.reshape(-1))
             splits[where[t.dst]] += t.numel
     flat = torch.cat(parts) if parts else x.new_empty(0)
     return flat, splits
@@ -151,7 +177,8 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
         if t.dst == rank:
             block = flat[offset:offset + t.numel]
             if t.dst_index:
-                out[grid(t.dst_index)] = block.reshape([len(ix) for ix in t.dst_index])
+                out[grid(t.dst_index, flat.device)] = block.reshape(
+                    [len(ix) for ix in t.dst_index])
             else:
                 out = block.reshape(out_shape).clone()
             offset += t.numel

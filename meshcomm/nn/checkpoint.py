@@ -266,7 +266,8 @@ def load_checkpoint(state_dict: MutableMapping[str, Any], folder: str | os.PathL
         info = saved[key]
         if placed is None:                          # a plain value: rank 0's file has it
             obj = _file(folder, 0, files)["objects"][key]
-            holder[k] = (torch.tensor(obj, dtype=getattr(torch, info["dtype"]))
+            device = value.device if isinstance(value, Tensor) else None
+            holder[k] = (torch.tensor(obj, dtype=getattr(torch, info["dtype"]), device=device)
                          if info.get("tensor") else obj)
             opened.add(0)
             continue
@@ -327,5 +328,5 @@ def _copy_block(data: Tensor, t: Transfer, out: Tensor) -> int:
     elif dst is not None:
         out[dst] = block
     else:
-        out[grid(t.dst_index)] = block
+        out[grid(t.dst_index, out.device)] = block.to(out.device)
     return math.prod(block.shape) * data.element_size()

@@ -15,6 +15,7 @@ Backward of each token all_to_all is the inverse all_to_all of the gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -50,15 +51,19 @@ class Routing:
     local_expert: Tensor
 
 
-def expert_owners(bound: BoundMesh, experts: Layout, n_experts: int) -> tuple[Tensor, Tensor]:
-    """(group position, local index) of each expert under layout `experts` ("(ep experts)")."""
+@functools.lru_cache(maxsize=64)
+def expert_owners(bound: BoundMesh, experts: Layout, n_experts: int,
+                  device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """(group position, local index) of each expert under layout `experts` ("(ep experts)"),
+    on `device`. Walks the group once per (mesh, layout, experts, device), never per step.
+    The tensors are shared: read only."""
     axes = experts.sharded_axes(bound.mesh)
     position = torch.full((n_experts,), -1, dtype=torch.long)
     local = torch.full((n_experts,), -1, dtype=torch.long)
     for p, rank in enumerate(bound.group_ranks(axes)):
         held = torch.tensor(experts.indices(bound.mesh, (n_experts,), rank)[0], dtype=torch.long)
         position[held], local[held] = p, torch.arange(len(held))
-    return position, local
+    return position.to(device), local.to(device)
 
 
 def dispatch(x: Tensor, expert: Tensor, bound: BoundMesh, experts: Layout,
@@ -76,7 +81,7 @@ def dispatch(x: Tensor, expert: Tensor, bound: BoundMesh, experts: Layout,
         raise ShapeError(f"dispatch: {n_experts} experts do not split evenly over"
                          f" {', '.join(axes)} ({g} ranks); fix: use a multiple of {g} experts")
     per = n_experts // g
-    position, local = expert_owners(bound, experts, n_experts)
+    position, local = expert_owners(bound, experts, n_experts, x.device)
     key = position[expert] * per + local[expert]
     order = torch.argsort(key, stable=True)
     counts = torch.bincount(key, minlength=g * per)
@@ -84,7 +89,8 @@ def dispatch(x: Tensor, expert: Tensor, bound: BoundMesh, experts: Layout,
     send_splits = tuple(counts.view(g, per).sum(1).tolist())
     recv_splits = tuple(recv_counts.sum(1).tolist())
     got = all_to_all(x[order], bound, axes, input_splits=send_splits, output_splits=recv_splits)
-    local_expert = torch.repeat_interleave(torch.arange(per).repeat(g), recv_counts.reshape(-1))
+    local_expert = torch.repeat_interleave(torch.arange(per, device=x.device).repeat(g),
+                                           recv_counts.reshape(-1))
     return got, Routing(axes, order, send_splits, recv_splits, recv_counts, local_expert)
 
 

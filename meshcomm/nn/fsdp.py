@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError
@@ -39,7 +40,7 @@ from ..core.layout import Layout
 from ..core.reduce_ops import chunk_sizes
 from ..executors.distributed import wire
 from ..executors.distributed.bind import BoundMesh
-from ..executors.local import run_slice
+from ..executors.local import run_slice, storage_key
 from ..interop.placements import from_placements, to_placements
 from ..interop.runtime import (
     bind_device_mesh,
@@ -67,7 +68,10 @@ class MixedPrecision:
 
 @dataclass
 class _Param:
-    """One parameter of a unit: where it lives, its layouts and its shard sizes."""
+    """One parameter of a unit: where it lives, its layouts and its shard sizes.
+
+    Everything a step needs is a number computed here, once: a step never looks at every
+    position of the axis (`rows` is for reports only)."""
 
     module: nn.Module
     attr: str
@@ -79,13 +83,12 @@ class _Param:
     stored: Layout
     use: Layout
 
-    @property
-    def pad(self) -> int:
-        return max(self.rows, default=0)
-
-    @property
-    def inner(self) -> int:
-        return math.prod(self.use_shape[1:])
+    def __post_init__(self) -> None:
+        # torch.chunk rows: full chunks of `pad` rows, one shorter, then empty ones; so the
+        # gathered rows are the first use_shape[0] of the n padded chunks laid end to end.
+        self.pad = max(self.rows, default=0)
+        self.inner = math.prod(self.use_shape[1:])
+        self.even = all(r == self.pad for r in self.rows)
 
 
 @dataclass
@@ -109,22 +112,28 @@ class _Schedule:
 
     def __init__(self) -> None:
         self.order: list[_Unit] = []
+        self.position: dict[int, int] = {}        # id(unit) -> its index in `order`
         self.recording = True
-        self.active: list[_Unit] = []
         self.pending_reduce: list[tuple[_Unit, Tensor, bool]] = []   # (unit, out, replicas done)
         self.callback_queued = False
 
+    def record(self, unit: _Unit) -> None:
+        """The first forward records the order; a unit seen again ends the recording."""
+        if id(unit) in self.position:
+            self.recording = False
+        else:
+            self.position[id(unit)] = len(self.order)
+            self.order.append(unit)
+
     def next_forward(self, unit: _Unit) -> _Unit | None:
-        if self.recording or unit not in self.order:
+        i = self.position.get(id(unit))
+        if self.recording or i is None:
             return None
-        i = self.order.index(unit)
         return self.order[i + 1] if i + 1 < len(self.order) else None
 
     def next_backward(self, unit: _Unit) -> _Unit | None:
-        if unit not in self.order:
-            return None
-        i = self.order.index(unit)
-        return self.order[i - 1] if i > 0 else None
+        i = self.position.get(id(unit))
+        return self.order[i - 1] if i else None
 
 
 
@@ -146,9 +155,8 @@ class _Unit:
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
         self.pending: _Pending | None = None
-        self.gathered: list[Tensor] | None = None
         self.regathered: list[Tensor] | None = None
-        self.storages: dict[int, int] = {}       # storage data_ptr -> key (see _buffers)
+        self.storages: dict[int, int] = {}       # storage_key -> key (see _buffers)
         self.hooks: Any = None
         self.schedule = _Schedule()      # shared by every unit of one model (see fully_shard)
         self.sent_bytes = 0
@@ -163,13 +171,10 @@ class _Unit:
         """Start the unit's all_gather (returns at once; waited on in `finish_gather`)."""
         dtype = self.compute_dtype
         pieces = []
-        for p in self.params:
-            local = p.param.to_local().detach()
-            rows = local.reshape(local.shape[0], p.inner)
-            if rows.shape[0] < p.pad:
-                rows = torch.cat([rows, rows.new_zeros(p.pad - rows.shape[0], rows.shape[1])])
-            pieces.append(rows.to(dtype).reshape(-1))
-        buf = torch.cat(pieces) if pieces else torch.empty(0, dtype=dtype)
+        for p in self.params:      # each shard padded to `pad` rows: one op per parameter
+            local = p.param.to_local().detach().to(dtype).reshape(-1)
+            pieces.append(F.pad(local, (0, p.pad * p.inner - local.numel())))
+        buf = torch.cat(pieces)
         size = buf.numel() * buf.element_size()
         self.sent_bytes += size * (self.n - 1)
         self.received_bytes += size * (self.n - 1)
@@ -181,12 +186,9 @@ class _Unit:
         out, off = [], 0
         for p in self.params:
             width = p.pad * p.inner
-            block = flat[:, off:off + width].view(self.n, p.pad, p.inner)
+            block = flat[:, off:off + width].reshape(self.n * p.pad, p.inner)
             off += width
-            if all(r == p.pad for r in p.rows):
-                full = block.reshape(self.n * p.pad, p.inner)
-            else:
-                full = torch.cat([block[j, :r] for j, r in enumerate(p.rows)])
+            full = block if p.even else block[:p.use_shape[0]]    # drop the padding rows
             out.append(full.view(p.use_shape))
         return out
 
@@ -195,17 +197,17 @@ class _Unit:
         return self.finish_gather(pending or self.issue_gather())
 
     def prefetch_gather(self) -> None:
-        if self.pending is None:
+        if self.pending is None and self.params:
             self.pending = self.issue_gather()
 
     # -- saved tensors: drop the gathered parameters after forward, gather them again ---
     def _remember(self, tensors: Sequence[Tensor]) -> None:
         self.storages = {}
         for i, t in enumerate(tensors):
-            self.storages.setdefault(t.untyped_storage().data_ptr(), i)
+            self.storages.setdefault(storage_key(t), i)
 
     def pack(self, t: Tensor) -> Any:
-        key = self.storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        key = self.storages.get(storage_key(t)) if t.numel() else None
         if key is None:
             return t
         return _Saved(key, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
@@ -225,8 +227,8 @@ class _Unit:
     def accumulate(self, grads: Sequence[Tensor | None]) -> list[Tensor]:
         """`grads` plus the unsharded gradients kept by backward passes without sync."""
         dtype = self.mp.reduce_dtype or self.params[0].param.dtype
-        out = [torch.zeros(p.use_shape, dtype=dtype) if g is None else g.to(dtype)
-               for p, g in zip(self.params, grads)]
+        out = [torch.zeros(p.use_shape, dtype=dtype, device=p.param.device) if g is None
+               else g.to(dtype) for p, g in zip(self.params, grads)]
         if self.unsharded_grads is not None:
             out = [a + b for a, b in zip(out, self.unsharded_grads)]
         self.unsharded_grads = None
@@ -235,12 +237,11 @@ class _Unit:
     def issue_reduce(self, grads: Sequence[Tensor]) -> Tensor:
         """Start the reduce_scatter of `grads` (from `accumulate`: in the reduce dtype)."""
         columns = []
-        for p, g in zip(self.params, grads):
-            rows = g.reshape(p.use_shape[0], p.inner)
-            chunks = list(torch.split(rows, list(p.rows)))
-            padded = [c if c.shape[0] == p.pad else
-                      torch.cat([c, c.new_zeros(p.pad - c.shape[0], c.shape[1])]) for c in chunks]
-            columns.append(torch.stack(padded).reshape(self.n, -1))
+        for p, g in zip(self.params, grads):   # n chunks of `pad` rows: one op per parameter
+            flat = g.reshape(-1)
+            padded = flat if p.even else F.pad(flat, (0, (self.n * p.pad - p.use_shape[0])
+                                                      * p.inner))
+            columns.append(padded.view(self.n, p.pad * p.inner))
         buf = torch.cat(columns, dim=1).reshape(-1)
         size = buf.numel() * buf.element_size() // self.n
         self.sent_bytes += size * (self.n - 1)
@@ -324,12 +325,8 @@ class _Gathered(torch.autograd.Function):
 def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit: _Unit = getattr(module, UNIT_ATTR)
     schedule = unit.schedule
-    if schedule.recording:     # the first forward records the order; a unit seen again ends it
-        if unit in schedule.order:
-            schedule.recording = False
-        else:
-            schedule.order.append(unit)
-    schedule.active.append(unit)
+    if schedule.recording:
+        schedule.record(unit)
     gathered = unit.gather() if unit.params else []
     after = schedule.next_forward(unit)
     if unit.prefetch and after is not None:
@@ -362,8 +359,6 @@ def _post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any
     for p in unit.params:
         p.module._parameters[p.attr] = p.param
     unit.storages = {}
-    if unit.schedule.active and unit.schedule.active[-1] is unit:
-        unit.schedule.active.pop()
     return output
 
 

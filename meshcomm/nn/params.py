@@ -31,6 +31,7 @@ from ..core.mesh import AxisName, Mesh
 from ..executors.distributed.autograd import without_reduction
 from ..executors.distributed.bind import BoundMesh
 from ..executors.distributed.execute import step_shape
+from ..executors.local import storage_key
 from ..planner.plan import plan
 from ..planner.values import Plan
 from ..recipes import RecipeLike, logical
@@ -149,7 +150,7 @@ class _Call:
                  bucket_bytes: int) -> None:
         self.bound, self.specs, self.params = bound, tuple(specs), tuple(params)
         self.bucket_bytes = bucket_bytes
-        self.storages: dict[int, tuple[int, int]] = {}   # data_ptr -> (index, storage offset)
+        self.storages: dict[int, tuple[int, int]] = {}   # storage_key -> (index, storage offset)
         self.regathered: list[Tensor] | None = None
 
     def gather(self, tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -168,13 +169,13 @@ class _Call:
         for i, s in enumerate(self.specs):
             if not s.gather_plan().collectives:
                 continue
-            if outs[i].untyped_storage().data_ptr() in self.storages:
+            if storage_key(outs[i]) in self.storages:
                 outs[i] = outs[i].clone()
-            self.storages[outs[i].untyped_storage().data_ptr()] = (i, int(outs[i].storage_offset()))
+            self.storages[storage_key(outs[i])] = (i, int(outs[i].storage_offset()))
         return outs
 
     def pack(self, t: Tensor) -> Any:
-        found = self.storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
+        found = self.storages.get(storage_key(t)) if t.numel() else None
         if found is None:
             return t
         index, base = found

@@ -202,10 +202,11 @@ class VocabParallelEmbedding(ShardedModule):
         super().__init__(bound, recipe)
         vocab, embed = dims.split()
         spec = self.add_param("weight", dims, weight, partial=lead)
+        device = weight.device
         held = torch.tensor(spec.use.indices(bound.mesh, spec.shape, bound.rank)[0],
-                            dtype=torch.long)
-        local_of = torch.full((spec.shape[0],), -1, dtype=torch.long)
-        local_of[held] = torch.arange(len(held))
+                            dtype=torch.long, device=device)
+        local_of = torch.full((spec.shape[0],), -1, dtype=torch.long, device=device)
+        local_of[held] = torch.arange(len(held), device=device)
         self.register_buffer("local_of", local_of, persistent=False)
         self.partial_layout = self.layout(f"{lead} {embed} | sum({vocab})")
         self.out_layout = self.layout(out_dims or f"{lead} {embed}")

@@ -30,9 +30,8 @@ from ...core.errors import (
 )
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, op_reduce
-from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
-from ..local import local_move, pack, recv_splits, unpack
+from ..local import local_move, pack, rank_transfers, recv_splits, unpack
 from ..steps import Wire
 from . import wire
 from .bind import BoundMesh
@@ -269,7 +268,7 @@ def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
 
 def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
-    transfers = step_transfers(step, mesh, run.shape, rank)
+    transfers = rank_transfers(step, mesh, run.shape, rank)
     members = run.members(step)
     flat, splits = pack(transfers, members, rank, x)
     wanted = recv_splits(transfers, members, rank)

@@ -35,6 +35,11 @@ def call(fn: Callable[..., Tensor], x: Tensor, *args: object, wait: bool = True)
 def all_to_all(rows: Tensor, name: str, out_splits: Sequence[int] | None = None,
                in_splits: Sequence[int] | None = None, *, wait: bool = True) -> Tensor:
     """all_to_all_single along dim 0 (splits in rows of dim 0, process-group order)."""
-    return call(funcol.all_to_all_single, rows.contiguous(),
-                None if out_splits is None else list(out_splits),
-                None if in_splits is None else list(in_splits), name, wait=wait)
+    y = call(funcol.all_to_all_single, rows.contiguous(),
+             None if out_splits is None else list(out_splits),
+             None if in_splits is None else list(in_splits), name, wait=wait)
+    if out_splits is not None and torch.compiler.is_compiling():
+        # traced, uneven splits give the output an unknown length; it is their sum, and
+        # saying so lets the compiler slice it without guarding on data
+        torch._check(y.shape[0] == sum(out_splits))
+    return y
