@@ -11,6 +11,12 @@ the vocabulary over tp (the output layer stays vocabulary-split: the loss is
 then shards every block's parameters over dp (one all_gather and one reduce_scatter per
 block, prefetched). Each dp rank trains on half of the batch; the gradients are averaged
 over dp, so the losses equal one process training on the whole batch.
+
+A dry run shows one rank of a production-sized job, alone, in a minute or two: the model
+with Llama-3-8B's shapes built on the meta device, on dp=128 x tp=8, each collective of a
+training step with its bytes, the rank's peak tensor memory and host time:
+
+    meshcomm dryrun -n 1024 --rank 5 examples/train_llama.py --size 8b --mesh "dp=128 tp=8"
 """
 
 from __future__ import annotations
@@ -50,6 +56,40 @@ SP_PLAN = {   # --sequence-parallel: activations between blocks split over the s
 def model_args(vocab: int) -> ModelArgs:
     return ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab,
                      max_seq_len=64, seed=0)
+
+
+# Llama-3-8B's shapes (hidden 4096, 32 layers, 32 heads / 8 kv heads, SwiGLU 14336, vocab
+# 128256), for dry runs: built on the meta device, it never exists in memory.
+LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+                      multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=8192,
+                      rope_theta=500000.0)
+
+
+def dry_run(args: argparse.Namespace) -> int:
+    """Under `meshcomm dryrun`: this rank's training steps on meta tensors, nothing checked
+    against other ranks (there are none); the dry run prints what the rank did."""
+    bound = mc.init_mesh(args.mesh)
+    margs = LLAMA3_8B if args.size == "8b" else model_args(251)
+    with torch.device("meta"):
+        model = Transformer(margs)
+    mc.nn.parallelize(model, bound, SP_PLAN if args.sequence_parallel else PLAN, axis="tp")
+    for block in model.layers:
+        mc.nn.fully_shard(block, bound, axis="dp")
+    mc.nn.fully_shard(model, bound, axis="dp")
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
+    seq = args.seq or (8192 if args.size == "8b" else 32)
+    tokens = torch.zeros(args.batch, seq + 1, dtype=torch.long, device="meta")
+    for _ in range(args.steps):
+        logits = model(tokens[:, :-1])
+        if args.sequence_parallel:
+            loss = loss_fn(logits, tokens[:, 1:])
+        else:
+            loss = mc.nn.vocab_parallel_cross_entropy(logits, tokens[:, 1:], bound, "tp",
+                                                      vocab_size=margs.vocab_size)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return 0
 
 
 def reference(cfg: dict[str, int]) -> list[float]:
@@ -105,7 +145,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tol", type=float, default=1e-5, help="largest relative loss difference")
     ap.add_argument("--sequence-parallel", action="store_true",
                     help="split activations between blocks over the sequence too")
+    ap.add_argument("--size", choices=("tiny", "8b"), default="tiny",
+                    help="dry runs only: tiny (the tested model) or Llama-3-8B's shapes")
+    ap.add_argument("--mesh", default=MESH, help="dry runs only: the mesh (dp and tp axes)")
+    ap.add_argument("--batch", type=int, default=1, help="dry runs only: sequences per rank")
+    ap.add_argument("--seq", type=int, default=0, help="dry runs only: sequence length"
+                    " (default 8192 for 8b, 32 for tiny)")
     args = ap.parse_args(argv)
+    if mc.dryrun.active():      # meshcomm dryrun -n N --rank R examples/train_llama.py ...
+        return dry_run(args)
     cfg = {"steps": args.steps, "batch": 8, "seq": 32, "vocab": 251,   # 251: uneven over tp=2
            "sequence_parallel": int(args.sequence_parallel)}
     print(f"Llama-style model (dim 64, 2 layers, GQA 4/2 heads, vocab {cfg['vocab']}) on {MESH}"

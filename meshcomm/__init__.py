@@ -27,7 +27,8 @@ warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 # Names load on first use (PEP 562), so `import meshcomm` and `meshcomm --help` do not pay
 # for torch.distributed, rich and pydantic until a name that needs them is read.
 _EXPORTS = {
-    "collectives": "meshcomm.collectives", "dtensor": "meshcomm.dtensor",
+    "collectives": "meshcomm.collectives", "dryrun": "meshcomm.dryrun",
+    "dtensor": "meshcomm.dtensor",
     "errors": "meshcomm.errors", "nn": "meshcomm.nn", "sim": "meshcomm.executors.sim",
     "Layout": "meshcomm.core.layout", "Mesh": "meshcomm.core.mesh",
     "show": "meshcomm.display", "show_plan": "meshcomm.display",
@@ -40,12 +41,12 @@ _EXPORTS = {
     "Sharded": "meshcomm.sharded", "distribute": "meshcomm.sharded",
     "reshard": "meshcomm.sharded", "reshard_many": "meshcomm.sharded",
 }
-_NAMESPACES = frozenset({"collectives", "dtensor", "errors", "nn", "sim"})
+_NAMESPACES = frozenset({"collectives", "dryrun", "dtensor", "errors", "nn", "sim"})
 _SUBPACKAGES = frozenset({"core", "planner", "executors", "interop", "display", "recipes",
                           "sharded", "testing", "cli"})
 
 if TYPE_CHECKING:
-    from . import collectives, dtensor, errors, nn
+    from . import collectives, dryrun, dtensor, errors, nn
     from .core.layout import Layout
     from .core.mesh import Mesh
     from .display import show, show_plan
@@ -63,7 +64,7 @@ __all__ = [
     "distribute", "init_mesh", "logical", "plan", "recipe", "reshard", "reshard_many",
     "show", "show_plan",
     # namespaces
-    "collectives", "dtensor", "errors", "nn", "sim",
+    "collectives", "dryrun", "dtensor", "errors", "nn", "sim",
 ]
 
 # Spellings from before the namespaces (meshcomm 0.1). They keep working, with a

@@ -1,4 +1,4 @@
-"""`meshcomm show|plan|demo|launch`: parse arguments, call the API, print with `display`.
+"""`meshcomm show|plan|demo|launch|dryrun`: parse arguments, call the API, print with `display`.
 
 Each subcommand is one `Command` in `COMMANDS`: a function adding its arguments
 and a small handler returning the exit code. Exit codes: 0 success, 1 a check
@@ -304,6 +304,57 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
     return 0
 
 
+# -- dryrun ----------------------------------------------------------------------
+def _dryrun_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
+                        help="ranks in the job the process pretends to belong to")
+    parser.add_argument("--rank", type=int, default=0, help="which rank it is (default 0)")
+    parser.add_argument("script", help="the Python script the rank runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _run_dryrun(args: argparse.Namespace) -> int:
+    return dryrun(args.nproc, args.rank, args.script, args.args)
+
+
+def dryrun(nproc: int, rank: int, script: str, script_args: Sequence[str] = ()) -> int:
+    """Run `script` in this process as rank `rank` of an `nproc`-rank job over torch's fake
+    process group (`mc.dryrun`) and print what the rank did, step by step: collectives
+    with their bytes, peak tensor memory, host time. 0 when the script succeeds.
+
+    RANK, WORLD_SIZE and LOCAL_RANK are set as a launcher would, so the script takes its
+    launched path; `mc.dryrun.active()` tells it that it runs dry (build on meta, skip
+    checks that need other ranks' data).
+    """
+    import runpy
+
+    from . import dryrun as dry
+
+    if not Path(script).is_file():
+        raise MeshAxisError(f"dryrun: script {script!r} is not a file (from {Path.cwd()});"
+                            " fix: give the path of a Python script, e.g. meshcomm dryrun"
+                            " -n 1024 --rank 5 examples/train_llama.py --size 8b")
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+    def script_main() -> int:
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exit_:     # sys.exit(main()): the script's own exit code
+            return exit_.code if isinstance(exit_.code, int) else int(exit_.code is not None)
+        return 0
+
+    saved_argv = sys.argv
+    sys.argv = [script, *script_args]
+    try:
+        code, report = dry.run(script_main, world_size=nproc, rank=rank)
+    finally:
+        sys.argv = saved_argv
+    print(report)
+    if code:
+        print(f"meshcomm dryrun: the script exited with {code}", file=sys.stderr)
+    return 1 if code else 0
+
+
 COMMANDS: dict[str, Command] = {
     "show": Command("draw which rank holds which part of a tensor", _show_arguments, _run_show),
     "plan": Command("print the cheapest collectives between two layouts, with their cost",
@@ -312,6 +363,9 @@ COMMANDS: dict[str, Command] = {
                     " (dp=2 tp=2) and check it", _demo_arguments, _run_demo),
     "launch": Command("run a script on N local processes joined by torch.distributed",
                       _launch_arguments, _run_launch),
+    "dryrun": Command("run a script alone as one rank of an N-rank job (fake process group)"
+                      " and print its collectives, bytes, peak memory and host time",
+                      _dryrun_arguments, _run_dryrun),
 }
 
 

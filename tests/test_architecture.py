@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("adapters", ("meshcomm.interop", "meshcomm.display", "meshcomm.recipes", "meshcomm.testing")),
     ("sharded", ("meshcomm.sharded",)),
     ("building blocks", ("meshcomm.nn", "meshcomm.dtensor", "meshcomm.collectives",
-                         "meshcomm.errors")),
+                         "meshcomm.errors", "meshcomm.dryrun")),
     ("entry points", ("meshcomm.cli", "meshcomm.__main__", "meshcomm")),
 )
 # Siblings inside one layer that must not import each other (either direction).
@@ -48,7 +48,7 @@ REQUIRED = (
     "meshcomm.executors.distributed", "meshcomm.executors.distributed.launch",
     "meshcomm.interop.placements", "meshcomm.interop.runtime", "meshcomm.sharded",
     "meshcomm.recipes", "meshcomm.display", "meshcomm.nn", "meshcomm.dtensor",
-    "meshcomm.collectives", "meshcomm.errors", "meshcomm.cli",
+    "meshcomm.collectives", "meshcomm.errors", "meshcomm.cli", "meshcomm.dryrun",
 )
 # The pure layers: no process groups, no printers, no config parsing, no executors.
 PURE_LAYERS = ("meshcomm.core", "meshcomm.planner")

@@ -17,12 +17,12 @@ VALUES = {"Mesh", "Layout", "CostModel", "Plan", "Step", "BoundMesh", "ByteTrace
           "Recipe"}
 FUNCTIONS = {"plan", "init_mesh", "distribute", "reshard", "reshard_many", "logical", "recipe",
              "show", "show_plan"}
-NAMESPACES = {"collectives", "dtensor", "errors", "sim", "nn"}
+NAMESPACES = {"collectives", "dryrun", "dtensor", "errors", "sim", "nn"}
 
 
 def test_all_is_the_documented_surface() -> None:
     assert set(mc.__all__) == VALUES | FUNCTIONS | NAMESPACES
-    assert len(mc.__all__) == len(set(mc.__all__)) == 23
+    assert len(mc.__all__) == len(set(mc.__all__)) == 24
     for name in mc.__all__:
         assert getattr(mc, name) is not None
 

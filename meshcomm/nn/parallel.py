@@ -134,8 +134,10 @@ class _TP:
 
     def __init__(self, module: nn.Module, name: str, style: str, bound: BoundMesh,
                  axis: str) -> None:
-        self.module, self.name, self.style, self.bound, self.axis = (
-            module, name, style, bound, axis)
+        self.module, self.name, self.style, self.axis = module, name, style, axis
+        # Activations and their gradients differ across the other axes (each dp rank has
+        # its batch): their plans run on the tp slice, which knows no other axis.
+        self.bound = bound.sub(axis)
         self.spec = STYLES[style]
         self.n = bound.mesh.axis_size(axis)
         self.pos = bound.mesh.coords(bound.rank)[axis]

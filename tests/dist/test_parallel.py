@@ -1,5 +1,5 @@
 """mc.nn.parallelize (tensor parallelism on unmodified modules) alone and under fully_shard,
-on 4 gloo ranks (dp=2 tp=2), against the same model trained in one process. The model has
+on 4 gloo ranks (dp=2 tp=2) and 8 (dp=2 tp=4), against the same model trained in one process. The model has
 a vocab-parallel embedding and an output layer of 11 rows (uneven over tp=2, then over dp=2
 within each tp shard), a colwise /
 rowwise MLP with biases, and a residual connection."""
@@ -128,6 +128,22 @@ def worker(rank: int, world: int) -> dict[str, Any]:
 four = ranks_fixture(worker, 4)
 
 
+def worker_8(rank: int, world: int) -> dict[str, Any]:
+    """dp=2 x tp=4: each dp half of the batch is different, so the activations' layouts hold
+    nothing over dp (a plan that used dp there, as the planner does for a replicated
+    tensor on this mesh, would mix the halves)."""
+    bound = mc.init_mesh("dp=2 tp=4")
+    out: dict[str, Any] = {}
+    for fsdp in (False, True):
+        m, x, y = built(Tiny(), bound, PLAN, fsdp)
+        out[fsdp] = (losses_of(m, x, y, world),
+                     {n: p.full_tensor() for n, p in m.named_parameters()})
+    return out
+
+
+eight = ranks_fixture(worker_8, 8)
+
+
 def test_tensor_parallel_alone_and_under_fsdp_equals_one_process(
         four: list[dict[str, Any]]) -> None:
     ref = Tiny()
@@ -136,6 +152,17 @@ def test_tensor_parallel_alone_and_under_fsdp_equals_one_process(
     for fsdp in (False, True):
         losses, _, params = four[0][fsdp]
         assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, fsdp
+        for name, p in ref.named_parameters():
+            assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
+
+
+def test_tensor_parallel_on_dp2_tp4_equals_one_process(eight: list[dict[str, Any]]) -> None:
+    ref = Tiny()
+    x, y = data()
+    want = losses_of(ref, x, y, 1)
+    for fsdp in (False, True):
+        losses, params = eight[0][fsdp]
+        assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, (fsdp, losses, want)
         for name, p in ref.named_parameters():
             assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
 

@@ -45,6 +45,8 @@ class BoundMesh:
     rank: int
     _names: dict[tuple[AxisName, ...], str] = field(repr=False)
     check: bool = False   # check mode for calls on this mesh (docs/errors.md § Check mode)
+    _subs: dict[tuple[AxisName, ...], BoundMesh] = field(default_factory=dict, repr=False,
+                                                         compare=False)
 
     @property
     def in_mesh(self) -> bool:
@@ -78,6 +80,29 @@ class BoundMesh:
                 f"axes {list(key)} are not in mesh order or name an axis twice; groups over"
                 f" several axes follow {self.mesh!r}: fix: use {list(in_order)}") from None
 
+    def sub(self, axes: tuple[AxisName, ...] | AxisName) -> BoundMesh:
+        """This rank's slice of the mesh over `axes` (the ranks that differ from it along
+        those axes only), bound to the same groups.
+
+        >>> bound.sub("tp").mesh          # rank 5 of dp=2 tp=4          # doctest: +SKIP
+        Mesh(tp=4, ranks=[4, 5, 6, 7])
+
+        Plans on it know nothing of the other axes, so they never use them: the mesh for a
+        tensor that differs along the other axes, e.g. an activation of a data-parallel
+        batch (on the whole mesh, "b h | sum(tp)" says the tensor is the same on every dp
+        rank, and a plan may split work over dp). Built once per set of axes.
+        """
+        key = (axes,) if isinstance(axes, str) else tuple(axes)
+        found = self._subs.get(key)
+        if found is None:
+            order = tuple(a for a in self.mesh.axis_names if a in key)
+            ranks = self.group_ranks(order)         # raises for an unknown axis
+            mesh = Mesh({a: self.mesh.axis_size(a) for a in order}, ranks=list(ranks))
+            names = {sub: self._names[sub] for sub in self._names if set(sub) <= set(order)}
+            found = self._subs[key] = BoundMesh(mesh, self.backend, self.device, self.rank,
+                                                names, self.check)
+        return found
+
     def group_ranks(self, axes: tuple[AxisName, ...] | AxisName) -> tuple[int, ...]:
         """Global ranks of this rank's group over `axes`, in group order."""
         key = (axes,) if isinstance(axes, str) else tuple(axes)
@@ -103,6 +128,9 @@ class BoundMesh:
         grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
         return DeviceMesh.from_group(groups, self.device.type, mesh=grid,
                                      mesh_dim_names=self.mesh.axis_names)
+
+
+GROUP_DESC = "meshcomm:"   # + the axes: the description of every group meshcomm makes
 
 
 def default_backend() -> str:
@@ -138,7 +166,8 @@ def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,
     """Bind `mesh` to process groups on every rank (call it on every rank of the world).
 
     Initializes the default group from the standard environment variables when
-    needed (backend nccl with CUDA, else gloo, unless `backend` says). `check` turns check
+    needed (backend nccl with CUDA, else gloo, unless `backend` says; in a world that is
+    open already, the world's backend: torchrun's, or a dry run's "fake"). `check` turns check
     mode on for calls on this mesh (default: the environment's `MESHCOMM_CHECK`).
     `ranks` with a spec string is `Mesh(spec, ranks=ranks)`: a mesh over some ranks of the
     world, e.g. `init_mesh("tp=4", ranks=[4, 5, 6, 7])`.
@@ -156,7 +185,8 @@ def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,
     if not isinstance(mesh, Mesh):
         raise MeshMismatchError(f"init_mesh needs a Mesh or a spec string such as"
                                 f' "dp=2 tp=2", got {type(mesh).__name__}')
-    backend = backend or default_backend()
+    if backend is None:   # a world opened already (torchrun's, a dry run's) sets it
+        backend = dist.get_backend() if dist.is_initialized() else default_backend()
     _ensure_world(backend, timeout_s)
     world = dist.get_world_size()
     if max(mesh.ranks) >= world:
@@ -168,7 +198,8 @@ def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,
     subsets = [subset for k in range(1, len(mesh.axis_names) + 1)
                for subset in itertools.combinations(mesh.axis_names, k)]
     names = create_groups(mesh, subsets, backend=backend, timeout=timeout)
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+              else torch.device("cpu"))
     return BoundMesh(mesh, backend, device, rank, names, check_default(check))
 
 
@@ -193,7 +224,7 @@ def create_groups(mesh: Mesh, subsets: Sequence[tuple[AxisName, ...]], *,
                     dist.distributed_c10d._set_pg_timeout(timeout, pg)
             else:
                 pg = dist.new_group(list(group), timeout=timeout, sort_ranks=False,
-                                    backend=backend)
+                                    backend=backend, group_desc=GROUP_DESC + ",".join(subset))
             if rank in group:
                 names[subset] = pg.group_name
     return names

@@ -1,0 +1,261 @@
+"""A dry run: this process as rank `rank` of a `world_size`-rank job, alone, in seconds.
+
+torch's fake process group stands in for the job (every collective returns at once, sending
+nothing), and the script builds its model on the meta device where it can, so nothing is
+allocated either. While it runs, a dispatch mode records what rank `rank` would do, step by
+step (a step ends at each `optimizer.step()`, or at the end of the run):
+
+- every collective: its kind, its group (size, and the mesh axes when a meshcomm mesh made
+  it), and the bytes this rank sends and receives (formulas below);
+- the peak of the bytes held by tensors made while the run goes on (live storages,
+  counted once per storage however many views share it; a DTensor counts as its local
+  tensor; tensors made before the run, e.g. a model built outside it, are not counted);
+- the host time of the step.
+
+Bytes per rank for a group of g ranks, a tensor of T bytes in and O out: all_gather sends
+T to each of the g - 1 others and receives O - T; reduce_scatter sends T - O and receives
+(g - 1) O; all_reduce sends and receives 2 T (g - 1) / g (ring); all_to_all sends what its
+splits send to others and receives what comes from others; the same formulas as
+`mc.plan`'s sent and received columns.
+
+    $ meshcomm dryrun -n 1024 --rank 5 examples/train_llama.py --size 8b --mesh "dp=128 tp=8"
+
+    >>> result, report = mc.dryrun.run(train_step, world_size=1024, rank=5)   # doctest: +SKIP
+    >>> print(report)                                                          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from .core.errors import MeshMismatchError
+from .executors.distributed.bind import GROUP_DESC
+from .executors.local import storage_key
+from .planner.explain import format_bytes
+
+__all__ = ["Collective", "Report", "Step", "active", "run", "start"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call of the dry-run rank."""
+
+    kind: str                      # all_gather, reduce_scatter, all_reduce, all_to_all, ...
+    group: str                     # the mesh axes of its group (or "world", or "g=N")
+    size: int                      # ranks in the group
+    sent_bytes: int
+    received_bytes: int
+
+
+@dataclass(frozen=True)
+class Step:
+    """What the dry-run rank did between two optimizer steps."""
+
+    index: int
+    collectives: tuple[Collective, ...]
+    peak_bytes: int                # the most bytes live tensors held during the step
+    host_s: float
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(c.sent_bytes for c in self.collectives)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(c.received_bytes for c in self.collectives)
+
+
+@dataclass(frozen=True)
+class Report:
+    """Every step of a dry run; `str()` is the printout."""
+
+    world_size: int
+    rank: int
+    steps: tuple[Step, ...]
+
+    def __str__(self) -> str:
+        lines = [f"dry run: rank {self.rank} of {self.world_size} (fake process group)"]
+        for s in self.steps:
+            lines.append(f"step {s.index}: {len(s.collectives)} collectives, sent"
+                         f" {format_bytes(s.sent_bytes)}, received"
+                         f" {format_bytes(s.received_bytes)}, peak memory"
+                         f" {format_bytes(s.peak_bytes)}, host {s.host_s:.3f} s")
+            rows: dict[tuple[str, str, int], list[int]] = {}
+            for c in s.collectives:
+                row = rows.setdefault((c.kind, c.group, c.size), [0, 0, 0])
+                row[0] += 1
+                row[1] += c.sent_bytes
+                row[2] += c.received_bytes
+            for (kind, group, size), (count, sent, received) in rows.items():
+                lines.append(f"  {count:4d} x {kind:<15s} {group + f' ({size})':<16s}"
+                             f" sent {format_bytes(sent):>10s}  received"
+                             f" {format_bytes(received):>10s}")
+        return "\n".join(lines)
+
+
+def active() -> bool:
+    """True inside a dry run (the default process group is the fake one)."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def start(world_size: int, rank: int) -> None:
+    """Open torch's fake process group as rank `rank` of `world_size` (once per process)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not (isinstance(world_size, int) and isinstance(rank, int) and 0 <= rank < world_size):
+        raise MeshMismatchError(f"dry run: rank {rank!r} of world_size {world_size!r}; fix: a"
+                                " world size >= 1 and a rank in [0, world_size)")
+    if dist.is_initialized():
+        if active() and (dist.get_world_size(), dist.get_rank()) == (world_size, rank):
+            return
+        raise MeshMismatchError("dry run: torch.distributed is initialized already; fix: start"
+                                " the dry run before anything opens a process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def run(fn: Callable[..., Any], *args: Any, world_size: int, rank: int,
+        **kwargs: Any) -> tuple[Any, Report]:
+    """`fn(*args, **kwargs)` run as rank `rank` of a `world_size`-rank job: its result and
+    the dry-run report (see the module doc)."""
+    start(world_size, rank)
+    recorder = _Recorder()
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda *_: recorder.end_step())
+    try:
+        with recorder:
+            result = fn(*args, **kwargs)
+    finally:
+        handle.remove()
+    recorder.end_step(final=True)
+    return result, Report(world_size, rank, tuple(recorder.steps))
+
+
+# -- recording --------------------------------------------------------------------------------
+_KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+          "all_reduce": "all_reduce", "all_to_all_single": "all_to_all",
+          "broadcast": "broadcast", "all_gather_into_tensor_coalesced": "all_gather",
+          "reduce_scatter_tensor_coalesced": "reduce_scatter",
+          "all_reduce_coalesced": "all_reduce"}
+
+
+_PASS_THROUGH = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
+
+
+@dataclass
+class _Recorder(TorchDispatchMode):
+    """Records collectives and live tensor bytes of everything dispatched under it."""
+
+    steps: list[Step] = field(default_factory=list)
+    calls: list[Collective] = field(default_factory=list)
+    live: int = 0
+    peak: int = 0
+    held: dict[int, list[int]] = field(default_factory=dict)   # storage -> [bytes, refs]
+    alias: dict[int, int] = field(default_factory=dict)  # meta storage -> the held one it is
+    aliases_of: dict[int, list[int]] = field(default_factory=dict)
+    t0: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in _KINDS:
+            self.calls.append(_collective(_KINDS[name], args, out))
+        # these hand back their input on a device; their meta kernels make a new tensor
+        same = (storage_key(args[0]) if func.namespace == "_c10d_functional"
+                and name in _PASS_THROUGH and isinstance(args[0], torch.Tensor) else None)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            # a wrapper (DTensor) owns no memory: its local tensor, made by its own ops, does
+            if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t):
+                self._hold(t, same)
+        return out
+
+    def _hold(self, t: torch.Tensor, same: int | None = None) -> None:
+        own = storage_key(t)
+        if same is not None and self.alias.get(same, same) in self.held:
+            target = self.alias.get(same, same)              # t is its input, on a device
+            self.alias[own] = target
+            self.aliases_of.setdefault(target, []).append(own)
+        key = self.alias.get(own, own)
+        entry = self.held.get(key)
+        if entry is None:
+            entry = self.held[key] = [t.untyped_storage().nbytes(), 0]
+            self.live += entry[0]
+            self.peak = max(self.peak, self.live)
+        entry[1] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        entry = self.held.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.live -= entry[0]
+                del self.held[key]
+                for own in self.aliases_of.pop(key, ()):
+                    self.alias.pop(own, None)
+
+    def end_step(self, final: bool = False) -> None:
+        if final and not self.calls and self.steps:
+            return
+        now = time.perf_counter()
+        self.steps.append(Step(len(self.steps) + 1, tuple(self.calls), self.peak, now - self.t0))
+        self.calls, self.peak, self.t0 = [], self.live, time.perf_counter()
+
+
+def _collective(kind: str, args: Any, out: Any) -> Collective:
+    x = args[0]
+    group_name = args[-1] if isinstance(args[-1], str) else args[-2]
+    size, group = _group(group_name)
+    first = x[0] if isinstance(x, (list, tuple)) else x
+    item = first.element_size()
+    t_in = sum(t.numel() for t in x) * item if isinstance(x, (list, tuple)) else x.numel() * item
+    outs = out if isinstance(out, (list, tuple)) else (out,)
+    t_out = sum(t.numel() for t in outs) * item
+    if kind == "all_gather":
+        sent, received = t_in * (size - 1), t_out - t_in
+    elif kind == "reduce_scatter":
+        sent, received = t_in - t_out, t_out * (size - 1)
+    elif kind == "all_reduce":
+        sent = received = 2 * t_in * (size - 1) // size
+    elif kind == "all_to_all":
+        out_splits, in_splits = args[1], args[2]
+        row = item * (math.prod(x.shape[1:]) if x.dim() > 1 else 1)
+        me = _position(group_name)
+        sent = (sum(in_splits) - in_splits[me]) * row if in_splits else t_in * (size - 1) // size
+        received = ((sum(out_splits) - out_splits[me]) * row if out_splits
+                    else t_out * (size - 1) // size)
+    else:   # broadcast: the root sends to every other rank
+        sent, received = t_in * (size - 1), t_in
+    return Collective(kind, group, size, int(sent), int(received))
+
+
+def _group(name: str) -> tuple[int, str]:
+    """(size, what to call it) of a process group by name: the mesh axes meshcomm made it
+    for (its group_desc), "world", or its size."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    pg = _resolve_process_group(name)
+    size = pg.size()
+    desc = getattr(pg, "group_desc", "") or ""
+    if desc.startswith(GROUP_DESC):
+        return size, desc[len(GROUP_DESC):]
+    return size, "world" if size == dist.get_world_size() else f"g={size}"
+
+
+def _position(name: str) -> int:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return int(_resolve_process_group(name).rank())

@@ -1,0 +1,115 @@
+"""mc.dryrun and `meshcomm dryrun`: one process as one rank of a larger job (torch's fake
+process group, meta tensors). The bytes and memory it prints are checked against hand
+calculations; each case runs in a fresh interpreter (the fake group is process-wide)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from conftest import scaled
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fsdp_steps() -> list[dict[str, Any]]:
+    """Two SGD steps of 2 x Linear(64, 64, bias=False), each a fully_shard unit, on dp=8."""
+    import torch
+    from torch import nn
+
+    import meshcomm as mc
+
+    def train() -> None:
+        bound = mc.init_mesh("dp=8")
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+        for block in model:
+            mc.nn.fully_shard(block, bound)
+        mc.nn.fully_shard(model, bound)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.empty(4, 64, device="meta")
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    _, report = mc.dryrun.run(train, world_size=8, rank=3)
+    return [{"kinds": [(c.kind, c.group, c.size, c.sent_bytes, c.received_bytes)
+                       for c in s.collectives]} for s in report.steps]
+
+
+def tp_and_memory() -> dict[str, Any]:
+    """A colwise / rowwise MLP on dp=2 tp=4 (one forward and backward), and one reshard."""
+    import torch
+    from torch import nn
+
+    import meshcomm as mc
+
+    def tp() -> None:
+        bound = mc.init_mesh("dp=2 tp=4")
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        mc.nn.parallelize(model, bound, {"0": "colwise", "2": "rowwise"})
+        x = torch.empty(2, 4, 16, device="meta", requires_grad=True)
+        model(x).sum().backward()
+
+    def gather() -> None:
+        bound = mc.init_mesh("dp=2 tp=4")
+        x = torch.empty(8, 16, device="meta")                  # (64, 16) "(dp tp a) b"
+        mc.reshard(x, bound, "(dp tp a) b", "a b")
+
+    _, tp_report = mc.dryrun.run(tp, world_size=8, rank=5)
+    _, mem_report = mc.dryrun.run(gather, world_size=8, rank=5)
+    return {"tp": [(c.kind, c.group, c.size, c.sent_bytes, c.received_bytes)
+                   for c in tp_report.steps[0].collectives],
+            "peak": mem_report.steps[0].peak_bytes, "text": str(mem_report)}
+
+
+def run_in_fresh_interpreter(name: str) -> Any:
+    code = (f"import json, sys; sys.path.insert(0, 'tests'); import test_dryrun as t;"
+            f" print('RESULT' + json.dumps(t.{name}()))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=scaled(300))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def test_fsdp_bytes_match_a_hand_calculation() -> None:
+    # Each weight (64, 64) float32 is 8 rows per rank of 8: a 2,048 B shard. Per step: 2
+    # forward gathers, 2 backward regathers (each sends its shard to 7 ranks and receives
+    # 7 shards: 14,336 B both ways) and 2 reduce_scatters (16,384 B in, 2,048 B out: sends
+    # 14,336 B, receives 7 x 2,048 B). The root holds no parameter: no collective.
+    steps = run_in_fresh_interpreter("fsdp_steps")
+    assert len(steps) == 2
+    for step in steps:
+        kinds = [tuple(c) for c in step["kinds"]]
+        assert sorted(kinds) == sorted([("all_gather", "world", 8, 14336, 14336)] * 4
+                                       + [("reduce_scatter", "world", 8, 14336, 14336)] * 2)
+
+
+def test_tp_all_reduce_bytes_and_reshard_memory_match_a_hand_calculation() -> None:
+    got = run_in_fresh_interpreter("tp_and_memory")
+    # rowwise output (2, 4, 16) float32 = 512 B summed over tp=4 (ring: 2 x 512 x 3/4 sent
+    # and received), and the colwise input's gradient in backward, the same size
+    assert [tuple(c) for c in got["tp"]] == [("all_reduce", "tp", 4, 768, 768)] * 2
+    # the (8, 16) float32 shard (512 B) and the gathered (64, 16) tensor (4,096 B) are live
+    # together; nothing else is held
+    assert got["peak"] == 512 + 4096
+    assert "peak memory 4.5 KiB" in got["text"]
+    assert "all_gather      world (8)" in got["text"]     # (dp, tp) is the whole world
+
+
+def test_cli_runs_the_llama_example_dry() -> None:
+    proc = subprocess.run([sys.executable, "-m", "meshcomm", "dryrun", "-n", "8", "--rank", "3",
+                           "examples/train_llama.py", "--mesh", "dp=4 tp=2", "--steps", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "dry run: rank 3 of 8 (fake process group)" in out
+    assert "step 1:" in out and "step 2:" in out and "step 3:" not in out
+    assert "all_gather      dp (4)" in out and "all_reduce      tp (2)" in out
+    assert "reduce_scatter  dp (4)" in out
