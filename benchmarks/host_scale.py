@@ -21,12 +21,22 @@ tensor ops, hook and autograd overhead). For each N, one after the other, in thi
   `ColwiseParallel` / `RowwiseParallel` beside `mc.nn.parallelize`;
 - `reshard`: a (2N, H) tensor `[Shard(0), Shard(1)]` on `(N/8, 8)` to `[Shard(0), Replicate()]`
   and to `[Shard(0), Shard(0)]`, 8 times each: `DTensor.redistribute` beside `mc.reshard`
-  of the local tensor (`"(dp a) (tp b)"` to `"(dp a) b"` and `"(dp tp a) b"`).
+  of the local tensor (`"(dp a) (tp b)"` to `"(dp a) b"` and `"(dp tp a) b"`);
+- `vocab_parallel_ce`: the loss of (4, 64) positions over a vocabulary of 8H split over tp=8,
+  forward + backward, 8 times: `F.cross_entropy` of DTensor logits under `loss_parallel()`
+  beside `mc.nn.vocab_parallel_cross_entropy`.
+
+Not here: the MoE blocks (`mc.nn.experts` exchanges token counts first, and a fake
+collective returns no counts) and checkpoints (DCP plans with all_gather_object, which needs
+real data; `load_checkpoint` reads one rank's blocks with `receiver_transfers`, measured by
+benchmarks/crossmesh_scale.py).
 
 Each row is the median of `--repeat` steps after one warm-up step (which also records
 meshcomm's prefetch order), with one intra-op thread, and the number of tensor ops one step
 runs (aten calls seen by a TorchDispatchMode, collectives included: on a GPU, kernel
-launches and collective calls; a count that grows with N is a per-rank loop in the step). The ratio is meshcomm over PyTorch
+launches and collective calls; a count that grows with N is a per-rank loop in the step).
+A mode sees a DTensor's op once, at the DTensor level (DTensor runs its local ops inside
+that one call), so PyTorch's counts of DTensor code are lower than what it launches. The ratio is meshcomm over PyTorch
 (below 1: meshcomm spends less host time); "growth" is a library's time at the largest N
 over its time at 8 ranks. `--quick` runs H = 60 (uneven shards at every N), 2 blocks, N in 8 and 128, 2 steps: it checks
 that everything runs and prints the table, not the numbers.
@@ -206,6 +216,48 @@ def reshard_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
     return step
 
 
+def _logits(n: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """This rank's (4, 64, V/8) slice of logits over a vocabulary V = 8 * hidden, targets."""
+    vocab = 8 * hidden
+    local = torch.randn(4, 64, hidden, requires_grad=True)
+    target = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+    return local, target, vocab
+
+
+def ce_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
+    """F.cross_entropy of DTensor logits [Shard(-1)] on tp=8 under `loss_parallel()`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    dm = init_device_mesh("cpu", (n // 8, 8), mesh_dim_names=("dp", "tp"))["tp"]
+    local, target, vocab = _logits(n, hidden)
+
+    def step() -> None:
+        for _ in range(blocks):
+            logits = DTensor.from_local(local, dm, [Shard(2)], run_check=False,
+                                        shape=torch.Size((4, 64, vocab)),
+                                        stride=(64 * vocab, vocab, 1))
+            with loss_parallel():
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1),
+                                                         target.flatten())
+                loss.backward()
+    return step
+
+
+def ce_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
+    """mc.nn.vocab_parallel_cross_entropy of the same logits on tp=8."""
+    bound = mc.init_mesh(f"dp={n // 8} tp=8", backend="fake")
+    local, target, vocab = _logits(n, hidden)
+
+    def step() -> None:
+        for _ in range(blocks):
+            loss = mc.nn.vocab_parallel_cross_entropy(local, target, bound, "tp",
+                                                      vocab_size=vocab)
+            loss.backward()
+    return step
+
+
 def fsdp_pair(mp: bool, hsdp: bool) -> tuple[Callable[..., Callable[[], None]], ...]:
     return (lambda n, h, b: training_step(fsdp2(n, h, b, mp, hsdp), h),
             lambda n, h, b: training_step(meshcomm(n, h, b, mp, hsdp), h))
@@ -216,7 +268,8 @@ CONFIGS = {"fully_shard": fsdp_pair(False, False),
            "fully_shard+mp": fsdp_pair(True, False),
            "hsdp": fsdp_pair(False, True),
            "parallelize": (tp_pytorch, tp_meshcomm),
-           "reshard": (reshard_pytorch, reshard_meshcomm)}
+           "reshard": (reshard_pytorch, reshard_meshcomm),
+           "vocab_parallel_ce": (ce_pytorch, ce_meshcomm)}
 
 
 def run(ranks: list[int], hidden: int, blocks: int, repeat: int) -> list[dict[str, Any]]:

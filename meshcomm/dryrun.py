@@ -12,11 +12,12 @@ step (a step ends at each `optimizer.step()`, or at the end of the run):
   tensor; tensors made before the run, e.g. a model built outside it, are not counted);
 - the host time of the step.
 
-Bytes per rank for a group of g ranks, a tensor of T bytes in and O out: all_gather sends
-T to each of the g - 1 others and receives O - T; reduce_scatter sends T - O and receives
-(g - 1) O; all_reduce sends and receives 2 T (g - 1) / g (ring); all_to_all sends what its
-splits send to others and receives what comes from others; the same formulas as
-`mc.plan`'s sent and received columns.
+Bytes per rank come from the executor's formulas (`meshcomm.executors.steps.Wire`, what
+`mc.plan`'s sent and received columns count): for a group of g ranks and a tensor of T bytes
+in and O out, all_gather sends T to each of the g - 1 others and receives O - T;
+reduce_scatter sends T - O and receives (g - 1) O; all_reduce (ring) sends and receives
+(T - c) + (g - 1) c, c this rank's torch.chunk chunk (about 2 T (g - 1) / g); all_to_all
+sends what its splits send to others and receives what comes from others.
 
     $ meshcomm dryrun -n 1024 --rank 5 examples/train_llama.py --size 8b --mesh "dp=128 tp=8"
 
@@ -40,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from .core.errors import MeshMismatchError
 from .executors.distributed.bind import GROUP_DESC
 from .executors.local import storage_key
+from .executors.steps import Wire
 from .planner.explain import format_bytes
 
 __all__ = ["Collective", "Report", "Step", "active", "run", "start"]
@@ -216,30 +218,22 @@ class _Recorder(TorchDispatchMode):
 
 
 def _collective(kind: str, args: Any, out: Any) -> Collective:
+    """One call's bytes, by the executor's formulas (`Wire`, as `mc.plan` counts)."""
     x = args[0]
     group_name = args[-1] if isinstance(args[-1], str) else args[-2]
     size, group = _group(group_name)
-    first = x[0] if isinstance(x, (list, tuple)) else x
-    item = first.element_size()
-    t_in = sum(t.numel() for t in x) * item if isinstance(x, (list, tuple)) else x.numel() * item
-    outs = out if isinstance(out, (list, tuple)) else (out,)
-    t_out = sum(t.numel() for t in outs) * item
-    if kind == "all_gather":
-        sent, received = t_in * (size - 1), t_out - t_in
-    elif kind == "reduce_scatter":
-        sent, received = t_in - t_out, t_out * (size - 1)
-    elif kind == "all_reduce":
-        sent = received = 2 * t_in * (size - 1) // size
-    elif kind == "all_to_all":
-        out_splits, in_splits = args[1], args[2]
-        row = item * (math.prod(x.shape[1:]) if x.dim() > 1 else 1)
-        me = _position(group_name)
-        sent = (sum(in_splits) - in_splits[me]) * row if in_splits else t_in * (size - 1) // size
-        received = ((sum(out_splits) - out_splits[me]) * row if out_splits
-                    else t_out * (size - 1) // size)
-    else:   # broadcast: the root sends to every other rank
-        sent, received = t_in * (size - 1), t_in
-    return Collective(kind, group, size, int(sent), int(received))
+    ins = list(x) if isinstance(x, (list, tuple)) else [x]
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    item = ins[0].element_size()
+    numel_in, numel_out = sum(t.numel() for t in ins), sum(t.numel() for t in outs)
+    if kind == "broadcast":       # the root sends to every other rank
+        return Collective(kind, group, size, numel_in * (size - 1) * item, numel_in * item)
+    splits: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+    if kind == "all_to_all" and args[1] is not None:
+        row = math.prod(x.shape[1:]) if x.dim() > 1 else 1
+        splits = (tuple(s * row for s in args[2]), tuple(s * row for s in args[1]))
+    call = Wire(kind, size, _position(group_name), numel_in, numel_out, *splits)
+    return Collective(kind, group, size, call.sent * item, call.received * item)
 
 
 def _group(name: str) -> tuple[int, str]:

@@ -24,7 +24,8 @@ def test_quick_run_prints_its_table_and_ops_do_not_grow_with_ranks(tmp_path: Pat
     assert "| block | ranks | PyTorch | meshcomm | ratio |" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     blocks = {r["block"] for r in rows}
-    assert blocks == {"fully_shard", "fully_shard+mp", "hsdp", "parallelize", "reshard"}
+    assert blocks == {"fully_shard", "fully_shard+mp", "hsdp", "parallelize", "reshard",
+                      "vocab_parallel_ce"}
     for block in blocks:
         mine = [r for r in rows if r["block"] == block]
         assert [r["ranks"] for r in mine] == [8, 128, 1024]

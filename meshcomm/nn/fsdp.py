@@ -41,6 +41,7 @@ from ..core.reduce_ops import chunk_sizes
 from ..executors.distributed import wire
 from ..executors.distributed.bind import BoundMesh
 from ..executors.local import run_slice, storage_key
+from ..executors.steps import Wire
 from ..interop.placements import from_placements, to_placements
 from ..interop.runtime import (
     bind_device_mesh,
@@ -82,6 +83,7 @@ class _Param:
     rows: tuple[int, ...]          # dim-0 rows of each position along the axis
     stored: Layout
     use: Layout
+    aliases: tuple[tuple[nn.Module, str], ...] = ()   # other places of a tied parameter
 
     def __post_init__(self) -> None:
         # torch.chunk rows: full chunks of `pad` rows, one shorter, then empty ones; so the
@@ -152,6 +154,7 @@ class _Unit:
         self.replicate = replicate       # HSDP: gradients also averaged over this axis
         self.rep_group = bound.group_name(replicate) if replicate else None
         self.n_rep = bound.mesh.axis_size(replicate) if replicate else 1
+        self.rep_pos = bound.mesh.coords(bound.rank)[replicate] if replicate else 0
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
         self.pending: _Pending | None = None
@@ -175,10 +178,14 @@ class _Unit:
             local = p.param.to_local().detach().to(dtype).reshape(-1)
             pieces.append(F.pad(local, (0, p.pad * p.inner - local.numel())))
         buf = torch.cat(pieces)
-        size = buf.numel() * buf.element_size()
-        self.sent_bytes += size * (self.n - 1)
-        self.received_bytes += size * (self.n - 1)
-        return _Pending(funcol.all_gather_single(buf, 0, self.group))
+        self._record(Wire("all_gather", self.n, self.pos, buf.numel(), buf.numel() * self.n),
+                     buf.element_size())
+        return _Pending(wire.call(funcol.all_gather_single, buf, 0, self.group, wait=False))
+
+    def _record(self, call: Wire, itemsize: int) -> None:
+        """Count one collective call's bytes by the executor's formulas (`Wire`)."""
+        self.sent_bytes += call.sent * itemsize
+        self.received_bytes += call.received * itemsize
 
     def finish_gather(self, pending: _Pending) -> list[Tensor]:
         """The gathered parameters (views of the gathered buffer where shards are even)."""
@@ -243,10 +250,9 @@ class _Unit:
                                                       * p.inner))
             columns.append(padded.view(self.n, p.pad * p.inner))
         buf = torch.cat(columns, dim=1).reshape(-1)
-        size = buf.numel() * buf.element_size() // self.n
-        self.sent_bytes += size * (self.n - 1)
-        self.received_bytes += size * (self.n - 1)
-        return funcol.reduce_scatter_single(buf, "sum", 0, self.group)
+        self._record(Wire("reduce_scatter", self.n, self.pos, buf.numel(),
+                          buf.numel() // self.n), buf.element_size())
+        return wire.call(funcol.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)
 
     def issue_replica_reduce(self, out: Tensor) -> Tensor:
         """HSDP: the reduce_scatter's shard summed over the replicate axis (waits for the
@@ -254,10 +260,9 @@ class _Unit:
         if self.rep_group is None:
             return out
         flat = wire.waited(out)
-        size = flat.numel() * flat.element_size()
-        self.sent_bytes += 2 * size * (self.n_rep - 1) // self.n_rep
-        self.received_bytes += 2 * size * (self.n_rep - 1) // self.n_rep
-        return funcol.all_reduce(flat, "sum", self.rep_group)
+        self._record(Wire("all_reduce", self.n_rep, self.rep_pos, flat.numel(), flat.numel()),
+                     flat.element_size())
+        return wire.call(funcol.all_reduce, flat, "sum", self.rep_group, wait=False)
 
     def finish_reduce(self, out: Tensor) -> None:
         flat = wire.waited(out)
@@ -339,6 +344,8 @@ def _pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     unit._remember(used)
     for p, t in zip(unit.params, used):
         p.module._parameters[p.attr] = t      # type: ignore[assignment]
+        for m, a in p.aliases:                # a tied parameter: one gathered tensor
+            m._parameters[a] = t              # type: ignore[assignment]
     if unit.reshard_after_forward and torch.is_grad_enabled():
         unit.hooks = torch.autograd.graph.saved_tensors_hooks(unit.pack, unit.unpack)
         unit.hooks.__enter__()
@@ -358,6 +365,8 @@ def _post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any
         unit.hooks = None
     for p in unit.params:
         p.module._parameters[p.attr] = p.param
+        for m, a in p.aliases:
+            m._parameters[a] = p.param
     unit.storages = {}
     return output
 
@@ -403,8 +412,9 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     has_units = any(hasattr(m, UNIT_ATTR) for m in module.modules() if m is not module)
     if reshard_after_forward is None:
         reshard_after_forward = not has_units
-    params = [_shard_param(bound, axis, m, attr, name, p, replicate)
-              for m, attr, name, p in _owned_params(module)]
+    owned, tied = _owned_params(module)
+    params = [_shard_param(bound, axis, m, attr, name, p, replicate, tied.get(id(p), ()),
+                           module) for m, attr, name, p in owned]
     unit = _Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
                  reshard_after_forward, prefetch, replicate)
     setattr(module, UNIT_ATTR, unit)
@@ -441,36 +451,58 @@ def _axis(bound: BoundMesh, axis: str | None) -> str:
     return axis
 
 
-def _owned_params(module: nn.Module) -> list[tuple[nn.Module, str, str, nn.Parameter]]:
-    """(module, attribute, qualified name, parameter) of every parameter `module` owns:
-    not those under a submodule that is a unit already. Tied parameters are refused."""
-    out, seen = [], {}
+Tied = dict[int, tuple[tuple[nn.Module, str], ...]]
+
+
+def _owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.Parameter]],
+                                              Tied]:
+    """(module, attribute, qualified name, parameter) of every parameter `module` owns, not
+    those under a submodule that is a unit already; and, per parameter, the other
+    (module, attribute) places that hold the same tensor (tied weights: one unit shards it
+    once and puts it in every place). A tensor tied to one another unit manages is refused,
+    as FSDP2 refuses it."""
+    out, seen, tied = [], {}, {}
+    units: dict[int, str] = {}          # id(module of a unit below) -> its qualified name
+
+    def elsewhere(p: Any) -> str | None:
+        """Where another unit holds `p` (a tensor it replaced by its shard), or None."""
+        holder = getattr(p, "_meshcomm_sharded_as", None)
+        if holder is None:
+            return None
+        owner, name = holder
+        return f"{units[owner]}.{name}" if owner in units else f"{name} of another unit"
 
     def walk(prefix: str, m: nn.Module) -> None:
         for attr, p in m._parameters.items():
             if p is None:
                 continue
             name = f"{prefix}{attr}"
-            if id(p) in seen:
+            taken = seen.get(id(p)) or elsewhere(p)
+            if taken is not None and (taken.endswith("(unit)") or id(p) not in seen):
                 raise ShapeError(
-                    f"fully_shard: parameter {name} is the same tensor as {seen[id(p)]} (tied"
-                    " weights), which FSDP would shard twice; fix: untie them, e.g."
-                    f" {name} = nn.Parameter({seen[id(p)]}.detach().clone()), before"
-                    " fully_shard")
-            seen[id(p)] = name
+                    f"fully_shard: parameter {name} is the same tensor as {taken}, which"
+                    " another fully_shard unit manages already (tied weights across units);"
+                    " fix: put every module that holds it in one unit (fully_shard their"
+                    " common parent, not each of them)")
             if is_dtensor(p) and getattr(p, "_meshcomm_fsdp", False):
                 raise ShapeError(f"fully_shard: parameter {name} is sharded by another unit"
-                                 " already (tied weights?); fix: untie them first")
+                                 " already (tied weights?); fix: put every module that holds"
+                                 " it in one unit")
+            if taken is not None:            # tied inside this unit: sharded once
+                tied[id(p)] = (*tied.get(id(p), ()), (m, attr))
+                continue
+            seen[id(p)] = name
             out.append((m, attr, name, p))
         for child_name, child in m._modules.items():
             if child is not None and not hasattr(child, UNIT_ATTR):
                 walk(f"{prefix}{child_name}.", child)
             elif child is not None:
+                units[id(child)] = f"{prefix}{child_name}"
                 for q in child.parameters():
                     seen.setdefault(id(q), f"{prefix}{child_name}.(unit)")
 
     walk("", module)
-    return out
+    return out, tied
 
 
 def _names(ndim: int) -> list[str]:
@@ -478,7 +510,9 @@ def _names(ndim: int) -> list[str]:
 
 
 def _shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name: str,
-                 p: nn.Parameter, replicate: str | None = None) -> _Param:
+                 p: nn.Parameter, replicate: str | None = None,
+                 aliases: tuple[tuple[nn.Module, str], ...] = (),
+                 unit_module: nn.Module | None = None) -> _Param:
     """`p` as a DTensor parameter sharded along dim 0 over `axis` (on top of the tensor
     parallel split a DTensor `p` already has)."""
     mesh = bound.mesh
@@ -523,8 +557,12 @@ def _shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name
     dt = wrap(local, dm, to_placements(mesh, shape, stored), shape)
     param = nn.Parameter(dt, requires_grad=p.requires_grad)
     param._meshcomm_fsdp = True      # type: ignore[attr-defined]
+    # the tensor replaced here: a later unit that meets it (a tie across units) refuses it
+    p._meshcomm_sharded_as = (id(unit_module), name)   # type: ignore[attr-defined]
     module._parameters[attr] = param
-    return _Param(module, attr, name, param, shape, use_shape, rows, stored, use)
+    for m, a in aliases:             # tied: every place holds the one sharded parameter
+        m._parameters[a] = param
+    return _Param(module, attr, name, param, shape, use_shape, rows, stored, use, aliases)
 
 
 # -- what runs when ---------------------------------------------------------------------------

@@ -144,6 +144,10 @@ class _TP:
         self.swapped: dict[str, Any] = {}
         self.bias: Any = None
         self.mask: Tensor | None = None
+        self.padding_idx: int | None = None
+        if self.spec.inputs == "tokens":     # (first row, rows) of this rank's vocabulary
+            sizes = chunk_sizes(module.num_embeddings, self.n)
+            self.vocab_rows = (sum(sizes[:self.pos]), sizes[self.pos])
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         spec, grad = self.spec, torch.is_grad_enabled()
@@ -162,11 +166,15 @@ class _TP:
         elif spec.inputs == "sequence":
             x = _SeqGather.apply(x, self.bound, self.axis)
         elif spec.inputs == "tokens":
-            rows = chunk_sizes(module.num_embeddings, self.n)
-            start = sum(rows[:self.pos])
+            start, rows = self.vocab_rows
             local = x - start
-            self.mask = (local >= 0) & (local < rows[self.pos])
-            x = local.clamp(0, max(rows[self.pos] - 1, 0))
+            self.mask = (local >= 0) & (local < rows)
+            x = local.clamp(0, max(rows - 1, 0))
+            # padding_idx is a global row: this shard's own index of it, or none here
+            self.padding_idx = module.padding_idx
+            if self.padding_idx is not None:
+                mine = self.padding_idx - start
+                module.padding_idx = mine if 0 <= mine < rows else None
         if spec.outputs in ("sum", "sequence") and spec.weight is not None:
             self.bias = module._parameters.get("bias")   # added once, after the sum
             if self.bias is not None:
@@ -180,6 +188,8 @@ class _TP:
         for attr, p in self.swapped.items():
             module._parameters[attr] = p
         self.swapped = {}
+        if self.spec.inputs == "tokens":
+            module.padding_idx = self.padding_idx
         spec = self.spec
         if spec.outputs == "as is":
             return out
@@ -225,6 +235,7 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
         raise MeshAxisError(f"parallelize(axis={axis!r}): not an axis of {mesh.mesh!r}; fix:"
                             f" one of {list(mesh.mesh.axis_names)}")
     modules = dict(module.named_modules())
+    targets: dict[str, str] = {}      # module name -> style; checked whole before any change
     for pattern, style in plan.items():
         if style not in STYLES:
             raise ShapeError(f"parallelize: style {style!r} for {pattern!r} is not one of"
@@ -239,30 +250,74 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
             if not isinstance(m, kind):
                 raise ShapeError(f"parallelize: {name} is an nn.{type(m).__name__}; style"
                                  f" {style!r} needs an nn.{kind.__name__}")
-            if hasattr(m, TP_ATTR):
+            if hasattr(m, TP_ATTR) or name in targets:
                 raise ShapeError(f"parallelize: {name} matches two patterns of the plan")
-            _split(m, name, style, mesh, axis)
+            targets[name] = style
+    tied = _check_ties(module, targets, axis)
+    split: dict[int, nn.Parameter | None] = dict.fromkeys(tied)  # tied: split once
+    for name, style in targets.items():
+        _split(modules[name], name, style, mesh, axis, split)
     return module
 
 
-def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str) -> None:
+def _param_layout(style: str | None, attr: str, ndim: int, axis: str) -> str:
+    """The layout `style` gives a module's parameter `attr` ("" for a module outside the
+    plan: the parameter stays a plain tensor)."""
+    spec = STYLES[style] if style else None
+    if spec is None or spec.weight is None:
+        return ""
+    if attr == "weight":
+        return spec.weight.replace("tp", axis)
+    if spec.outputs in ("split", "gather"):
+        return f"({axis} d0)"                  # the bias follows the output rows
+    return _names(ndim)                        # replicated
+
+
+def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str) -> set[int]:
+    """The ids of tensors held in several places (tied weights), which must be split alike
+    in all of them: each place's style gives it one layout, or the tie would silently come
+    apart. (The tensors stay alive in their places while `parallelize` runs.)"""
+    places: dict[int, list[tuple[str, Tensor]]] = {}
+    for qual, p in module.named_parameters(remove_duplicate=False):
+        places.setdefault(id(p), []).append((qual, p))
+    for held in places.values():
+        if len(held) < 2:
+            continue
+        layouts = []
+        for qual, p in held:
+            owner, _, attr = qual.rpartition(".")
+            layouts.append(_param_layout(targets.get(owner), attr, p.dim(), axis))
+        if len(set(layouts)) > 1:
+            where = ", ".join(f'{q} ("{lay}")' if lay else f"{q} (not split)"
+                              for (q, _), lay in zip(held, layouts))
+            raise ShapeError(
+                f"parallelize: {held[0][0]} is one tensor held in several places (tied"
+                f" weights) that the plan would split differently: {where}. fix: give every"
+                " module that holds it a style that splits it alike (an output layer tied to"
+                " an `embedding` takes `colwise` or `colwise_gather`), or untie them first")
+    return {key for key, held in places.items() if len(held) > 1}
+
+
+def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
+           split: dict[int, nn.Parameter | None]) -> None:
     spec = STYLES[style]
     for attr, p in list(m._parameters.items()):
         if p is None or spec.weight is None:
             continue
+        done = split.get(id(p))
+        if done is not None:               # tied: split alike elsewhere already
+            m._parameters[attr] = done
+            continue
         if is_dtensor(p):
             raise ShapeError(f"parallelize: {name}.{attr} is a DTensor already; fix:"
                              " parallelize before fully_shard, once")
-        if attr == "weight":
-            layout = Layout(spec.weight.replace("tp", axis))
-        elif spec.outputs in ("split", "gather"):
-            layout = Layout(f"({axis} d0)")            # the bias follows the output rows
-        else:
-            layout = Layout(_names(p.dim()))           # replicated
+        layout = Layout(_param_layout(style, attr, p.dim(), axis))
         shape = tuple(p.shape)
         local = _block(p.detach(), layout, bound, shape)
         dt = wrap(local, bound.device_mesh, to_placements(bound.mesh, shape, layout), shape)
         m._parameters[attr] = nn.Parameter(dt, requires_grad=p.requires_grad)
+        if id(p) in split:
+            split[id(p)] = m._parameters[attr]
     tp = _TP(m, name, style, bound, axis)
     setattr(m, TP_ATTR, tp)
     m.register_forward_pre_hook(tp.pre)

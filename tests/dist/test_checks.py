@@ -116,6 +116,17 @@ def test_mismatch_message_names_the_ranks_and_the_difference() -> None:
         " mesh=Mesh(dp=2, tp=2) plan=all_gather(tp)\n" + FIX)
 
 
+def test_a_shape_only_mismatch_names_shape() -> None:
+    """7 rows over dp=2 without shape=: rank 0 (4 rows) infers 8, rank 1 (3 rows) infers 6."""
+    mesh = mc.Mesh("dp=2")
+    eight, six = (reshard_fields(mc.plan(mesh, (n, 6), "(dp b) h", "b h"))[0] for n in (8, 6))
+    message = mismatch_message("reshard on Mesh(dp=2)", [0, 1], rows_for(eight, six))
+    assert message.splitlines()[-1] == (
+        "  fix: the ranks disagree on the global shape only: pass shape=(...), the global"
+        " shape, on every rank (without it each rank infers the shape from its own shard, and"
+        " uneven shards infer different ones)")
+
+
 def test_mismatch_message_with_three_classes_and_another_operation() -> None:
     a, b = reshard_of("(dp b) h"), reshard_of("(dp b) h", torch.float64)
     c = (("call", "all_gather"), ("group", 'over "tp" of Mesh(dp=2, tp=2)'))

@@ -247,9 +247,7 @@ def test_a_meta_model_allocates_only_this_rank_s_shards(four: list[dict[str, Any
 
 def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -> None:
     errors = four[0]["errors"]
-    assert errors["tied"].startswith("ShapeError: fully_shard: parameter 1.weight is the same"
-                                     " tensor as 0.weight (tied weights)")
-    assert "fix: untie them" in errors["tied"]
+    assert errors["tied"] == "ran"     # a tie inside one unit is kept (tests/dist/test_ties.py)
     assert errors["axis"].startswith("MeshAxisError: fully_shard(axis='tp'): not an axis of")
     assert "already sharded" in errors["twice"]
     assert errors["mesh"].startswith("MeshMismatchError: fully_shard needs a BoundMesh")

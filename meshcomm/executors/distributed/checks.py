@@ -258,9 +258,17 @@ def mismatch_message(what: str, ranks: Sequence[int], rows: Sequence[Sequence[in
     width = max(len(_ranks_text(classes[d])) for d in order) + 1
     lines += [f"  {(_ranks_text(classes[d]) + ':').ljust(width)} "
               + " ".join(f"{k}={v}" if k != "call" else v for k, v in shown[d]) for d in order]
-    lines.append("  fix: every rank of the group must make the same calls in the same order;"
-                 " look for a branch on the rank, or on data that differs between ranks,"
-                 " before this call")
+    shapes = {dict(shown[d]).get("shape") for d in order}
+    if len(shapes) > 1 and None not in shapes and all(
+            {k: v for k, v in shown[d] if k != "shape"} ==
+            {k: v for k, v in shown[ref] if k != "shape"} for d in order):
+        lines.append("  fix: the ranks disagree on the global shape only: pass shape=(...),"
+                     " the global shape, on every rank (without it each rank infers the"
+                     " shape from its own shard, and uneven shards infer different ones)")
+    else:
+        lines.append("  fix: every rank of the group must make the same calls in the same"
+                     " order; look for a branch on the rank, or on data that differs between"
+                     " ranks, before this call")
     return "\n".join(lines)
 
 
