@@ -133,7 +133,9 @@ def worker_8(rank: int, world: int) -> dict[str, Any]:
     nothing over dp (a plan that used dp there, as the planner does for a replicated
     tensor on this mesh, would mix the halves)."""
     bound = mc.init_mesh("dp=2 tp=4")
-    out: dict[str, Any] = {}
+    sub = bound.sub("tp")
+    out: dict[str, Any] = {"sub": (sub.mesh, sub.group_name("tp") == bound.group_name("tp"),
+                                   sub is bound.sub(("tp",)))}
     for fsdp in (False, True):
         m, x, y = built(Tiny(), bound, PLAN, fsdp)
         out[fsdp] = (losses_of(m, x, y, world),
@@ -154,6 +156,13 @@ def test_tensor_parallel_alone_and_under_fsdp_equals_one_process(
         assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, fsdp
         for name, p in ref.named_parameters():
             assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
+
+
+def test_the_tp_slice_of_a_bound_mesh(eight: list[dict[str, Any]]) -> None:
+    # rank r of dp=2 tp=4: its tp row, the same group, built once
+    assert [r["sub"] for r in eight] == [
+        (mc.Mesh("tp=4", ranks=list(range(4 * (r // 4), 4 * (r // 4) + 4))), True, True)
+        for r in range(8)]
 
 
 def test_tensor_parallel_on_dp2_tp4_equals_one_process(eight: list[dict[str, Any]]) -> None:
