@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError
@@ -140,6 +139,20 @@ class _Schedule:
 
 
 
+def _put_chunks(target: Tensor, rows: Tensor, pad: int) -> None:
+    """Write `rows` (torch.chunk'ed into `target.shape[0]` chunks of at most `pad` rows) into
+    `target` (chunks x pad x inner), the padding zeroed: at most four ops, whatever the
+    number of chunks (full chunks, the short one, then the padding)."""
+    n, total = target.shape[0], rows.shape[0]
+    full, rest = divmod(total, pad)
+    if full:
+        target[:full].copy_(rows[:full * pad].view(full, pad, -1))
+    if full < n:
+        target[full, :rest].copy_(rows[full * pad:])
+        target[full, rest:].zero_()
+        target[full + 1:].zero_()
+
+
 class _Unit:
     """A fully_shard'ed module's parameters and their communication."""
 
@@ -155,6 +168,7 @@ class _Unit:
         self.rep_group = bound.group_name(replicate) if replicate else None
         self.n_rep = bound.mesh.axis_size(replicate) if replicate else 1
         self.rep_pos = bound.mesh.coords(bound.rank)[replicate] if replicate else 0
+        self.width = sum(p.pad * p.inner for p in params)   # a position's padded elements
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
         self.pending: _Pending | None = None
@@ -173,11 +187,15 @@ class _Unit:
     def issue_gather(self) -> _Pending:
         """Start the unit's all_gather (returns at once; waited on in `finish_gather`)."""
         dtype = self.compute_dtype
-        pieces = []
-        for p in self.params:      # each shard padded to `pad` rows: one op per parameter
-            local = p.param.to_local().detach().to(dtype).reshape(-1)
-            pieces.append(F.pad(local, (0, p.pad * p.inner - local.numel())))
-        buf = torch.cat(pieces)
+        first = self.params[0].param.to_local()
+        buf = torch.empty(self.width, dtype=dtype, device=first.device)
+        off = 0
+        for p in self.params:      # each shard copied in, its padding rows zeroed: 2 ops
+            local = p.param.to_local().detach().reshape(-1)
+            buf[off:off + local.numel()].copy_(local)
+            if local.numel() < p.pad * p.inner:
+                buf[off + local.numel():off + p.pad * p.inner].zero_()
+            off += p.pad * p.inner
         self._record(Wire("all_gather", self.n, self.pos, buf.numel(), buf.numel() * self.n),
                      buf.element_size())
         return _Pending(wire.call(funcol.all_gather_single, buf, 0, self.group, wait=False))
@@ -243,13 +261,15 @@ class _Unit:
 
     def issue_reduce(self, grads: Sequence[Tensor]) -> Tensor:
         """Start the reduce_scatter of `grads` (from `accumulate`: in the reduce dtype)."""
-        columns = []
-        for p, g in zip(self.params, grads):   # n chunks of `pad` rows: one op per parameter
-            flat = g.reshape(-1)
-            padded = flat if p.even else F.pad(flat, (0, (self.n * p.pad - p.use_shape[0])
-                                                      * p.inner))
-            columns.append(padded.view(self.n, p.pad * p.inner))
-        buf = torch.cat(columns, dim=1).reshape(-1)
+        n = self.n
+        rows_out = torch.empty((n, self.width), dtype=grads[0].dtype, device=grads[0].device)
+        off = 0
+        for p, g in zip(self.params, grads):   # each gradient written into its column block
+            if p.pad:
+                _put_chunks(rows_out[:, off:off + p.pad * p.inner].view(n, p.pad, p.inner),
+                            g.reshape(p.use_shape[0], p.inner), p.pad)
+            off += p.pad * p.inner
+        buf = rows_out.reshape(-1)
         self._record(Wire("reduce_scatter", self.n, self.pos, buf.numel(),
                           buf.numel() // self.n), buf.element_size())
         return wire.call(funcol.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)

@@ -149,7 +149,8 @@ class _TP:
             sizes = chunk_sizes(module.num_embeddings, self.n)
             self.vocab_rows = (sum(sizes[:self.pos]), sizes[self.pos])
 
-    def pre(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+            ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         spec, grad = self.spec, torch.is_grad_enabled()
         for attr, p in list(module._parameters.items()):
             if p is not None and is_dtensor(p):     # not gathered by fully_shard: use the shard
@@ -160,7 +161,14 @@ class _TP:
                 if p is not None:
                     self.swapped.setdefault(attr, p)
                     module._parameters[attr] = _GradSum.apply(p, self.bound, self.axis)
-        x = args[0]
+        # the input: the first positional argument, or the first tensor passed by keyword
+        # (Hugging Face calls its attention and MLP blocks as block(hidden_states=...))
+        key = None if args else next(
+            (k for k, v in kwargs.items() if isinstance(v, Tensor)), None)
+        if not args and key is None:
+            raise ShapeError(f"parallelize: {self.name} ({self.style}) was called without a"
+                             " tensor argument; its style acts on the first tensor it gets")
+        x = args[0] if args else kwargs[key]
         if spec.inputs == "replicated" and grad:
             x = _GradSum.apply(x, self.bound, self.axis)
         elif spec.inputs == "sequence":
@@ -182,7 +190,9 @@ class _TP:
                 module._parameters["bias"] = None
                 if spec.outputs == "sequence" and grad:   # used on this rank's rows only
                     self.bias = _GradSum.apply(self.bias, self.bound, self.axis)
-        return (x, *args[1:])
+        if key is not None:
+            return args, {**kwargs, key: x}
+        return (x, *args[1:]), kwargs
 
     def post(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
         for attr, p in self.swapped.items():
@@ -320,7 +330,7 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
             split[id(p)] = m._parameters[attr]
     tp = _TP(m, name, style, bound, axis)
     setattr(m, TP_ATTR, tp)
-    m.register_forward_pre_hook(tp.pre)
+    m.register_forward_pre_hook(tp.pre, with_kwargs=True)
     m.register_forward_hook(tp.post)
 
 

@@ -58,7 +58,7 @@ class TinySP(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.emb(tokens)
-        h = h + self.mlp(self.norm1(h))
+        h = h + self.mlp(h=self.norm1(h))    # by keyword, as Hugging Face calls its blocks
         return self.out(self.norm2(h))
 
 
