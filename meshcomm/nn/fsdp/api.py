@@ -1,0 +1,171 @@
+"""What users call: `fully_shard`, `set_requires_gradient_sync`, `init_shards`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError
+from ...core.layout import Layout
+from ...executors.distributed.bind import BoundMesh
+from ...executors.local import run_slice
+from ...interop.placements import from_placements
+from ...interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of
+from .param import UNIT_ATTR, MixedPrecision, owned_params, shard_param
+from .schedule import Schedule
+from .state import post_forward, pre_forward
+from .unit import Unit
+
+
+def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
+                reshard_after_forward: bool | None = None,
+                mp_policy: MixedPrecision | None = None, prefetch: bool = True,
+                replicate: str | None = None) -> nn.Module:
+    """Shard the parameters `module` owns over mesh axis `axis` and gather them around its
+    forward (FSDP); returns `module` (changed in place), as FSDP2's `fully_shard`.
+
+    >>> for block in model.layers:                                  # doctest: +SKIP
+    ...     mc.nn.fully_shard(block, bound)
+    >>> mc.nn.fully_shard(model, bound)                             # doctest: +SKIP
+
+    `mesh`: a BoundMesh (`mc.init_mesh`) or a torch DeviceMesh. `axis`: the mesh axis to
+    shard over (default: the mesh's only axis, else "dp" or "fsdp"). Apply it to inner
+    modules first (each becomes one unit: one all_gather and one reduce_scatter), then to
+    the root, which takes the parameters no unit took. `reshard_after_forward` (default:
+    True, False for a module that holds other units) frees the gathered parameters after
+    forward and gathers them again in backward. `mp_policy`: `MixedPrecision`. `prefetch`:
+    issue the next unit's all_gather before computing this one (forward and backward).
+    `replicate`: HSDP, a second mesh axis over which the shards are replicated and the
+    gradients averaged too (one all_reduce of the shard per unit after its reduce_scatter).
+    Parameters on the meta device stay on it (shard-sized): `model.to_empty(device=...)`
+    then `mc.nn.init_shards(model, fn)` fills them.
+    """
+    bound = _bound(mesh)
+    axis = _axis(bound, axis)
+    if replicate is not None and (replicate not in bound.mesh.axis_names or replicate == axis):
+        raise MeshAxisError(f"fully_shard(replicate={replicate!r}): not an axis of"
+                            f" {bound.mesh!r} other than axis={axis!r}; fix: one of"
+                            f" {[a for a in bound.mesh.axis_names if a != axis]}")
+    if not bound.in_mesh:
+        raise MeshMismatchError(
+            f"fully_shard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
+            f" {list(bound.mesh.ranks)}), so it holds no shard and cannot run the model;"
+            " fix: build and shard the model on the mesh's ranks only (if bound.in_mesh: ...)")
+    if hasattr(module, UNIT_ATTR):
+        raise MeshMismatchError(f"fully_shard: {type(module).__name__} is already sharded;"
+                                " fix: call fully_shard once per module")
+    has_units = any(hasattr(m, UNIT_ATTR) for m in module.modules() if m is not module)
+    if reshard_after_forward is None:
+        reshard_after_forward = not has_units
+    owned, tied = owned_params(module)
+    params = [shard_param(bound, axis, m, attr, name, p, replicate, tied.get(id(p), ()),
+                           module) for m, attr, name, p in owned]
+    unit = Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
+                reshard_after_forward, prefetch, Schedule(), replicate)
+    setattr(module, UNIT_ATTR, unit)
+    if has_units:   # the units below and this one: one model, one recorded order
+        shared = Schedule()
+        for m in module.modules():
+            if hasattr(m, UNIT_ATTR):
+                getattr(m, UNIT_ATTR).schedule = shared
+    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
+    module.register_forward_hook(post_forward, with_kwargs=True)
+    return module
+
+
+def _bound(mesh: Any) -> BoundMesh:
+    if isinstance(mesh, BoundMesh):
+        return mesh
+    if type(mesh).__name__ == "DeviceMesh":
+        return bind_device_mesh(mesh)
+    raise MeshMismatchError(f"fully_shard needs a BoundMesh (mc.init_mesh) or a DeviceMesh,"
+                            f" got {type(mesh).__name__}")
+
+
+def _axis(bound: BoundMesh, axis: str | None) -> str:
+    names = bound.mesh.axis_names
+    if axis is None:
+        found = names if len(names) == 1 else [a for a in ("dp", "fsdp") if a in names]
+        if len(found) != 1:
+            raise MeshAxisError(f"fully_shard: which axis of {bound.mesh!r} shards the"
+                                f" parameters? fix: pass axis= one of {list(names)}")
+        axis = found[0]
+    if axis not in names:
+        raise MeshAxisError(f"fully_shard(axis={axis!r}): not an axis of {bound.mesh!r};"
+                            f" fix: one of {list(names)}")
+    return axis
+
+
+def set_requires_gradient_sync(module: nn.Module, requires: bool) -> nn.Module:
+    """Turn gradient reduction of every fully_shard unit in `module` off or back on (as
+    FSDP2's `set_requires_gradient_sync`): gradient accumulation over micro-batches.
+
+    With `requires=False`, backward sends nothing: each unit adds its unsharded gradients to
+    a buffer it keeps (the unit's full parameter size, per rank). The next backward with
+    `requires=True` adds the buffer to its gradients and reduce_scatters the sum once, so
+    `.grad` gets the average over ranks of the sum over micro-batches. Returns `module`.
+    """
+    units = [getattr(m, UNIT_ATTR) for m in module.modules() if hasattr(m, UNIT_ATTR)]
+    if not units:
+        raise MeshMismatchError(f"set_requires_gradient_sync: {type(module).__name__} has no"
+                                " fully_shard units; fix: call mc.nn.fully_shard first")
+    for unit in units:
+        unit.sync = bool(requires)
+    return module
+
+
+# -- meta-device models: fill each rank's shards -----------------------------------------------
+def init_shards(module: nn.Module, fn: Callable[[str, tuple[int, ...], tuple[slice, ...]], Tensor]
+                ) -> nn.Module:
+    """Fill every DTensor parameter's local shard with `fn(name, global_shape, index)`, where
+    `index` is this rank's block of the global tensor as one slice per dim: the function
+    computes only this rank's values (a model built on the meta device never exists whole).
+
+    >>> mc.nn.init_shards(model, lambda name, shape, index: torch.zeros(shape)[index])  # doctest: +SKIP
+
+    Call it after `model.to_empty(device=...)`. Plain (unsharded) parameters get
+    `fn(name, shape, full index)`. Returns `module`.
+    """
+    for name, p in module.named_parameters():
+        if is_dtensor(p):
+            mesh = type(_bound_mesh_of(p)).from_device_mesh(p.device_mesh)
+            layout = from_placements(mesh, global_shape(p), placements_of(p))
+            index = _block(layout, mesh, global_shape(p), _rank())
+            local = p.to_local()
+        else:
+            index, local = tuple(slice(0, n) for n in p.shape), p
+        values = fn(name, tuple(global_shape(p) if is_dtensor(p) else p.shape), index)
+        if tuple(values.shape) != tuple(local.shape):
+            raise ShapeError(f"init_shards: fn gave shape {tuple(values.shape)} for {name},"
+                             f" whose block {index} has shape {tuple(local.shape)}; fix: return"
+                             " the values of exactly that block")
+        with torch.no_grad():
+            local.copy_(values)
+    return module
+
+
+def _bound_mesh_of(p: Any) -> Any:
+    from ...core.mesh import Mesh
+
+    return Mesh.from_device_mesh(p.device_mesh)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def _block(layout: Layout, mesh: Any, shape: tuple[int, ...], rank: int) -> tuple[slice, ...]:
+    """This rank's block of `layout` as slices (the layout's indices must be one run per dim)."""
+    out = []
+    for dim, ix in enumerate(layout.indices(mesh, shape, rank)):
+        s = run_slice(ix)
+        if s is None:
+            raise ShapeError(f"init_shards: dim {dim} of \"{layout}\" gives rank {rank} rows"
+                             " that are not one run; fn gets slices only for blocks")
+        out.append(s)
+    return tuple(out)

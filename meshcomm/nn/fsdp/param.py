@@ -1,0 +1,174 @@
+"""One parameter of a fully_shard unit: how it is sharded (at wrap time) and the numbers a
+step needs about it, computed once; and the mixed-precision policy value. Never
+communicates."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.errors import MeshMismatchError, ShapeError
+from ...core.layout import Layout
+from ...core.reduce_ops import chunk_sizes
+from ...executors.distributed.bind import BoundMesh
+from ...interop.placements import from_placements, to_placements
+from ...interop.runtime import global_shape, is_dtensor, placements_of, wrap
+
+UNIT_ATTR = "_meshcomm_fsdp_unit"     # the attribute a fully_shard'ed module holds its unit in
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes of FSDP's communication and compute (None: the parameter's own dtype).
+
+    `param_dtype`: the dtype parameters are gathered and computed in (the shards stay in
+    their own dtype for the optimizer). `reduce_dtype`: the dtype gradients are reduced in;
+    they are stored in the parameter's dtype.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass
+class Param:
+    """One parameter of a unit: where it lives, its layouts and its shard sizes.
+
+    Everything a step needs is a number computed here, once: a step never looks at every
+    position of the axis (`rows` is for reports only)."""
+
+    module: nn.Module
+    attr: str
+    name: str
+    param: nn.Parameter            # the DTensor parameter
+    shape: tuple[int, ...]         # global shape
+    use_shape: tuple[int, ...]     # gathered: the shape forward computes with
+    rows: tuple[int, ...]          # dim-0 rows of each position along the axis
+    stored: Layout
+    use: Layout
+    aliases: tuple[tuple[nn.Module, str], ...] = ()   # other places of a tied parameter
+
+    def __post_init__(self) -> None:
+        # torch.chunk rows: full chunks of `pad` rows, one shorter, then empty ones; so the
+        # gathered rows are the first use_shape[0] of the n padded chunks laid end to end.
+        self.pad = max(self.rows, default=0)
+        self.inner = math.prod(self.use_shape[1:])
+        self.even = all(r == self.pad for r in self.rows)
+
+
+Tied = dict[int, tuple[tuple[nn.Module, str], ...]]
+
+
+def owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.Parameter]],
+                                              Tied]:
+    """(module, attribute, qualified name, parameter) of every parameter `module` owns, not
+    those under a submodule that is a unit already; and, per parameter, the other
+    (module, attribute) places that hold the same tensor (tied weights: one unit shards it
+    once and puts it in every place). A tensor tied to one another unit manages is refused,
+    as FSDP2 refuses it."""
+    out, seen, tied = [], {}, {}
+    units: dict[int, str] = {}          # id(module of a unit below) -> its qualified name
+
+    def elsewhere(p: Any) -> str | None:
+        """Where another unit holds `p` (a tensor it replaced by its shard), or None."""
+        holder = getattr(p, "_meshcomm_sharded_as", None)
+        if holder is None:
+            return None
+        owner, name = holder
+        return f"{units[owner]}.{name}" if owner in units else f"{name} of another unit"
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for attr, p in m._parameters.items():
+            if p is None:
+                continue
+            name = f"{prefix}{attr}"
+            taken = seen.get(id(p)) or elsewhere(p)
+            if taken is not None and (taken.endswith("(unit)") or id(p) not in seen):
+                raise ShapeError(
+                    f"fully_shard: parameter {name} is the same tensor as {taken}, which"
+                    " another fully_shard unit manages already (tied weights across units);"
+                    " fix: put every module that holds it in one unit (fully_shard their"
+                    " common parent, not each of them)")
+            if is_dtensor(p) and getattr(p, "_meshcomm_fsdp", False):
+                raise ShapeError(f"fully_shard: parameter {name} is sharded by another unit"
+                                 " already (tied weights?); fix: put every module that holds"
+                                 " it in one unit")
+            if taken is not None:            # tied inside this unit: sharded once
+                tied[id(p)] = (*tied.get(id(p), ()), (m, attr))
+                continue
+            seen[id(p)] = name
+            out.append((m, attr, name, p))
+        for child_name, child in m._modules.items():
+            if child is not None and not hasattr(child, UNIT_ATTR):
+                walk(f"{prefix}{child_name}.", child)
+            elif child is not None:
+                units[id(child)] = f"{prefix}{child_name}"
+                for q in child.parameters():
+                    seen.setdefault(id(q), f"{prefix}{child_name}.(unit)")
+
+    walk("", module)
+    return out, tied
+
+
+def _names(ndim: int) -> list[str]:
+    return [f"d{i}" for i in range(ndim)]
+
+
+def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name: str,
+                 p: nn.Parameter, replicate: str | None = None,
+                 aliases: tuple[tuple[nn.Module, str], ...] = (),
+                 unit_module: nn.Module | None = None) -> Param:
+    """`p` as a DTensor parameter sharded along dim 0 over `axis` (on top of the tensor
+    parallel split a DTensor `p` already has)."""
+    mesh = bound.mesh
+    if p.dim() == 0:
+        raise ShapeError(f"fully_shard: parameter {name} is a scalar; FSDP shards dim 0."
+                         " fix: make it shape (1,) or keep it outside the unit")
+    names = _names(p.dim())
+    if is_dtensor(p):
+        if bound.mesh != type(mesh).from_device_mesh(p.device_mesh):
+            raise MeshMismatchError(f"fully_shard: parameter {name} is a DTensor on"
+                                    f" {type(mesh).from_device_mesh(p.device_mesh)!r}, not on"
+                                    f" {mesh!r}; fix: parallelize on the same mesh")
+        shape = global_shape(p)
+        use = from_placements(mesh, shape, placements_of(p), names=" ".join(names))
+        for taken in (axis, replicate):
+            if taken is not None and (taken in use.sharded_axes(mesh) or use.partial_axes):
+                raise ShapeError(f"fully_shard: parameter {name} is already split over"
+                                 f' {taken!r} ("{use}"); fix: shard it over another axis')
+        full = p.to_local()
+    else:
+        shape, use, full = tuple(p.shape), Layout(" ".join(names)), p.detach()
+    use_shape = tuple(full.shape)
+    first = use.dims[0].factors
+    stored = Layout(" ".join(
+        ["(" + " ".join([f.name for f in first[:-1]] + [axis, first[-1].name]) + ")"]
+        + [str(d) for d in use.dims[1:]]))
+    n = mesh.axis_size(axis)
+    rows = chunk_sizes(use_shape[0], n)
+    mine = stored.local_shape(mesh, shape, bound.rank) if bound.in_mesh else None
+    me = mesh.coords(bound.rank)[axis]
+    if mine is None or mine[0] != rows[me] or tuple(mine[1:]) != use_shape[1:]:
+        raise ShapeError(
+            f"fully_shard: parameter {name} of shape {shape} (\"{use}\") cannot be split"
+            f" evenly enough over {axis!r}: its shards would not be consecutive rows."
+            f" fix: make dim 0 ({shape[0]}) divisible by the sizes of the axes that split it")
+    start = sum(rows[:me])
+    if full.is_meta:
+        local = torch.empty((rows[me], *use_shape[1:]), dtype=full.dtype, device="meta")
+    else:
+        local = full[start:start + rows[me]].detach().clone()
+    dm = p.device_mesh if is_dtensor(p) else bound.device_mesh
+    dt = wrap(local, dm, to_placements(mesh, shape, stored), shape)
+    param = nn.Parameter(dt, requires_grad=p.requires_grad)
+    param._meshcomm_fsdp = True      # type: ignore[attr-defined]
+    # the tensor replaced here: a later unit that meets it (a tie across units) refuses it
+    p._meshcomm_sharded_as = (id(unit_module), name)   # type: ignore[attr-defined]
+    module._parameters[attr] = param
+    for m, a in aliases:             # tied: every place holds the one sharded parameter
+        m._parameters[a] = param
+    return Param(module, attr, name, param, shape, use_shape, rows, stored, use, aliases)

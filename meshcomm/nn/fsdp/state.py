@@ -1,0 +1,106 @@
+"""What runs when: the autograd node that hands a unit's gradients to its reduce_scatter,
+the end-of-backward callback, and the forward hooks that put the gathered parameters in
+place and take them out again (the order units run in is schedule.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ...executors.distributed import wire
+from .param import UNIT_ATTR
+from .schedule import Schedule
+from .unit import Unit
+
+
+def finish_backward(schedule: Schedule[Unit]) -> None:
+    pending, schedule.pending_reduce = schedule.pending_reduce, []
+    schedule.callback_queued = False
+    outs = [out if done else unit.issue_replica_reduce(out) for unit, out, done in pending]
+    for (unit, _, _), out in zip(pending, outs):
+        unit.finish_reduce(out)
+    for unit in schedule.order:     # a prefetch no forward used would be stale next step
+        unit.regather.release()
+        if unit.pending is not None:
+            wire.waited(unit.pending.out)
+            unit.pending = None
+
+
+class Gathered(torch.autograd.Function):
+    """Forward: the unit's gathered parameters (already gathered: they are passed through).
+    Backward: the unit's gradients reduce_scattered, written to `.grad` when backward ends."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, gathered: list[Tensor], *params: Tensor
+                ) -> tuple[Tensor, ...]:
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in gathered)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
+        unit: Unit = ctx.unit
+        unit.regather.release()    # every use of the saved parameters is behind us
+        schedule = unit.schedule
+        if not schedule.callback_queued:
+            schedule.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: finish_backward(schedule))
+        grads_now = unit.accumulate(grads)
+        if not unit.sync:          # gradient accumulation: keep them unsharded, send nothing
+            unit.unsharded_grads = grads_now
+            return (None, None) + (None,) * len(unit.params)
+        if schedule.pending_reduce and not schedule.pending_reduce[-1][2]:
+            # HSDP: the previous unit's reduce_scatter had this unit's backward to finish;
+            # its all_reduce over the replicas now runs while the rest of backward computes
+            before, out, _ = schedule.pending_reduce[-1]
+            schedule.pending_reduce[-1] = (before, before.issue_replica_reduce(out), True)
+        schedule.pending_reduce.append((unit, unit.issue_reduce(grads_now),
+                                        unit.rep_group is None))
+        return (None, None) + (None,) * len(unit.params)
+
+
+def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
+    unit: Unit = getattr(module, UNIT_ATTR)
+    schedule = unit.schedule
+    if schedule.recording:
+        schedule.record(unit)
+    gathered = unit.gather() if unit.params else []
+    after = schedule.next_forward(unit)
+    if unit.prefetch and after is not None:
+        after.prefetch_gather()
+    params = [p.param for p in unit.params]
+    if params and torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        used = list(Gathered.apply(unit, gathered, *params))  # type: ignore[no-untyped-call]
+    else:
+        used = gathered
+    unit.regather.remember(used)
+    for p, t in zip(unit.params, used):
+        p.module._parameters[p.attr] = t      # type: ignore[assignment]
+        for m, a in p.aliases:                # a tied parameter: one gathered tensor
+            m._parameters[a] = t              # type: ignore[assignment]
+    if unit.reshard_after_forward and torch.is_grad_enabled():
+        unit.hooks = torch.autograd.graph.saved_tensors_hooks(unit.regather.pack,
+                                                               unit.regather.unpack)
+        unit.hooks.__enter__()
+    dtype = unit.mp.param_dtype
+    if dtype is None:
+        return None
+    # as FSDP2: floating-point inputs of the unit computed in param_dtype
+    def cast(x: Any) -> Any:
+        return x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x
+    return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+
+def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    unit: Unit = getattr(module, UNIT_ATTR)
+    if unit.hooks is not None:
+        unit.hooks.__exit__(None, None, None)
+        unit.hooks = None
+    for p in unit.params:
+        p.module._parameters[p.attr] = p.param
+        for m, a in p.aliases:
+            m._parameters[a] = p.param
+    unit.regather.forget()
+    return output

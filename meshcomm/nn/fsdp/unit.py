@@ -1,0 +1,149 @@
+"""A fully_shard unit's communication: one all_gather of all its parameters (copy-in: one
+buffer, each shard padded to the largest; copy-out: views of the gathered rows), one
+reduce_scatter of its gradients (written into one buffer), and HSDP's all_reduce of the
+shard over the replicas. Every call goes through the executor's wire module and its bytes
+are counted by the executor's `Wire` formulas. A step's work here is a few tensor ops per
+parameter, whatever the world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor, nn
+
+from ...executors.distributed import wire
+from ...executors.distributed.bind import BoundMesh
+from ...executors.steps import Wire
+from ...interop.runtime import wrap
+from .param import MixedPrecision, Param
+from .regather import Regather
+from .schedule import Schedule
+
+
+@dataclass
+class Pending:
+    out: Tensor                    # the issued all_gather's result (waited on at use)
+
+
+class Unit:
+    """A fully_shard'ed module's parameters and their communication."""
+
+    def __init__(self, module: nn.Module, bound: BoundMesh, axis: str, params: list[Param],
+                 mp: MixedPrecision, reshard_after_forward: bool, prefetch: bool,
+                 schedule: Schedule[Unit], replicate: str | None = None) -> None:
+        self.module, self.bound, self.axis, self.params = module, bound, axis, params
+        self.mp, self.reshard_after_forward, self.prefetch = mp, reshard_after_forward, prefetch
+        self.group = bound.group_name(axis)
+        self.n = bound.mesh.axis_size(axis)
+        self.pos = bound.mesh.coords(bound.rank)[axis]
+        self.replicate = replicate       # HSDP: gradients also averaged over this axis
+        self.rep_group = bound.group_name(replicate) if replicate else None
+        self.n_rep = bound.mesh.axis_size(replicate) if replicate else 1
+        self.rep_pos = bound.mesh.coords(bound.rank)[replicate] if replicate else 0
+        self.width = sum(p.pad * p.inner for p in params)   # a position's padded elements
+        self.offsets = [sum(q.pad * q.inner for q in params[:i]) for i in range(len(params))]
+        self.short = any(p.rows[self.pos] < p.pad for p in params)   # padding to zero
+        self.sync = True                 # False: accumulate unsharded gradients, no reduce
+        self.unsharded_grads: list[Tensor] | None = None
+        self.pending: Pending | None = None
+        self.regather = Regather(self)   # the saved-tensor hooks (regather.py)
+        self.hooks: Any = None
+        self.schedule = schedule         # shared by every unit of one model (see fully_shard)
+        self.sent_bytes = 0
+        self.received_bytes = 0
+
+    # -- all_gather ------------------------------------------------------------------
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.mp.param_dtype or self.params[0].param.dtype
+
+    def issue_gather(self) -> Pending:
+        """Start the unit's all_gather (returns at once; waited on in `finish_gather`)."""
+        dtype = self.compute_dtype
+        locals_ = [p.param.to_local().detach().reshape(-1) for p in self.params]
+        buf = torch.empty(self.width, dtype=dtype, device=locals_[0].device)
+        if self.short:               # some shard of this rank is short: zero its padding
+            buf.zero_()
+        # every shard copied (and cast) into its place in one op, as FSDP2's copy-in
+        torch._foreach_copy_([buf[o:o + t.numel()] for o, t in zip(self.offsets, locals_)],
+                             locals_)
+        self._record(Wire("all_gather", self.n, self.pos, buf.numel(), buf.numel() * self.n),
+                     buf.element_size())
+        return Pending(wire.call(funcol.all_gather_single, buf, 0, self.group, wait=False))
+
+    def _record(self, call: Wire, itemsize: int) -> None:
+        """Count one collective call's bytes by the executor's formulas (`Wire`)."""
+        self.sent_bytes += call.sent * itemsize
+        self.received_bytes += call.received * itemsize
+
+    def finish_gather(self, pending: Pending) -> list[Tensor]:
+        """The gathered parameters (views of the gathered buffer where shards are even)."""
+        flat = wire.waited(pending.out).view(self.n, -1)
+        out, off = [], 0
+        for p in self.params:
+            width = p.pad * p.inner
+            block = flat[:, off:off + width].reshape(self.n * p.pad, p.inner)
+            off += width
+            full = block if p.even else block[:p.use_shape[0]]    # drop the padding rows
+            out.append(full.view(p.use_shape))
+        return out
+
+    def gather(self) -> list[Tensor]:
+        pending, self.pending = self.pending, None
+        return self.finish_gather(pending or self.issue_gather())
+
+    def prefetch_gather(self) -> None:
+        if self.pending is None and self.params:
+            self.pending = self.issue_gather()
+
+    # -- reduce_scatter -----------------------------------------------------------------
+    def accumulate(self, grads: Sequence[Tensor | None]) -> list[Tensor]:
+        """`grads` plus the unsharded gradients kept by backward passes without sync."""
+        dtype = self.mp.reduce_dtype or self.params[0].param.dtype
+        out = [torch.zeros(p.use_shape, dtype=dtype, device=p.param.device) if g is None
+               else g.to(dtype) for p, g in zip(self.params, grads)]
+        if self.unsharded_grads is not None:
+            out = [a + b for a, b in zip(out, self.unsharded_grads)]
+        self.unsharded_grads = None
+        return out
+
+    def issue_reduce(self, grads: Sequence[Tensor]) -> Tensor:
+        """Start the reduce_scatter of `grads` (from `accumulate`: in the reduce dtype)."""
+        # n chunks of each gradient (torch.chunk rows, padded to `pad`), laid out position
+        # by position: one op for the unit, as FSDP2's reduce-scatter copy-in
+        rows = [g.reshape(p.use_shape[0], p.inner) for p, g in zip(self.params, grads) if p.pad]
+        buf = (torch._chunk_cat(rows, 0, self.n).reshape(-1) if rows
+               else grads[0].new_empty(0))
+        self._record(Wire("reduce_scatter", self.n, self.pos, buf.numel(),
+                          buf.numel() // self.n), buf.element_size())
+        return wire.call(funcol.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)
+
+    def issue_replica_reduce(self, out: Tensor) -> Tensor:
+        """HSDP: the reduce_scatter's shard summed over the replicate axis (waits for the
+        reduce_scatter, returns the all_reduce at once); without HSDP, `out` itself."""
+        if self.rep_group is None:
+            return out
+        flat = wire.waited(out)
+        self._record(Wire("all_reduce", self.n_rep, self.rep_pos, flat.numel(), flat.numel()),
+                     flat.element_size())
+        return wire.call(funcol.all_reduce, flat, "sum", self.rep_group, wait=False)
+
+    def finish_reduce(self, out: Tensor) -> None:
+        flat = wire.waited(out)
+        off = 0
+        for p in self.params:
+            width = p.pad * p.inner
+            rows = p.rows[self.pos]
+            local = flat[off:off + rows * p.inner].view(p.param.to_local().shape)
+            off += width
+            local = local.to(p.param.dtype) / (self.n * self.n_rep)
+            grad = wrap(local, p.param.device_mesh, p.param.placements, p.shape)
+            if p.param.grad is None:
+                p.param.grad = grad
+            else:
+                p.param.grad += grad
