@@ -1,19 +1,21 @@
 """A fully_shard unit's communication: one all_gather of all its parameters (copy-in: one
-buffer, each shard padded to the largest; copy-out: views of the gathered rows), one
-reduce_scatter of its gradients (written into one buffer), and HSDP's all_reduce of the
-shard over the replicas. Every call goes through the executor's wire module and its bytes
+`_foreach_copy_` into one buffer, each shard padded to the largest; copy-out: the gathered
+rows), one reduce_scatter of its gradients (copy-in: one concatenation), and HSDP's
+all_reduce of the shard over the replicas. Every call goes through the executor's wire module and its bytes
 are counted by the executor's `Wire` formulas. A step's work here is a few tensor ops per
 parameter, whatever the world size.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...executors.distributed import wire
@@ -46,7 +48,7 @@ class Unit:
         self.n_rep = bound.mesh.axis_size(replicate) if replicate else 1
         self.rep_pos = bound.mesh.coords(bound.rank)[replicate] if replicate else 0
         self.width = sum(p.pad * p.inner for p in params)   # a position's padded elements
-        self.offsets = [sum(q.pad * q.inner for q in params[:i]) for i in range(len(params))]
+        self.offsets = [0, *itertools.accumulate(p.pad * p.inner for p in params)][:-1]
         self.short = any(p.rows[self.pos] < p.pad for p in params)   # padding to zero
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
@@ -114,11 +116,15 @@ class Unit:
 
     def issue_reduce(self, grads: Sequence[Tensor]) -> Tensor:
         """Start the reduce_scatter of `grads` (from `accumulate`: in the reduce dtype)."""
-        # n chunks of each gradient (torch.chunk rows, padded to `pad`), laid out position
-        # by position: one op for the unit, as FSDP2's reduce-scatter copy-in
-        rows = [g.reshape(p.use_shape[0], p.inner) for p, g in zip(self.params, grads) if p.pad]
-        buf = (torch._chunk_cat(rows, 0, self.n).reshape(-1) if rows
-               else grads[0].new_empty(0))
+        # n chunks of each gradient (torch.chunk rows: a prefix of n padded chunks), laid out
+        # position by position: a pad for each short parameter, one concatenation
+        columns = []
+        for p, g in zip(self.params, grads):
+            flat = g.reshape(-1)
+            if not p.even:
+                flat = F.pad(flat, (0, (self.n * p.pad - p.use_shape[0]) * p.inner))
+            columns.append(flat.view(self.n, p.pad * p.inner))
+        buf = torch.cat(columns, dim=1).reshape(-1)
         self._record(Wire("reduce_scatter", self.n, self.pos, buf.numel(),
                           buf.numel() // self.n), buf.element_size())
         return wire.call(funcol.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)
