@@ -21,9 +21,7 @@ from torch import nn
 import meshcomm as mc
 
 from conftest import outcome, ranks_fixture
-
-STEPS = 3
-
+from test_parallel import losses_of
 
 class TiedLM(nn.Module):
     def __init__(self, vocab: int = 11, padding_idx: int | None = None) -> None:
@@ -48,21 +46,6 @@ def data(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randint(0, vocab, (8, 6), generator=g)
 
 
-def train(m: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int) -> list[float]:
-    opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    out = []
-    for _ in range(STEPS):
-        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        if world > 1:
-            torch.distributed.all_reduce(total)
-        out.append(total.item() / world)
-    return out
-
-
 def full(p: Any) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
@@ -82,7 +65,7 @@ def run_case(bound: mc.BoundMesh, case: str, world: int) -> dict[str, Any]:
         dp = bound.coords["dp"]
         x, y = x[dp * 4:(dp + 1) * 4], y[dp * 4:(dp + 1) * 4]
     # under FSDP each dp half of the batch: the mean over all ranks is the whole batch's loss
-    losses = train(m, x, y, world if case in ("fsdp", "tp+fsdp") else 1)
+    losses = losses_of(m, x, y, world if case in ("fsdp", "tp+fsdp") else 1)
     return {"losses": losses, "tied": m.emb.weight is m.head.weight,
             "params": {n: full(p) for n, p in m.named_parameters(remove_duplicate=False)}}
 
@@ -112,7 +95,7 @@ def reference(case: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     if case == "padding":
         m.head.weight = nn.Parameter(m.emb.weight.detach().clone())
     x, y = data(vocab)
-    losses = train(m, x, y, 1)
+    losses = losses_of(m, x, y, 1)
     return losses, {n: p.detach() for n, p in m.named_parameters(remove_duplicate=False)}
 
 
