@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -71,9 +72,19 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
         for m in module.modules():
             if hasattr(m, UNIT_ATTR):
                 getattr(m, UNIT_ATTR).schedule = shared
-    module.register_forward_pre_hook(pre_forward, with_kwargs=True)
-    module.register_forward_hook(post_forward, with_kwargs=True)
+    pre, post = _eager_hooks()
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True)
     return module
+
+
+@functools.cache
+def _eager_hooks() -> tuple[Any, Any]:
+    """The forward hooks, run eagerly under torch.compile (as FSDP2's): a compiled module
+    compiles its own forward, and the hooks' per-unit state (which unit, the recorded order)
+    is never a guard that recompiles it for each unit. Made on first use: importing
+    torch._dynamo costs seconds, and only fully_shard needs it."""
+    return torch.compiler.disable(pre_forward), torch.compiler.disable(post_forward)
 
 
 def _bound(mesh: Any) -> BoundMesh:
