@@ -91,6 +91,10 @@ _MOVED = {
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":    # the installed distribution's (pyproject.toml's) version
+        from importlib.metadata import version
+
+        return version("meshcomm")
     if name in _EXPORTS:
         module = importlib.import_module(_EXPORTS[name])
         value = module if name in _NAMESPACES else getattr(module, name)

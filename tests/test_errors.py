@@ -180,3 +180,11 @@ def test_caret_and_did_you_mean_helpers():
     assert errors.caret("ab", 1) == "    ab\n     ^"
     assert errors.did_you_mean("tq", ["dp", "tp"]) == 'did you mean "tp"?'
     assert errors.did_you_mean("zzz", ["dp", "tp"]) == ""
+
+
+def test_two_swapped_letters_are_one_typo() -> None:
+    from meshcomm.core.errors import did_you_mean
+
+    assert did_you_mean("pd", ["tp", "dp"]) == 'did you mean "dp"?'     # not "tp"
+    assert did_you_mean("tpp", ["dp", "tp"]) == 'did you mean "tp"?'
+    assert did_you_mean("xyz", ["dp", "tp"]) == ""

@@ -244,3 +244,13 @@ def test_a_narrow_console_wraps_the_plan_table_and_drops_no_column(width: int) -
     row = p.rows()[0]
     for cell in ("48 B", "56 B", "152 B", format_us(row["time_s"])):
         assert cell in text, (cell, text)
+
+
+def test_a_plan_s_repr_is_one_line() -> None:
+    """At a REPL a plan shows its move, not a dump of every field (print() gives the table)."""
+    p = mc.plan(mc.Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
+    assert repr(p) == ('Plan("(dp b) s (tp h)" -> "b (dp s) (tp h)", shape=(8, 16, 32), float32,'
+                       " Mesh(dp=2, tp=4), steps=[all_to_all(dp)])")
+    cross = mc.plan(mc.Mesh("tp=2"), (8, 4), "(tp b) h", "b h",
+                    dst_mesh=mc.Mesh("tp=2", ranks=[2, 3]))
+    assert repr(cross).endswith("dst_mesh=Mesh(tp=2, ranks=[2, 3]), steps=[send_recv])")

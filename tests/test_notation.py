@@ -83,6 +83,10 @@ def test_parsed_once_cached_and_frozen():
     assert Layout("(dp b) s") != "(dp b) s"
 
 
+def test_a_dim_named_like_an_op_still_parses():
+    assert str(Layout("sum (dp b)")) == "sum (dp b)"       # a space: a dim "sum", then a group
+
+
 def test_as_layout_rejects_other_types():
     with pytest.raises(ShapeError, match=re.escape(
             "layout must be a layout string or Layout, got int")):
@@ -142,6 +146,8 @@ BAD = [
                        "write e.g. sum(tp, cp)")),
     ("b | sum(tp=2)", _msg("b | sum(tp=2)", "        ^^^^ expected a mesh axis name",
                            "write e.g. sum(tp, cp)")),
+    ("a b sum(tp)", _msg("a b sum(tp)", "    ^^^ a pending reduction comes after a bar",
+                         'write "a b | sum(tp)"')),
     ("b | sum(tp) max(cp)", _msg("b | sum(tp) max(cp)", "  ^^^^^^^^^^^^^^^^^ one layout can hold"
                                  " one pending reduction, got ['sum', 'max']",
                                  "resolve one reduction first (e.g. reshard to a layout without"

@@ -101,3 +101,13 @@ def test_every_cache_in_the_docs_table_exists_and_is_bounded() -> None:
         module, _, attr = name.rpartition(".")
         cached = getattr(importlib.import_module(f"meshcomm.{module}"), attr)
         assert cached.cache_info().maxsize, name
+
+
+def test_version_is_the_package_s() -> None:
+    try:
+        import tomllib
+    except ModuleNotFoundError:      # Python 3.10: the tomli backport (a dependency there)
+        import tomli as tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert mc.__version__ == project["version"]

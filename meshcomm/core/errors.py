@@ -77,6 +77,22 @@ def caret(text: str, start: int, end: int | None = None, note: str = "") -> str:
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """' fix: did you mean "x"?' for the closest choice, or '' when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    """' fix: did you mean "x"?' for the closest choice, or '' when none is close. Two
+    swapped letters count as one typo ("pd" is "dp", not "tp").
+
+    >>> did_you_mean("pd", ["dp", "tp"]), did_you_mean("tpp", ["dp", "tp"])
+    ('did you mean "dp"?', 'did you mean "tp"?')
+    """
+    options = list(choices)
+    swapped = [c for c in options if len(c) == len(word) and c != word and _one_swap(word, c)]
+    if swapped:
+        return f'did you mean "{swapped[0]}"?'
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.5)
     return f'did you mean "{close[0]}"?' if close else ""
+
+
+def _one_swap(a: str, b: str) -> bool:
+    """True if `b` is `a` with two neighbouring letters swapped."""
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    return (len(diff) == 2 and diff[1] == diff[0] + 1
+            and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]])

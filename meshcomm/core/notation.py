@@ -80,6 +80,12 @@ def parse(text: str) -> Pattern:
         raise LayoutSyntaxError(f"a layout is a string such as \"(dp b) s\", got {text!r}")
     bar = text.find("|")
     body = text if bar < 0 else text[:bar]
+    missing_bar = re.search(rf"\b({'|'.join(REDUCE_OPS)})\(", body)
+    if missing_bar:       # "a b sum(tp)" would read as the dims a, b, sum and (tp)
+        before = body[:missing_bar.start()].rstrip()
+        raise _fail(text, missing_bar.start(), missing_bar.end(1),
+                    "a pending reduction comes after a bar", f'write "{before} | '
+                    f'{text[missing_bar.start():].strip()}"')
     dims = _parse_dims(text, body)
     op, axes = (None, ()) if bar < 0 else _parse_reduce(text, bar)
     _check_unique(text, dims, axes)

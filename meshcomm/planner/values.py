@@ -281,6 +281,20 @@ class Plan:
     def __str__(self) -> str:
         return self.explain()
 
+    def __repr__(self) -> str:
+        """One line (a REPL shows it): the move, the shape, the mesh and the steps;
+        `print(plan)` gives the table.
+
+        >>> mc.plan(mc.Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
+        Plan("(dp b) s (tp h)" -> "b (dp s) (tp h)", shape=(8, 16, 32), float32, Mesh(dp=2, tp=4), steps=[all_to_all(dp)])
+        """
+        steps = ", ".join(s.action if s.kind == "local" else
+                          f"{s.kind}({', '.join(s.axes)})" if s.axes else s.kind
+                          for s in self.steps)
+        to = f", dst_mesh={self.dst_mesh!r}" if self.dst_mesh is not None else ""
+        return (f'Plan("{self.src}" -> "{self.dst}", shape={self.shape},'
+                f" {str(self.dtype).removeprefix('torch.')}, {self.mesh!r}{to}, steps=[{steps}])")
+
 
 def _local_shape(p: Plan, mesh: Mesh, layout: Layout) -> Shape:
     """The largest local shape any rank holds under `layout` (ranks differ when uneven)."""

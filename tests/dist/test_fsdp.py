@@ -198,6 +198,9 @@ def errors(bound: mc.BoundMesh) -> dict[str, str]:
     m = nn.Linear(2, 2)
     mc.nn.fully_shard(m, bound)
     attempt("twice", lambda: mc.nn.fully_shard(m, bound))
+    outer = nn.Sequential(nn.Linear(2, 2))
+    mc.nn.fully_shard(outer, bound)
+    attempt("root_first", lambda: mc.nn.fully_shard(outer[0], bound))
     attempt("mesh", lambda: mc.nn.fully_shard(nn.Linear(2, 2), mc.Mesh("dp=4")))
     half = mc.init_mesh("dp=2", ranks=[0, 1])           # made on every rank; 2 and 3 outside
     attempt("outside", lambda: mc.nn.fully_shard(nn.Linear(2, 2), half))
@@ -250,6 +253,9 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
     assert errors["tied"] == "ran"     # a tie inside one unit is kept (tests/dist/test_ties.py)
     assert errors["axis"].startswith("MeshAxisError: fully_shard(axis='tp'): not an axis of")
     assert "already sharded" in errors["twice"]
+    assert errors["root_first"].startswith(
+        "ShapeError: fully_shard: parameter weight is sharded by another unit already: a module"
+        " around this one was fully_shard'ed first. fix: fully_shard the inner modules first")
     assert errors["mesh"].startswith("MeshMismatchError: fully_shard needs a BoundMesh")
     assert [r["errors"]["outside"] for r in four][:2] == ["ran"] * 2
     for rank in (2, 3):

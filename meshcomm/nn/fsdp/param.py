@@ -94,9 +94,11 @@ def owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.
                     " fix: put every module that holds it in one unit (fully_shard their"
                     " common parent, not each of them)")
             if is_dtensor(p) and getattr(p, "_meshcomm_fsdp", False):
-                raise ShapeError(f"fully_shard: parameter {name} is sharded by another unit"
-                                 " already (tied weights?); fix: put every module that holds"
-                                 " it in one unit")
+                raise ShapeError(
+                    f"fully_shard: parameter {name} is sharded by another unit already: a"
+                    " module around this one was fully_shard'ed first. fix: fully_shard the"
+                    " inner modules first, then the root (as FSDP2: for block in"
+                    " model.layers: fully_shard(block); fully_shard(model))")
             if taken is not None:            # tied inside this unit: sharded once
                 tied[id(p)] = (*tied.get(id(p), ()), (m, attr))
                 continue
