@@ -1,9 +1,9 @@
 """A fully_shard unit's communication: one all_gather of all its parameters (copy-in: one
 `_foreach_copy_` into one buffer, each shard padded to the largest; copy-out: the gathered
-rows), one reduce_scatter of its gradients (copy-in: one concatenation), and HSDP's
-all_reduce of the shard over the replicas. Every call goes through the executor's wire module and its bytes
-are counted by the executor's `Wire` formulas. A step's work here is a few tensor ops per
-parameter, whatever the world size.
+rows), one reduce_scatter of its gradients (copy-in: a pad per short parameter and one
+concatenation), and HSDP's all_reduce of the shard over the replicas. Every call goes
+through the executor's wire module and its bytes are counted by the executor's `Wire`
+formulas. A step's work here is a few tensor ops per parameter, whatever the world size.
 """
 
 from __future__ import annotations
