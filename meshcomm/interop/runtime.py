@@ -5,6 +5,7 @@ never communicates, never copies. The layout mapping itself is `interop.placemen
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import sys
@@ -69,7 +70,7 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
     names = {(axis,): device_mesh.get_group(i).group_name
              for i, axis in enumerate(mesh.axis_names)}
     existing = _groups_by_ranks()
-    made = _MADE.get(_mesh_key(mesh), {})
+    made = _MADE.get(mesh, {})
     for k in range(2, len(mesh.axis_names) + 1):
         for axes in itertools.combinations(mesh.axis_names, k):
             ranks = next(g for g in mesh.groups(*axes) if rank in g)
@@ -86,6 +87,7 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
     return bound
 
 
+@functools.lru_cache(maxsize=256)
 def slice_meshes(device_mesh: Any) -> tuple[Mesh, ...]:
     """The Mesh of every slice that `device_mesh` is one of, in one order on every rank.
 
@@ -97,7 +99,8 @@ def slice_meshes(device_mesh: Any) -> tuple[Mesh, ...]:
     [[0, 1], [2, 3]], ranks 4-7 [[4, 5], [6, 7]]), but groups must be created by every rank
     of the world alike: this is the list every rank agrees on. A mesh that is no slice is
     its own only entry. Reads the DeviceMesh's layout over its root's ranks (torch >= 2.9);
-    on older torch, the root mesh's grid with the slice's dims last.
+    on older torch, the root mesh's grid with the slice's dims last. Cached per DeviceMesh
+    (its hash is computed once): `mc.reshard` of a DTensor asks on every call.
     """
     names = device_axis_names(getattr(device_mesh, "mesh_dim_names", None),
                               len(device_mesh.mesh.shape))
@@ -126,13 +129,9 @@ def _root_grids(device_mesh: Any) -> Tensor:
 
 # Flattened groups meshcomm made for DeviceMeshes. _DONE: per set of slice meshes (the
 # same on every rank: every rank makes them), the sets of axes made. _MADE: per mesh (axes,
-# sizes, ranks), this rank's group name per set of axes (only where it is a member).
-_DONE: dict[tuple[Any, ...], set[tuple[str, ...]]] = {}
-_MADE: dict[tuple[Any, ...], dict[tuple[str, ...], str]] = {}
-
-
-def _mesh_key(mesh: Mesh) -> tuple[Any, ...]:
-    return (mesh.axis_names, mesh.shape, mesh.ranks)
+# sizes, ranks: Mesh equality), this rank's group name per set of axes (where a member).
+_DONE: dict[tuple[Mesh, ...], set[tuple[str, ...]]] = {}
+_MADE: dict[Mesh, dict[tuple[str, ...], str]] = {}
 
 
 def flatten_groups(meshes: Sequence[Mesh], subsets: Any) -> None:
@@ -146,12 +145,12 @@ def flatten_groups(meshes: Sequence[Mesh], subsets: Any) -> None:
     meshes = tuple(meshes)
     first = meshes[0]
     assert all(m.axes == first.axes for m in meshes), f"slices differ in axes: {meshes}"
-    done = _DONE.setdefault(tuple(_mesh_key(m) for m in meshes), set())
+    done = _DONE.setdefault(meshes, set())
     todo = sorted({tuple(a) for a in subsets if len(a) > 1} - done,
                   key=lambda axes: (len(axes), [first.axis_names.index(a) for a in axes]))
     for axes in todo:
         for mesh in meshes:
-            _MADE.setdefault(_mesh_key(mesh), {}).update(create_groups(mesh, [axes]))
+            _MADE.setdefault(mesh, {}).update(create_groups(mesh, [axes]))
         done.add(axes)
 
 

@@ -116,6 +116,14 @@ def unnamed(folder: str) -> list[str]:
         want = dt.redistribute(dm, dtensor_placements(dst))
         if not torch.equal(got.to_local(), want.to_local()):
             problems.append(f"unnamed: [S0 S1] -> [{dst}] differs from redistribute")
+    # fully_shard on it: parameter dims are named dim0, dim1, not the axes d0, d1
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(6, 8)
+    model = torch.nn.Linear(6, 8)
+    model.load_state_dict(ref.state_dict())
+    mc.nn.fully_shard(model, dm, axis="d1")
+    if not torch.equal(model(x), ref(x)):
+        problems.append("unnamed: fully_shard over d1 computes another output")
     mc.nn.save_checkpoint({"w": dt}, folder)
     target = {"w": distribute_tensor(torch.zeros(8, 6), dm, dtensor_placements("S1 S0"),
                                      src_data_rank=None)}

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ...core.errors import MeshMismatchError, ShapeError
-from ...core.layout import Layout
+from ...core.layout import Layout, positional_names
 from ...core.reduce_ops import chunk_sizes
 from ...executors.distributed.bind import BoundMesh
 from ...interop.placements import from_placements, to_placements
@@ -116,10 +116,6 @@ def owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.
     return out, tied
 
 
-def _names(ndim: int) -> list[str]:
-    return [f"d{i}" for i in range(ndim)]
-
-
 def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name: str,
                  p: nn.Parameter, replicate: str | None = None,
                  aliases: tuple[tuple[nn.Module, str], ...] = (),
@@ -130,7 +126,7 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
     if p.dim() == 0:
         raise ShapeError(f"fully_shard: parameter {name} is a scalar; FSDP shards dim 0."
                          " fix: make it shape (1,) or keep it outside the unit")
-    names = _names(p.dim())
+    names = positional_names(p.dim(), mesh)
     if is_dtensor(p):
         if bound.mesh != type(mesh).from_device_mesh(p.device_mesh):
             raise MeshMismatchError(f"fully_shard: parameter {name} is a DTensor on"
