@@ -61,13 +61,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import meshcomm as mc
 
 RANK = 3
+DEVICE = torch.device("cpu")     # --device: where parameters, batches and shards live
 DEFAULT_JSON = Path(__file__).parent / "results" / "host_scale.json"
 
 
 def model(hidden: int, blocks: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.GELU())
-                           for _ in range(blocks)])
+                           for _ in range(blocks)]).to(DEVICE)
 
 
 def start_world(n: int) -> None:
@@ -78,12 +79,19 @@ def start_world(n: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=n)
 
 
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def step_time(step: Callable[[], None], repeat: int) -> float:
     step()                           # warm-up: caches, recorded order
+    sync()
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         step()
+        sync()                       # on a GPU: the step's kernels finished too
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -110,7 +118,7 @@ def op_count(step: Callable[[], None]) -> int:
 
 
 def training_step(m: nn.Module, hidden: int) -> Callable[[], None]:
-    x = torch.randn(16, hidden)
+    x = torch.randn(16, hidden, device=DEVICE)
 
     def step() -> None:
         m(x).float().sum().backward()
@@ -124,8 +132,8 @@ def fsdp2(n: int, hidden: int, blocks: int, mp: bool, hsdp: bool) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dm = (init_device_mesh("cpu", (n // 8, 8), mesh_dim_names=("rep", "dp")) if hsdp
-          else init_device_mesh("cpu", (n,), mesh_dim_names=("dp",)))
+    dm = (init_device_mesh(DEVICE.type, (n // 8, 8), mesh_dim_names=("rep", "dp")) if hsdp
+          else init_device_mesh(DEVICE.type, (n,), mesh_dim_names=("dp",)))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if mp else MixedPrecisionPolicy()
     m = model(hidden, blocks)
@@ -148,7 +156,8 @@ def meshcomm(n: int, hidden: int, blocks: int, mp: bool, hsdp: bool) -> nn.Modul
 def mlp(hidden: int, blocks: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(),
-                                         nn.Linear(4 * hidden, hidden)) for _ in range(blocks)])
+                                         nn.Linear(4 * hidden, hidden)) for _ in range(blocks)]
+                         ).to(DEVICE)
 
 
 TP = {f"{i}.{j}": style for i in range(64) for j, style in ((0, "colwise"), (2, "rowwise"))}
@@ -163,7 +172,7 @@ def tp_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
         parallelize_module,
     )
 
-    dm = init_device_mesh("cpu", (n // 8, 8), mesh_dim_names=("dp", "tp"))
+    dm = init_device_mesh(DEVICE.type, (n // 8, 8), mesh_dim_names=("dp", "tp"))
     m = mlp(hidden, blocks)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     parallelize_module(m, dm["tp"], {k: styles[v]() for k, v in TP.items()
@@ -189,9 +198,9 @@ def reshard_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    dm = init_device_mesh("cpu", (n // 8, 8), mesh_dim_names=("dp", "tp"))
+    dm = init_device_mesh(DEVICE.type, (n // 8, 8), mesh_dim_names=("dp", "tp"))
     shape = (2 * n, hidden - hidden % 8)
-    local = torch.randn(16, shape[1] // 8)
+    local = torch.randn(16, shape[1] // 8, device=DEVICE)
     dt = DTensor.from_local(local, dm, [Shard(0), Shard(1)], run_check=False,
                             shape=torch.Size(shape), stride=(shape[1], 1))
     words = {"S0": Shard(0), "R": Replicate()}
@@ -207,7 +216,7 @@ def reshard_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
 def reshard_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
     bound = mc.init_mesh(f"dp={n // 8} tp=8", backend="fake")
     shape = (2 * n, hidden - hidden % 8)
-    local = torch.randn(16, shape[1] // 8)
+    local = torch.randn(16, shape[1] // 8, device=DEVICE)
 
     def step() -> None:
         for _ in range(blocks):
@@ -219,8 +228,9 @@ def reshard_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
 def _logits(n: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """This rank's (4, 64, V/8) slice of logits over a vocabulary V = 8 * hidden, targets."""
     vocab = 8 * hidden
-    local = torch.randn(4, 64, hidden, requires_grad=True)
-    target = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0))
+    local = torch.randn(4, 64, hidden, device=DEVICE, requires_grad=True)
+    target = torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(0)
+                           ).to(DEVICE)
     return local, target, vocab
 
 
@@ -230,7 +240,7 @@ def ce_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    dm = init_device_mesh("cpu", (n // 8, 8), mesh_dim_names=("dp", "tp"))["tp"]
+    dm = init_device_mesh(DEVICE.type, (n // 8, 8), mesh_dim_names=("dp", "tp"))["tp"]
     local, target, vocab = _logits(n, hidden)
 
     def step() -> None:
@@ -272,9 +282,12 @@ CONFIGS = {"fully_shard": fsdp_pair(False, False),
            "vocab_parallel_ce": (ce_pytorch, ce_meshcomm)}
 
 
-def run(ranks: list[int], hidden: int, blocks: int, repeat: int) -> list[dict[str, Any]]:
+def run(ranks: list[int], hidden: int, blocks: int, repeat: int,
+        only: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for name, (theirs, ours) in CONFIGS.items():
+        if only is not None and name not in only:
+            continue
         for n in ranks:
             start_world(n)
             times, ops = {}, {}
@@ -314,15 +327,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 and 128 ranks")
     parser.add_argument("--ranks", default=None, help="comma-separated world sizes")
     parser.add_argument("--repeat", type=int, default=None, help="timed steps per row")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where tensors live"
+                        " (on cuda each step ends with a synchronize)")
+    parser.add_argument("--only", default=None, help="comma-separated blocks, e.g."
+                        f" fully_shard,parallelize (of {', '.join(CONFIGS)})")
     parser.add_argument("--json", type=Path, default=None, help=f"default {DEFAULT_JSON}"
                         " (not written with --quick unless given)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    only = None if args.only is None else args.only.split(",")
+    if only is not None and set(only) - set(CONFIGS):
+        parser.error(f"--only {args.only}: no block {sorted(set(only) - set(CONFIGS))};"
+                     f" the blocks are {', '.join(CONFIGS)}")
     torch.set_num_threads(1)
     hidden, blocks = (60, 2) if args.quick else (1024, 8)
     ranks = [int(r) for r in (args.ranks or ("8,128" if args.quick else "8,128,1024,4096"))
              .split(",")]
     repeat = args.repeat or (2 if args.quick else 5)
-    rows = run(ranks, hidden, blocks, repeat)
+    rows = run(ranks, hidden, blocks, repeat, only)
     if dist.is_initialized():
         dist.destroy_process_group()
     print()
@@ -330,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.json or (None if args.quick else DEFAULT_JSON)
     if out is not None:
         meta = {"hidden": hidden, "blocks": blocks, "repeat": repeat, "rank": RANK,
+                "device": str(DEVICE),
                 "torch": torch.__version__, "threads": 1, "command": " ".join(sys.argv)}
         out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     return 0

@@ -88,6 +88,10 @@ def positions(ix: Sequence[int], device: torch.device | None = None) -> Tensor:
     made on the host for a GPU tensor would be a copy and a sync)."""
     if isinstance(ix, range):
         return torch.arange(ix.start, ix.stop, ix.step, dtype=torch.long, device=device)
+    if (device is not None and torch.device(device).type == "cuda"
+            and not torch.compiler.is_compiling()):
+        # from pinned memory without blocking: a pageable copy would wait for the GPU
+        return torch.tensor(ix, dtype=torch.long).pin_memory().to(device, non_blocking=True)
     return torch.tensor(ix, dtype=torch.long, device=device)
 
 

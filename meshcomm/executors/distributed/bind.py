@@ -198,9 +198,15 @@ def init_mesh(mesh: Mesh | str, *, ranks: Sequence[int] | None = None,
     subsets = [subset for k in range(1, len(mesh.axis_names) + 1)
                for subset in itertools.combinations(mesh.axis_names, k)]
     names = create_groups(mesh, subsets, backend=backend, timeout=timeout)
-    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
-              else torch.device("cpu"))
-    return BoundMesh(mesh, backend, device, rank, names, check_default(check))
+    return BoundMesh(mesh, backend, backend_device(backend), rank, names, check_default(check))
+
+
+def backend_device(backend: str) -> torch.device:
+    """The device a mesh over `backend` computes on: this process's current GPU for NCCL,
+    and for the fake backend (dry runs, host benchmarks) where torch sees one; else the CPU."""
+    if "nccl" in backend or (backend == "fake" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def create_groups(mesh: Mesh, subsets: Sequence[tuple[AxisName, ...]], *,

@@ -17,7 +17,8 @@ from ...core.reduce_ops import identity_like, op_reduce
 from ..local import grid, take
 
 
-def _partial_owner(mesh: Mesh, layout: Layout, rank: int, numel: int) -> Tensor:
+def _partial_owner(mesh: Mesh, layout: Layout, rank: int, numel: int,
+                   device: torch.device) -> Tensor:
     """Per element, True where this rank holds the value of a partial layout."""
     axes = layout.partial_axes
     coords = mesh.coords(rank)
@@ -25,7 +26,7 @@ def _partial_owner(mesh: Mesh, layout: Layout, rank: int, numel: int) -> Tensor:
     for a in axes:
         pos = pos * mesh.axis_size(a) + coords[a]
         group *= mesh.axis_size(a)
-    return torch.arange(numel) % group == pos
+    return torch.arange(numel, device=device) % group == pos
 
 
 def scatter(global_tensor: Tensor, mesh: Mesh, layout: str | Layout) -> list[Tensor]:
@@ -47,7 +48,8 @@ def scatter(global_tensor: Tensor, mesh: Mesh, layout: str | Layout) -> list[Ten
         local = take(global_tensor, layout.indices(mesh, shape, rank))
         op = layout.reduce_op
         if op is not None:
-            owner = _partial_owner(mesh, layout, rank, local.numel()).reshape(local.shape)
+            owner = _partial_owner(mesh, layout, rank, local.numel(),
+                                   local.device).reshape(local.shape)
             value = local
             if op == "avg":
                 value = local * _group_size(mesh, layout)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The GPU checks, for a machine with a CUDA GPU (CI has none): run from the repository root
+# with `bash benchmarks/gpu_check.sh [OUTDIR]`. Each part runs under its own time limit and
+# the next runs whatever the last gave; logs and JSON land in OUTDIR (default $OUT, else
+# /tmp/meshcomm-gpu). The parts:
+#   1. tests/test_cuda.py: every plan kind on CUDA tensors, a rank of 1,024 without host
+#      syncs, a one-GPU NCCL job, four gloo ranks sharing the GPU;
+#   2. benchmarks/host_scale.py --device cuda: host time per step with CUDA tensors at
+#      8 to 4,096 ranks beside PyTorch (fake process group);
+#   3. benchmarks/gpu_train.py: a bf16 training step on one NCCL rank, FSDP2 beside meshcomm.
+set -u
+out=${1:-${OUT:-/tmp/meshcomm-gpu}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+py=${PYTHON:-python3}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $py -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.version.cuda, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')"
+} 2>&1 | tee "$out/gpu.txt"
+echo "== 1. tests/test_cuda.py"
+timeout 300 $py -m pytest tests/test_cuda.py -rA -q -p no:cacheprovider 2>&1 | tee "$out/test_cuda.log"
+echo "== 2. host_scale --device cuda"
+timeout 300 $py benchmarks/host_scale.py --device cuda --repeat 5 \
+    --json "$out/host_scale_cuda.json" 2>&1 | grep -v Warning | tee "$out/host_scale_cuda.log"
+echo "== 3. gpu_train"
+timeout 240 $py benchmarks/gpu_train.py --json "$out/gpu_train.json" 2>&1 | tee "$out/gpu_train.log"
