@@ -269,3 +269,17 @@ def test_pickle_copy_and_repr_round_trip(mesh):
         assert clone == mesh and hash(clone) == hash(mesh)
         assert clone.groups(mesh.axis_names[0]) == mesh.groups(mesh.axis_names[0])
     assert eval(repr(mesh), {"Mesh": Mesh}) == mesh
+
+
+def test_torch_without_sort_ranks_takes_sorted_groups_and_refuses_others(monkeypatch) -> None:
+    """Before torch 2.12 new_group sorts a group's ranks; a group whose mesh order is not
+    sorted would then hold its blocks in the wrong order, so init_mesh refuses it first."""
+    from meshcomm.executors.distributed import bind
+
+    monkeypatch.setattr(bind, "_SORT_RANKS", False)
+    mesh = Mesh("dp=2 tp=2", ranks=[0, 2, 1, 3])
+    assert bind._unsorted(mesh, ("dp",), (0, 1)) == {}
+    with pytest.raises(MeshcommError, match=r"ranks \[2, 1\].*upgrade torch"):
+        bind._unsorted(mesh, ("tp",), (2, 1))
+    monkeypatch.setattr(bind, "_SORT_RANKS", True)
+    assert bind._unsorted(mesh, ("tp",), (2, 1)) == {"sort_ranks": False}

@@ -14,6 +14,7 @@ import atexit
 import datetime
 import functools
 import gc
+import inspect
 import itertools
 import os
 from collections.abc import Sequence
@@ -222,18 +223,39 @@ def create_groups(mesh: Mesh, subsets: Sequence[tuple[AxisName, ...]], *,
     world = dist.get_world_size()
     rank = dist.get_rank()
     names: dict[tuple[AxisName, ...], str] = {}
-    for subset in subsets:
-        for group in mesh.groups(*subset):
-            if list(group) == list(range(world)):
-                pg = dist.group.WORLD
-                if timeout is not None:  # the reused default group gets our timeout too
-                    dist.distributed_c10d._set_pg_timeout(timeout, pg)
-            else:
-                pg = dist.new_group(list(group), timeout=timeout, sort_ranks=False,
-                                    backend=backend, group_desc=GROUP_DESC + ",".join(subset))
-            if rank in group:
-                names[subset] = pg.group_name
+    made = [(subset, group, _unsorted(mesh, subset, group))       # refusals first
+            for subset in subsets for group in mesh.groups(*subset)]
+    for subset, group, order in made:
+        if list(group) == list(range(world)):
+            pg = dist.group.WORLD
+            if timeout is not None:  # the reused default group gets our timeout too
+                dist.distributed_c10d._set_pg_timeout(timeout, pg)
+        else:
+            pg = dist.new_group(list(group), timeout=timeout, backend=backend,
+                                group_desc=GROUP_DESC + ",".join(subset),
+                                **order)
+        if rank in group:
+            names[subset] = pg.group_name
     return names
+
+
+def _unsorted(mesh: Mesh, subset: tuple[AxisName, ...], group: Sequence[int]
+              ) -> dict[str, bool]:
+    """new_group's argument that keeps a group's ranks in mesh order (torch >= 2.12). An
+    older torch always sorts them: fine where mesh order is sorted (every mesh whose ranks
+    rise along each axis), refused before any group is made where it is not."""
+    if _SORT_RANKS:
+        return {"sort_ranks": False}
+    if list(group) != sorted(group):
+        raise MeshMismatchError(
+            f"{mesh!r}: the group over {', '.join(subset)} is ranks {list(group)} in mesh"
+            f" order, and torch {torch.__version__} orders a group's ranks by number"
+            " (new_group has no sort_ranks before torch 2.12). fix: upgrade torch, or give"
+            " the mesh ranks that rise along each axis")
+    return {}
+
+
+_SORT_RANKS = "sort_ranks" in inspect.signature(dist.new_group).parameters
 
 
 def check_default(check: bool | None) -> bool:

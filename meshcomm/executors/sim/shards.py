@@ -81,10 +81,12 @@ def gather(locals_: Sequence[Tensor], mesh: Mesh, layout: str | Layout, shape: S
     values = list(locals_)
     if layout.reduce_op is not None:
         values = _reduce_partials(values, mesh, layout)
-    result = torch.zeros(shape, dtype=values[0].dtype) if values else torch.zeros(shape)
-    written = torch.zeros(shape, dtype=torch.bool)
+    device = values[0].device if values else None
+    result = (torch.zeros(shape, dtype=values[0].dtype, device=device) if values
+              else torch.zeros(shape))
+    written = torch.zeros(shape, dtype=torch.bool, device=device)
     for rank, local in zip(mesh.ranks, values):
-        where = grid(layout.indices(mesh, shape, rank))
+        where = grid(layout.indices(mesh, shape, rank), device)
         if not where:
             result = local.clone()
             continue
