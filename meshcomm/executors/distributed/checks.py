@@ -231,7 +231,7 @@ def agree(group: str, ranks: Sequence[int], mine: Fingerprint, what: str) -> Non
         seen = wire.waited(funcol.all_reduce(mine.probe, "max", name))
         if torch.equal(seen, mine.probe):
             return
-        got = wire.waited(funcol.all_gather_single(mine.row, 0, name))
+        got = wire.waited(wire.all_gather_single(mine.row, 0, name))
     except RuntimeError as err:
         kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
         raise kind(f"{what}: check mode could not compare the call across the group"

@@ -289,7 +289,7 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
         shape = tuple(x.shape) if sizes is None else (*x.shape[:d], "*", *x.shape[d + 1:])
         _check(fn, g, x, ("dim", d), ("shape", shape), ("sizes", sizes))
     if sizes is None or len(set(sizes)) == 1:
-        out: Tensor = funcol.all_gather_single(x.contiguous(), d, g.name)
+        out: Tensor = wire.all_gather_single(x.contiguous(), d, g.name)
         return _reorder(out, d, [n] * g.size, g.order)
     rows = x.movedim(d, 0)
     out_pg = [sizes[p] for p in g.inv]
@@ -322,7 +322,7 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
         _check(fn, g, x, ("shape", tuple(x.shape)), ("dim", d), ("op", op), ("splits", splits))
     if len(set(chunks)) == 1:
         moved = _reorder(x, d, chunks, g.inv)
-        out: Tensor = funcol.reduce_scatter_single(moved.contiguous(), wire_op, d, g.name)
+        out: Tensor = wire.reduce_scatter_single(moved.contiguous(), wire_op, d, g.name)
         return out / g.size if op == "avg" else out
     rows = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
     own = chunks[g.pos]
@@ -536,7 +536,7 @@ def _exchange(x: Tensor | None, like: Tensor | None, g: _Group, dst: int | None,
         # irecv fills the tensor it is given: a fresh buffer keeps `like` (often `x`) intact.
         buffer = torch.empty_like(like, memory_format=torch.contiguous_format)
         kinds, peers, tensors = kinds + ["irecv"], peers + [g.order[src]], tensors + [buffer]
-    out = funcol.batch_p2p_ops_inplace(kinds, peers, [0] * len(kinds), tensors, g.name)
+    out = wire.batch_p2p(kinds, peers, tensors, g.name)
     if src is None and like is not None:
         token = out[0].to(like.dtype).reshape(-1)
         return torch.cat([token, like.new_zeros(like.numel())]).view(like.shape)

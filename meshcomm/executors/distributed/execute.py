@@ -192,7 +192,7 @@ def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
         return _all_gather_v(step, x, run)
     name, g, pos = run.group(step)
     buf = x.unsqueeze(0).contiguous()
-    y = wire.call(funcol.all_gather_single, buf, 0, name, wait=run.wait)
+    y = wire.call(wire.all_gather_single, buf, 0, name, wait=run.wait)
     run.record(step, Wire("all_gather", g, pos, buf.numel(), y.numel()), x.element_size())
     return step.post.apply(y) if step.post else y
 
@@ -214,7 +214,7 @@ def _reduce_scatter(step: Step, x: Tensor, run: _Run) -> Tensor:
     name, g, pos = run.group(step)
     y = (step.pre.apply(x) if step.pre else x).contiguous()
     op = step.op or "sum"
-    out = wire.call(funcol.reduce_scatter_single, y, _wire_op(op), 0, name,
+    out = wire.call(wire.reduce_scatter_single, y, _wire_op(op), 0, name,
                     wait=run.wait).squeeze(0)
     run.record(step, Wire("reduce_scatter", g, pos, y.numel(), out.numel()), x.element_size())
     return out / g if op == "avg" else out
@@ -384,7 +384,7 @@ def _unrows(buf: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
 def _all_gather_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
     name, g, pos = run.group(steps[0])
     flat = _rows(xs, 1)
-    y = wire.call(funcol.all_gather_single, flat, 0, name)
+    y = wire.call(wire.all_gather_single, flat, 0, name)
     run.record(steps[0], Wire("all_gather", g, pos, flat.numel(), y.numel()), flat.element_size())
     parts = _unrows(y, [(g, *x.shape) for x in xs])
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
@@ -396,7 +396,7 @@ def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list
     assert all(y.shape[0] == g for y in ys), f"even reduce_scatter inputs lead with {g}"
     op = steps[0].op or "sum"
     buf = _rows(ys, g)
-    out = wire.call(funcol.reduce_scatter_single, buf, _wire_op(op), 0, name)
+    out = wire.call(wire.reduce_scatter_single, buf, _wire_op(op), 0, name)
     run.record(steps[0], Wire("reduce_scatter", g, pos, buf.numel(), out.numel()),
                buf.element_size())
     rows = _unrows(out, [(1, *y.shape[1:]) for y in ys])

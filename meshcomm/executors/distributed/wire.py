@@ -3,6 +3,11 @@
 Complex tensors travel as real pairs (a view, no copy); `wait=True` waits at once (the
 executor's local rearranges need the data anyway), `wait=False` returns the async tensor
 that is waited on at first use (`mc.collectives`). Traced calls are already waited on.
+
+The functional collectives by the names of torch 2.12 and later, on any torch from 2.6:
+`all_gather_single` and `reduce_scatter_single` (before: `all_gather_tensor`,
+`reduce_scatter_tensor`, the same calls) and `batch_p2p` (before torch's
+`batch_p2p_ops_inplace`: `batch_isend_irecv`, waited on, which torch.compile cannot trace).
 """
 
 from __future__ import annotations
@@ -10,8 +15,32 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
+all_gather_single: Callable[..., Tensor] = getattr(funcol, "all_gather_single",
+                                                   funcol.all_gather_tensor)
+reduce_scatter_single: Callable[..., Tensor] = getattr(funcol, "reduce_scatter_single",
+                                                       funcol.reduce_scatter_tensor)
+
+
+def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
+              name: str) -> list[Tensor]:
+    """Sends ("isend") and receives ("irecv", filling the tensor given) with group-rank
+    `peers` over group `name`, posted together; the tensors back, received ones filled."""
+    if hasattr(funcol, "batch_p2p_ops_inplace"):
+        return list(funcol.batch_p2p_ops_inplace(list(kinds), list(peers), [0] * len(kinds),
+                                                 tensors, name))
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    group = _resolve_process_group(name)
+    ops = [dist.P2POp(dist.isend if kind == "isend" else dist.irecv, t,
+                      dist.get_global_rank(group, peer), group)
+           for kind, peer, t in zip(kinds, peers, tensors)]
+    for work in dist.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return tensors
 
 
 def as_real(x: Tensor) -> Tensor:

@@ -76,7 +76,7 @@ class Unit:
                              locals_)
         self._record(Wire("all_gather", self.n, self.pos, buf.numel(), buf.numel() * self.n),
                      buf.element_size())
-        return Pending(wire.call(funcol.all_gather_single, buf, 0, self.group, wait=False))
+        return Pending(wire.call(wire.all_gather_single, buf, 0, self.group, wait=False))
 
     def _record(self, call: Wire, itemsize: int) -> None:
         """Count one collective call's bytes by the executor's formulas (`Wire`)."""
@@ -127,7 +127,7 @@ class Unit:
         buf = torch.cat(columns, dim=1).reshape(-1)
         self._record(Wire("reduce_scatter", self.n, self.pos, buf.numel(),
                           buf.numel() // self.n), buf.element_size())
-        return wire.call(funcol.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)
+        return wire.call(wire.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)
 
     def issue_replica_reduce(self, out: Tensor) -> Tensor:
         """HSDP: the reduce_scatter's shard summed over the replicate axis (waits for the
