@@ -37,12 +37,14 @@ import torch
 from torch import Tensor, nn
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError
-from ..core.layout import Layout
+from ..core.layout import Layout, positional_names
+from ..core.mesh import Mesh
 from ..core.reduce_ops import chunk_sizes
 from ..executors.distributed.bind import BoundMesh
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, wrap
 from ..sharded import reshard
+from .moves import move
 
 
 @dataclass(frozen=True)
@@ -82,51 +84,23 @@ STYLES = {
 TP_ATTR = "_meshcomm_tp"
 
 
-def _names(ndim: int) -> str:
-    return " ".join(f"d{i}" for i in range(ndim))
+def _names(ndim: int, mesh: Mesh) -> str:
+    """An activation's dims by position, named apart from the axes of `mesh`."""
+    return " ".join(positional_names(ndim, mesh))
 
 
-def _last_split(ndim: int, axis: str) -> str:
-    names = [f"d{i}" for i in range(ndim)]
-    names[-1] = f"({axis} {names[-1]})"
+def _split_at(ndim: int, dim: int, axis: str, mesh: Mesh) -> str:
+    """The layout of `ndim` dims with dim `dim` (negative counts from the end) split over
+    `axis`: "d0 (tp d1)"."""
+    names = list(positional_names(ndim, mesh))
+    names[dim] = f"({axis} {names[dim]})"
     return " ".join(names)
 
 
-def _seq_split(ndim: int, axis: str) -> str:
-    names = [f"d{i}" for i in range(ndim)]
-    names[1] = f"({axis} {names[1]})"
-    return " ".join(names)
-
-
-class _GradSum(torch.autograd.Function):
-    """Forward: `x` as is. Backward: the gradient summed over `axis` (an all_reduce plan):
-    every rank's part of the input's gradient, where a colwise layer used the input."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, bound: BoundMesh, axis: str) -> Tensor:
-        ctx.bound, ctx.axis = bound, axis
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        names = _names(g.dim())
-        return reshard(g, ctx.bound, f"{names} | sum({ctx.axis})", names), None, None
-
-
-class _SeqGather(torch.autograd.Function):
-    """Forward: all_gather the sequence dim (1) over `axis`. Backward: the (partial) gradient
-    summed and split back over the sequence: a reduce_scatter plan."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, bound: BoundMesh, axis: str) -> Tensor:
-        ctx.bound, ctx.axis = bound, axis
-        return reshard(x, bound, _seq_split(x.dim(), axis), _names(x.dim()))
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None, None]:
-        names = _names(g.dim())
-        return (reshard(g.contiguous(), ctx.bound, f"{names} | sum({ctx.axis})",
-                        _seq_split(g.dim(), ctx.axis)), None, None)
+def _weight_dim(style: Style) -> int:
+    """The dim of the weight that `style` splits: 0 for "(tp d0) d1", 1 for "d0 (tp d1)"."""
+    assert style.weight is not None
+    return 0 if style.weight.startswith("(tp") else 1
 
 
 class _TP:
@@ -138,6 +112,7 @@ class _TP:
         # Activations and their gradients differ across the other axes (each dp rank has
         # its batch): their plans run on the tp slice, which knows no other axis.
         self.bound = bound.sub(axis)
+        self.mesh = bound.mesh             # names activation dims apart from every axis
         self.spec = STYLES[style]
         self.n = bound.mesh.axis_size(axis)
         self.pos = bound.mesh.coords(bound.rank)[axis]
@@ -148,6 +123,13 @@ class _TP:
         if self.spec.inputs == "tokens":     # (first row, rows) of this rank's vocabulary
             sizes = chunk_sizes(module.num_embeddings, self.n)
             self.vocab_rows = (sum(sizes[:self.pos]), sizes[self.pos])
+
+    def grad_sum(self, x: Tensor) -> Tensor:
+        """`x` as is; backward: its gradient summed over the axis (an all_reduce): every
+        rank's part of the gradient of an input a colwise layer used (Megatron's `f`)."""
+        names = _names(x.dim(), self.mesh)
+        return move(x, self.bound, (names, names), (f"{names} | sum({self.axis})", names),
+                    shape=tuple(x.shape))
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -160,7 +142,7 @@ class _TP:
             for attr, p in list(module._parameters.items()):
                 if p is not None:
                     self.swapped.setdefault(attr, p)
-                    module._parameters[attr] = _GradSum.apply(p, self.bound, self.axis)
+                    module._parameters[attr] = self.grad_sum(p)
         # the input: the first positional argument, or the first tensor passed by keyword
         # (Hugging Face calls its attention and MLP blocks as block(hidden_states=...))
         key = None if args else next(
@@ -170,9 +152,11 @@ class _TP:
                              " tensor argument; its style acts on the first tensor it gets")
         x = args[0] if args else kwargs[key]
         if spec.inputs == "replicated" and grad:
-            x = _GradSum.apply(x, self.bound, self.axis)
-        elif spec.inputs == "sequence":
-            x = _SeqGather.apply(x, self.bound, self.axis)
+            x = self.grad_sum(x)
+        elif spec.inputs == "sequence":     # backward: the partial gradient reduce_scattered
+            names, mesh = _names(x.dim(), self.mesh), self.mesh
+            seq = _split_at(x.dim(), 1, self.axis, mesh)
+            x = move(x, self.bound, (seq, names), (f"{names} | sum({self.axis})", seq))
         elif spec.inputs == "tokens":
             start, rows = self.vocab_rows
             local = x - start
@@ -189,7 +173,7 @@ class _TP:
                 self.swapped.setdefault("bias", self.bias)
                 module._parameters["bias"] = None
                 if spec.outputs == "sequence" and grad:   # used on this rank's rows only
-                    self.bias = _GradSum.apply(self.bias, self.bound, self.axis)
+                    self.bias = self.grad_sum(self.bias)
         if key is not None:
             return args, {**kwargs, key: x}
         return (x, *args[1:]), kwargs
@@ -203,19 +187,19 @@ class _TP:
         spec = self.spec
         if spec.outputs == "as is":
             return out
-        names = _names(out.dim())
+        names, mesh = _names(out.dim(), self.mesh), self.mesh
         if self.mask is not None:
             if module.num_embeddings:
                 out = out * self.mask.unsqueeze(-1).to(out.dtype)
             self.mask = None
         if spec.outputs == "gather":
-            out = reshard(out, self.bound, _last_split(out.dim(), self.axis), names,
+            out = reshard(out, self.bound, _split_at(out.dim(), -1, self.axis, mesh), names,
                           shape=(*out.shape[:-1], module.out_features))
         elif spec.outputs == "sum":
             out = reshard(out, self.bound, f"{names} | sum({self.axis})", names)
         elif spec.outputs == "sequence":
             out = reshard(out, self.bound, f"{names} | sum({self.axis})",
-                          _seq_split(out.dim(), self.axis))
+                          _split_at(out.dim(), 1, self.axis, mesh))
         if self.bias is not None:
             out = out + self.bias
             self.bias = None
@@ -263,27 +247,28 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
             if hasattr(m, TP_ATTR) or name in targets:
                 raise ShapeError(f"parallelize: {name} matches two patterns of the plan")
             targets[name] = style
-    tied = _check_ties(module, targets, axis)
+    tied = _check_ties(module, targets, axis, mesh.mesh)
     split: dict[int, nn.Parameter | None] = dict.fromkeys(tied)  # tied: split once
     for name, style in targets.items():
         _split(modules[name], name, style, mesh, axis, split)
     return module
 
 
-def _param_layout(style: str | None, attr: str, ndim: int, axis: str) -> str:
+def _param_layout(style: str | None, attr: str, ndim: int, axis: str, mesh: Mesh) -> str:
     """The layout `style` gives a module's parameter `attr` ("" for a module outside the
     plan: the parameter stays a plain tensor)."""
     spec = STYLES[style] if style else None
     if spec is None or spec.weight is None:
         return ""
     if attr == "weight":
-        return spec.weight.replace("tp", axis)
+        return _split_at(ndim, _weight_dim(spec), axis, mesh)
     if spec.outputs in ("split", "gather"):
-        return f"({axis} d0)"                  # the bias follows the output rows
-    return _names(ndim)                        # replicated
+        return _split_at(ndim, 0, axis, mesh)   # the bias follows the output rows
+    return _names(ndim, mesh)                   # replicated
 
 
-def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str) -> set[int]:
+def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: Mesh
+                ) -> set[int]:
     """The ids of tensors held in several places (tied weights), which must be split alike
     in all of them: each place's style gives it one layout, or the tie would silently come
     apart. (The tensors stay alive in their places while `parallelize` runs.)"""
@@ -296,7 +281,7 @@ def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str) -> set
         layouts = []
         for qual, p in held:
             owner, _, attr = qual.rpartition(".")
-            layouts.append(_param_layout(targets.get(owner), attr, p.dim(), axis))
+            layouts.append(_param_layout(targets.get(owner), attr, p.dim(), axis, mesh))
         if len(set(layouts)) > 1:
             where = ", ".join(f'{q} ("{lay}")' if lay else f"{q} (not split)"
                               for (q, _), lay in zip(held, layouts))
@@ -321,7 +306,7 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
         if is_dtensor(p):
             raise ShapeError(f"parallelize: {name}.{attr} is a DTensor already; fix:"
                              " parallelize before fully_shard, once")
-        layout = Layout(_param_layout(style, attr, p.dim(), axis))
+        layout = Layout(_param_layout(style, attr, p.dim(), axis, bound.mesh))
         shape = tuple(p.shape)
         local = _block(p.detach(), layout, bound, shape)
         dt = wrap(local, bound.device_mesh, to_placements(bound.mesh, shape, layout), shape)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,12 +31,13 @@ from ..core.mesh import AxisName, Mesh
 from ..executors.distributed.autograd import without_reduction
 from ..executors.distributed.bind import BoundMesh
 from ..executors.distributed.execute import step_shape
-from ..executors.local import storage_key
 from ..planner.plan import plan
 from ..planner.values import Plan
 from ..recipes import RecipeLike, logical
 from ..sharded import distribute, reshard, reshard_many
 from .comms import Comm, format_comms
+from .fsdp.regather import Regather
+from .fsdp.schedule import Schedule
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -133,27 +134,22 @@ def planning_mesh(mesh: Mesh | str, rank: int = 0) -> BoundMesh:
 
 
 # -- the gather and its backward -----------------------------------------------------------
-@dataclass(frozen=True)
-class _Saved:
-    """A saved view of gathered parameter `index`, rebuilt from a regather in backward."""
-
-    index: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int              # storage offset relative to the gathered tensor's own
-
-
 class _Call:
-    """One forward's gather of some parameters: what backward reduces and may regather."""
+    """One forward's gather of some parameters: what backward reduces, and (for
+    `saved_tensors_hooks`) the saved-tensor regather of `mc.nn.fully_shard`, whose gatherer
+    this is: no schedule of units, so no prefetch."""
+
+    prefetch = False
+    reshard_after_forward = True
 
     def __init__(self, bound: BoundMesh, specs: Sequence[ParamSpec], params: Sequence[Tensor],
                  bucket_bytes: int) -> None:
         self.bound, self.specs, self.params = bound, tuple(specs), tuple(params)
         self.bucket_bytes = bucket_bytes
-        self.storages: dict[int, tuple[int, int]] = {}   # storage_key -> (index, storage offset)
-        self.regathered: list[Tensor] | None = None
+        self.schedule: Schedule[Any] = Schedule()
+        self.regather = Regather(self)
 
-    def gather(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+    def gather_tensors(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """Each tensor stored -> use, bucketed; a parameter that needs no collective is a view."""
         moved = [i for i, s in enumerate(self.specs) if s.gather_plan().collectives]
         outs = [t.view_as(t) for t in tensors]
@@ -163,34 +159,19 @@ class _Call:
             outs[i] = t
         return outs
 
+    def gather(self) -> list[Tensor]:
+        """The parameters gathered again (the regather's first use in backward)."""
+        return self.gather_tensors([p.detach() for p in self.params])
+
+    def prefetch_gather(self) -> None:
+        """Nothing to prefetch: a FullyShard unit knows no next unit."""
+
     def remember(self, outs: list[Tensor]) -> list[Tensor]:
-        """Record the storage of each gathered tensor (cloning one that shares a storage), so
-        that `pack` can tell a saved parameter from an activation."""
-        for i, s in enumerate(self.specs):
-            if not s.gather_plan().collectives:
-                continue
-            if storage_key(outs[i]) in self.storages:
-                outs[i] = outs[i].clone()
-            self.storages[storage_key(outs[i])] = (i, int(outs[i].storage_offset()))
+        """Tell the regather which saved tensors are the gathered parameters (not those that
+        needed no collective: they are the stored parameters themselves)."""
+        self.regather.remember(outs, [i for i, s in enumerate(self.specs)
+                                      if s.gather_plan().collectives])
         return outs
-
-    def pack(self, t: Tensor) -> Any:
-        found = self.storages.get(storage_key(t)) if t.numel() else None
-        if found is None:
-            return t
-        index, base = found
-        return _Saved(index, tuple(int(n) for n in t.size()), tuple(int(n) for n in t.stride()),
-                      int(t.storage_offset()) - base)
-
-    def unpack(self, saved: Any) -> Tensor:
-        if not isinstance(saved, _Saved):
-            return cast(Tensor, saved)
-        if self.regathered is None:   # the first use in backward regathers the whole unit
-            self.regathered = self.gather([p.detach() for p in self.params])
-        full = self.regathered[saved.index]
-        out: Tensor = full.as_strided(saved.size, saved.stride,
-                                      full.storage_offset() + saved.offset)
-        return out
 
     def reduce(self, grads: Sequence[Tensor | None]) -> list[Tensor]:
         """Each use-layout gradient grad -> stored, bucketed, times its spec's grad_scale."""
@@ -209,12 +190,12 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *stored: Tensor) -> tuple[Tensor, ...]:
         ctx.call = call
-        return tuple(call.gather(stored))
+        return tuple(call.gather_tensors(stored))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         call: _Call = ctx.call
-        call.regathered = None
+        call.regather.release()
         return (None, *call.reduce(grads))
 
 
@@ -363,13 +344,14 @@ class FullyShard(nn.Module):
             m.in_use[a] = t
         try:
             if self.reshard_after_forward and torch.is_grad_enabled():
-                with torch.autograd.graph.saved_tensors_hooks(call.pack, call.unpack):
+                with torch.autograd.graph.saved_tensors_hooks(call.regather.pack,
+                                                              call.regather.unpack):
                     return self.module(*args, **kwargs)
             return self.module(*args, **kwargs)
         finally:
             for _, m, a in entries:
                 m.in_use.pop(a, None)
-            call.storages.clear()
+            call.regather.forget()
 
     def comms(self) -> list[Comm]:
         """Every parameter's gather, regather (when resharding after forward) and reduction."""

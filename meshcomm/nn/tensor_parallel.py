@@ -19,7 +19,6 @@ recipe decides which axes split them, so one model's code runs under `tp`, `fsdp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,26 +29,10 @@ from ..executors.distributed.autograd import backward_plan
 from ..executors.distributed.bind import BoundMesh
 from ..planner.plan import plan
 from ..recipes import RecipeLike
-from ..sharded import infer_shape, reshard
+from ..sharded import reshard
 from .comms import Comm
+from .moves import move
 from .params import ShardedModule
-
-
-class _Pair(torch.autograd.Function):
-    """Forward runs the plan fwd[0] -> fwd[1]; backward runs bwd[0] -> bwd[1] on the gradient
-    (for transitions whose gradient is not the reverse reshard, such as Megatron's `f`)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, bound: BoundMesh, fwd: tuple[Layout, Layout],
-                bwd: tuple[Layout, Layout]) -> Tensor:
-        shape = infer_shape(bound.mesh, fwd[0], tuple(x.shape), bound.rank)
-        ctx.bound, ctx.bwd, ctx.shape = bound, bwd, shape
-        out = reshard(x, bound, fwd[0], fwd[1], shape=shape)
-        return x.view_as(x) if out is x else out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return reshard(grad.contiguous(), ctx.bound, *ctx.bwd, shape=ctx.shape), None, None, None
 
 
 def _whole_last(layout: Layout, name: str) -> Layout:
@@ -81,9 +64,8 @@ class TPEntry(ShardedModule):
         self.grad_layout = self.layout(f"{use_dims} | sum({', '.join(reduce.split())})")
 
     def forward(self, x: Tensor) -> Tensor:
-        out: Tensor = _Pair.apply(x, self.bound, (self.x_layout, self.use_layout),  # type: ignore[no-untyped-call]
-                                  (self.grad_layout, self.x_layout))
-        return out
+        return move(x, self.bound, (self.x_layout, self.use_layout),
+                    (self.grad_layout, self.x_layout))
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
         if shape is None:

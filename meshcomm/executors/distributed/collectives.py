@@ -289,8 +289,10 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
         shape = tuple(x.shape) if sizes is None else (*x.shape[:d], "*", *x.shape[d + 1:])
         _check(fn, g, x, ("dim", d), ("shape", shape), ("sizes", sizes))
     if sizes is None or len(set(sizes)) == 1:
-        out: Tensor = wire.all_gather_single(x.contiguous(), d, g.name)
-        return _reorder(out, d, [n] * g.size, g.order)
+        # along dim 0 and moved back: a gather along another dim is a chunk-cat that some
+        # torch versions cannot compile
+        out: Tensor = wire.all_gather_single(x.movedim(d, 0).contiguous(), 0, g.name)
+        return _reorder(out, 0, [n] * g.size, g.order).movedim(0, d)
     rows = x.movedim(d, 0)
     out_pg = [sizes[p] for p in g.inv]
     out = wire.all_to_all(torch.cat([rows] * g.size), g.name, out_pg, [n] * g.size, wait=False)
@@ -321,8 +323,9 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
     if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("dim", d), ("op", op), ("splits", splits))
     if len(set(chunks)) == 1:
-        moved = _reorder(x, d, chunks, g.inv)
-        out: Tensor = wire.reduce_scatter_single(moved.contiguous(), wire_op, d, g.name)
+        moved = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
+        out: Tensor = wire.reduce_scatter_single(moved.contiguous(), wire_op, 0,
+                                                 g.name).movedim(0, d)
         return out / g.size if op == "avg" else out
     rows = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
     own = chunks[g.pos]

@@ -19,16 +19,25 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
-all_gather_single: Callable[..., Tensor] = getattr(funcol, "all_gather_single",
-                                                   funcol.all_gather_tensor)
-reduce_scatter_single: Callable[..., Tensor] = getattr(funcol, "reduce_scatter_single",
-                                                       funcol.reduce_scatter_tensor)
+
+
+def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
+    """funcol's all_gather of `x` along `dim` (looked up per call, as tests wrap funcol)."""
+    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    return fn(x, dim, group)
+
+
+def reduce_scatter_single(x: Tensor, op: str, dim: int, group: str) -> Tensor:
+    """funcol's reduce_scatter of `x` along `dim` with `op` (looked up per call)."""
+    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    return fn(x, op, dim, group)
 
 
 def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
               name: str) -> list[Tensor]:
     """Sends ("isend") and receives ("irecv", filling the tensor given) with group-rank
-    `peers` over group `name`, posted together; the tensors back, received ones filled."""
+    `peers` over group `name`, posted together; per op, an empty token for a send and the
+    filled tensor for a receive."""
     if hasattr(funcol, "batch_p2p_ops_inplace"):
         return list(funcol.batch_p2p_ops_inplace(list(kinds), list(peers), [0] * len(kinds),
                                                  tensors, name))
@@ -40,7 +49,8 @@ def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
            for kind, peer, t in zip(kinds, peers, tensors)]
     for work in dist.batch_isend_irecv(ops) if ops else []:
         work.wait()
-    return tensors
+    # as the functional op: a send gives back an empty token, a receive its filled tensor
+    return [t if kind == "irecv" else t.new_empty(0) for kind, t in zip(kinds, tensors)]
 
 
 def as_real(x: Tensor) -> Tensor:

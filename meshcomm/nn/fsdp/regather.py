@@ -54,11 +54,12 @@ class Regather:
         """Backward of the unit is over: drop the parameters gathered again."""
         self.gathered = None
 
-    def remember(self, tensors: Sequence[Tensor]) -> None:
-        """The tensors forward uses as the unit's parameters (views of the gathered ones)."""
+    def remember(self, tensors: Sequence[Tensor], which: Sequence[int] | None = None) -> None:
+        """The tensors forward uses as the unit's parameters (views of the gathered ones);
+        with `which`, only those positions (the others are not gathered tensors)."""
         self.storages = {}
-        for i, t in enumerate(tensors):
-            self.storages.setdefault(storage_key(t), i)
+        for i in range(len(tensors)) if which is None else which:
+            self.storages.setdefault(storage_key(tensors[i]), i)
 
     def pack(self, t: Tensor) -> Any:
         key = self.storages.get(storage_key(t)) if t.numel() else None
