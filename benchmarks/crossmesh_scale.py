@@ -7,8 +7,11 @@ up to 256 ranks). It reports times and never asserts one. There is no DTensor co
 DTensor has no plan between two meshes.
 
 Per case: the cold time of one `mc.plan` between the meshes (the plan caches emptied
-first), the number of transfers it holds, and the cold time of `receiver_transfers` for
-the first and the last rank of the destination (median of 3).
+first), the number of transfers it lists (0 where it is planned by counting: every element
+with one holder, so each rank lists its own blocks when it runs), the cold time of that
+per-rank listing (`step_transfers`) for the first source rank and the last destination
+rank, and the cold time of `receiver_transfers` for the first and the last rank of the
+destination (median of 3).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import meshcomm as mc
 from meshcomm.planner import search
 from meshcomm.planner.states import from_layout
-from meshcomm.planner.transfers import receiver_transfers
+from meshcomm.planner.transfers import receiver_transfers, step_transfers
 
 SHAPE = (50257, 8192)
 CASES = [   # (id, source mesh, source layout, destination mesh, destination layout)
@@ -37,6 +40,12 @@ CASES = [   # (id, source mesh, source layout, destination mesh, destination lay
     ("256->128 rows to cols", "dp=256", "(dp v) e", "dp=16 tp=8", "v (dp tp e)"),
     ("512->512 rows to tp", "dp=512", "(dp v) e", "dp=64 tp=8", "(tp v) e"),
     ("1024->1024 rows to tp", "dp=1024", "(dp v) e", "dp=128 tp=8", "(tp v) e"),
+    ("1024->1024 rows to cols", "dp=1024", "(dp v) e", "dp=128 tp=8", "v (tp dp e)"),
+    ("4096->4096 rows to tp", "dp=4096", "(dp v) e", "dp=512 tp=8", "(tp v) e"),
+    ("1024 same ranks, rows to tp", "dp=1024", "(dp v) e", "dp=128 tp=8 @same", "(tp v) e"),
+    # a replicated source: its senders are chosen (least loaded first), so the plan lists
+    # every block (not planned by counting)
+    ("256->256 replicated source", "dp=32 tp=8", "(dp v) e", "dp=256", "(dp v) e"),
 ]
 QUICK = 4          # --quick: the first cases (up to 256 ranks)
 
@@ -50,18 +59,27 @@ def clear() -> None:
 def run_case(case: tuple[str, str, str, str, str]) -> dict[str, Any]:
     name, src_text, src, dst_text, dst = case
     saved = mc.Mesh(src_text)
-    here = mc.Mesh(dst_text)
-    first = max(saved.ranks) + 1
+    same = dst_text.endswith(" @same")       # the destination on the source's own ranks
+    here = mc.Mesh(dst_text.removesuffix(" @same"))
+    first = 0 if same else max(saved.ranks) + 1
     renumbered = mc.Mesh(dict(here.axes), ranks=[first + p for p in range(here.size)])
     clear()
     start = time.perf_counter()
     p = mc.plan(saved, SHAPE, src, dst, dst_mesh=renumbered)
     plan_s = time.perf_counter() - start
     transfers = sum(len(s.transfers) for s in p.steps)
+    # at run time each rank lists its own blocks (a plan counted, not listed): cold, for the
+    # first source rank and the last destination rank
+    step = next(s for s in p.steps if s.dst_mesh is not None)
+    run = {}
+    for rank in (saved.ranks[0], renumbered.ranks[-1]):
+        start = time.perf_counter()
+        mine = step_transfers(step, p.mesh, p.shape, rank)
+        run[str(rank)] = {"s": time.perf_counter() - start, "transfers": len(mine)}
     a = from_layout(mc.Layout(src), saved, SHAPE)
     b = from_layout(mc.Layout(dst), here, SHAPE)
     receiver = {}
-    for rank in (here.ranks[0], here.ranks[-1]):
+    for rank in (here.ranks[0], here.ranks[-1]) if step.transfers == () else ():
         times = []
         for _ in range(3):
             start = time.perf_counter()
@@ -69,8 +87,8 @@ def run_case(case: tuple[str, str, str, str, str]) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
         receiver[str(rank)] = {"median_s": statistics.median(times), "blocks": len(blocks)}
     return {"id": name, "src_mesh": src_text, "src": src, "dst_mesh": dst_text, "dst": dst,
-            "ranks": saved.size + here.size, "plan_s": plan_s, "transfers": transfers,
-            "receiver": receiver}
+            "ranks": len(p.ranks), "plan_s": plan_s, "transfers": transfers,
+            "receiver": receiver, "run": run}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,15 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rows = []
     print(f"shape {SHAPE} float32; times are cold, one thread")
-    print(f"{'case':24} {'src -> dst':34} {'plan':>8} {'transfers':>9} {'one rank':>9}"
-          f" {'blocks':>6}")
+    print(f"{'case':28} {'src -> dst':30} {'plan':>8} {'listed':>7} {'run: one rank':>14}"
+          f" {'loader':>8} {'blocks':>6}")
     for case in CASES[:QUICK] if args.quick else CASES:
         r = run_case(case)
         rows.append(r)
-        worst = max(r["receiver"].values(), key=lambda v: v["median_s"])
-        print(f"{r['id']:24} {r['src_mesh'] + ' -> ' + r['dst_mesh']:34}"
-              f" {r['plan_s']:7.2f}s {r['transfers']:9} {worst['median_s'] * 1e3:7.1f}ms"
-              f" {worst['blocks']:6}", flush=True)
+        worst = max(r["receiver"].values(), key=lambda v: v["median_s"],
+                    default={"median_s": float("nan"), "blocks": "-"})
+        slow = max(r["run"].values(), key=lambda v: v["s"])
+        print(f"{r['id']:28} {r['src_mesh'] + ' -> ' + r['dst_mesh']:30}"
+              f" {r['plan_s']:7.3f}s {r['transfers']:7} {slow['s'] * 1e3:10.1f} ms"
+              f" {worst['median_s'] * 1e3:6.1f}ms {worst['blocks']:6}", flush=True)
     if args.json:
         meta = {"torch": torch.__version__, "python": platform.python_version(),
                 "platform": platform.platform()}

@@ -144,6 +144,14 @@ def cases(draw):
     return src_mesh, dst_mesh, shape, src, dst
 
 
+def received(step, p, rank):
+    """The transfers `rank` receives in a step between meshes (listed in the plan, or
+    computed for the rank when it runs)."""
+    from meshcomm.planner.transfers import step_transfers
+
+    return [t for t in step_transfers(step, p.mesh, p.shape, rank) if t.dst == rank]
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(cases())
 def test_every_cross_plan_is_exact(case):
@@ -154,7 +162,7 @@ def test_every_cross_plan_is_exact(case):
     idle = set(_contributors_only(dst_mesh, transfer.after))
     for r in dst_mesh.ranks:
         got = torch.zeros(transfer.after.local_shape(dst_mesh, shape, r), dtype=torch.long)
-        for t in transfer.transfers:
+        for t in received(transfer, p, r):
             if t.dst == r and t.dst_index:
                 got[torch.meshgrid(*[torch.tensor(ix) for ix in t.dst_index], indexing="ij")] += 1
             elif t.dst == r:
@@ -213,7 +221,7 @@ def test_receiver_transfers_are_the_plan_s_for_that_rank(case):
         # the same senders with the same element counts as the plan's step
         (step,) = p.steps
         planned: dict[int, int] = {}
-        for t in step.transfers:
+        for t in received(step, p, first + k):
             if t.dst == first + k:
                 planned[t.src] = planned.get(t.src, 0) + t.numel
         assert {t.src: t.numel for t in mine if t.numel} == planned
@@ -247,3 +255,52 @@ def test_receiver_transfers_at_production_scale_cost_no_element_count():
     assert sum(t.numel for t in mine) == 3142 * 256
     assert tuple(mine[0].src_index[0]) == tuple(range(42, 50))   # rows 3142..3149 of file 62
     assert tuple(mine[0].dst_index[1]) == tuple(range(256))
+
+
+# -- plans counted, not listed: every element with one holder --------------------------------
+LAZY_CASES = [   # (source mesh, layout, destination mesh, layout, destination's first rank)
+    ("dp=1024", "(dp v) e", "dp=128 tp=8", "(tp v) e", 1024),       # disjoint meshes
+    ("dp=1024", "(dp v) e", "dp=128 tp=8", "v (tp dp e)", 0),        # the same 1,024 ranks
+    ("a=4 b=8", "(b v) (a e)", "c=2 d=16", "(d e) (c v)", 16),       # overlapping, both dims
+]
+
+
+@pytest.mark.parametrize("case", LAZY_CASES, ids=[f"{c[0]} -> {c[2]}" for c in LAZY_CASES])
+def test_a_one_holder_move_is_counted_and_each_rank_lists_its_own_blocks(case):
+    from meshcomm.planner.transfers import step_transfers
+
+    src_text, src, dst_text, dst, first = case
+    shape, itemsize = (50257, 8192), 4
+    saved = mc.Mesh(src_text)
+    here = mc.Mesh(dict(mc.Mesh(dst_text).axes), ranks=range(first, first + saved.size))
+    p = mc.plan(saved, shape, src, dst, dst_mesh=here)
+    (step,) = p.steps
+    assert step.transfers == ()                     # nothing listed: counted
+    assert p.recv_bytes == p.lower_bound_bytes
+    pos = {r: i for i, r in enumerate(p.ranks)}
+    picks = sorted({saved.ranks[0], saved.ranks[-1], here.ranks[0], here.ranks[-1],
+                    here.ranks[here.size // 2 + 3]})
+    lists = {r: step_transfers(step, p.mesh, shape, r) for r in picks}
+    for r, mine in lists.items():       # a rank's own blocks add up to its counted bytes
+        sent = sum(t.numel for t in mine if t.src == r and t.dst != r) * itemsize
+        got = sum(t.numel for t in mine if t.dst == r and t.src != r) * itemsize
+        assert (sent, got) == (p.send_bytes[pos[r]], p.recv_bytes[pos[r]]), r
+    for s, sends in lists.items():      # a sender and a receiver name the same blocks
+        for r, gets in lists.items():
+            if s != r:
+                assert ([t for t in sends if t.src == s and t.dst == r]
+                        == [t for t in gets if t.src == s and t.dst == r])
+
+
+def test_a_counted_move_runs_exactly_in_the_simulator():
+    """Small meshes go through the same counted path: every rank's output is its block."""
+    saved = mc.Mesh("a=2 b=3")
+    here = mc.Mesh("c=3 d=2", ranks=[3, 4, 5, 6, 7, 8])          # ranks 3-5 in both
+    shape = (7, 10)
+    x = torch.arange(70.0).reshape(shape)
+    p = mc.plan(saved, shape, "(b v) (a e)", "(c e) (d v)", dst_mesh=here)
+    assert p.steps[-1].transfers == ()
+    out = execute(p, mc.sim.scatter(x, saved, "(b v) (a e)")).outputs
+    for r in here.ranks:
+        want = mc.sim.scatter(x, here, "(c e) (d v)")[here.ranks.index(r)]
+        assert torch.equal(out[p.ranks.index(r)], want)

@@ -31,8 +31,9 @@ from ..core.mesh import Mesh
 from ..core.notation import Dim, Factor, Pattern
 from . import search
 from .states import from_layout, local_numels
+from .pairs import cross_traffic, lazy_cross
 from .transfers import assign, cross_blocks
-from .values import CostModel, Plan, Step
+from .values import CostModel, Plan, Step, Transfer
 
 
 def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout,
@@ -108,6 +109,20 @@ def _reindex(step: Step, mesh: Mesh, ranks: tuple[int, ...], before_mesh: Mesh) 
 def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape,
                    before: Layout, after: Layout, itemsize: int, cost_model: CostModel) -> Step:
     start, goal = from_layout(before, mesh, shape), from_layout(after, dst_mesh, shape)
+    pos = {r: i for i, r in enumerate(ranks)}
+    ins = dict(zip(mesh.ranks, local_numels(start, mesh)))
+    outs = dict(zip(dst_mesh.ranks, local_numels(goal, dst_mesh)))
+    peak = tuple((ins.get(r, 0) + outs.get(r, 0)) * itemsize for r in ranks)
+    if lazy_cross(start, mesh, goal):
+        # one holder per element: counted here, each rank's blocks listed when it runs
+        # (`step_transfers`), so planning follows the blocks, never ranks x ranks
+        sent, got = cross_traffic(start, mesh, goal, dst_mesh)
+        send, recv = [0] * len(ranks), [0] * len(ranks)
+        for r, n in zip(mesh.ranks, sent.tolist()):
+            send[pos[r]] = n * itemsize
+        for r, n in zip(dst_mesh.ranks, got.tolist()):
+            recv[pos[r]] = n * itemsize
+        return _send_recv(mesh, dst_mesh, before, after, (), send, recv, peak, cost_model)
     have, need, atoms = cross_blocks(start, goal, mesh, dst_mesh)
     for r in _contributors_only(dst_mesh, after):
         need[r] = tuple(() for _ in shape)   # holds the identity of the pending op
@@ -115,22 +130,22 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
     if found is None:
         raise PlanError(f"cannot move {before} on {mesh!r} to {after} on {dst_mesh!r}: some"
                         " block has no holder; this is a meshcomm bug, please report it")
-    pos = {r: i for i, r in enumerate(ranks)}
     transfers = tuple(sorted(found, key=lambda t: (pos[t.src], pos[t.dst])))
     send, recv = [0] * len(ranks), [0] * len(ranks)
     for t in transfers:
         if t.src != t.dst:
             send[pos[t.src]] += t.numel * itemsize
             recv[pos[t.dst]] += t.numel * itemsize
-    ins = dict(zip(mesh.ranks, local_numels(start, mesh)))
-    outs = dict(zip(dst_mesh.ranks, local_numels(goal, dst_mesh)))
-    peak = tuple((ins.get(r, 0) + outs.get(r, 0)) * itemsize for r in ranks)
+    return _send_recv(mesh, dst_mesh, before, after, transfers, send, recv, peak, cost_model)
+
+
+def _send_recv(mesh: Mesh, dst_mesh: Mesh, before: Layout, after: Layout,
+               transfers: tuple[Transfer, ...], send: list[int], recv: list[int],
+               peak: tuple[int, ...], cost_model: CostModel) -> Step:
     time = cost_model.time(("*",), max(max(send), max(recv))) if any(send) else 0.0
     return Step("send_recv", (), before, after, op=after.reduce_op, transfers=transfers,
-                wire="send/recv",
-                send_bytes=tuple(send),
-                recv_bytes=tuple(recv), time_s=time, peak_bytes=peak, mesh=mesh,
-                dst_mesh=dst_mesh)
+                wire="send/recv", send_bytes=tuple(send), recv_bytes=tuple(recv), time_s=time,
+                peak_bytes=peak, mesh=mesh, dst_mesh=dst_mesh)
 
 
 def _contributors_only(mesh: Mesh, layout: Layout) -> list[int]:
@@ -157,6 +172,11 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
     reduction holds none), plus, on the source mesh, an even share of the reduce-scatter
     bound for resolving a pending reduction over g ranks (each element combined once:
     (g - 1) * numel messages over the source ranks)."""
+    start, goal = from_layout(src, mesh, shape), from_layout(landing, dst_mesh, shape)
+    if lazy_cross(start, mesh, goal):   # one holder each: a receiver lacks what it gets
+        _, got = cross_traffic(start, mesh, goal, dst_mesh)
+        need = dict(zip(dst_mesh.ranks, got.tolist()))
+        return tuple(need.get(r, 0) * itemsize for r in ranks)
     complete = src.reduce_op is None
     g = math.prod(mesh.axis_size(a) for a in src.partial_axes)
     reduce_share = -(-math.prod(shape) * (g - 1) // mesh.size) if not complete else 0

@@ -15,6 +15,8 @@ from typing import Any
 
 from ..core.layout import Layout
 from ..core.mesh import Mesh
+from .pairs import Pair, lazy_cross, receiver_pairs
+from .states import from_layout
 
 # A `meshcomm.planner.values.Plan`. This module sits below the plan values (whose
 # `explain()` and `str()` call `format_plan`), so it reads a plan's fields without
@@ -211,16 +213,31 @@ def transfer_rows(plan: Plan) -> tuple[dict[str, Any], ...]:
             continue
         pairs: dict[tuple[int, int], list[str]] = {}
         sizes: dict[tuple[int, int], int] = {}
-        for t in step.transfers:
-            if t.src == t.dst:
+        for src, dst, _, dst_index in _step_pairs(step, plan):
+            if src == dst:
                 continue
-            where = step.after.indices(step.dst_mesh, plan.shape, t.dst)
-            block = [index_text([w[k] for k in ix]) for w, ix in zip(where, t.dst_index)]
-            pairs.setdefault((t.src, t.dst), []).append(f"[{', '.join(block)}]")
-            sizes[t.src, t.dst] = sizes.get((t.src, t.dst), 0) + t.numel * plan.dtype.itemsize
+            where = step.after.indices(step.dst_mesh, plan.shape, dst)
+            block = [index_text([w[k] for k in ix]) for w, ix in zip(where, dst_index)]
+            pairs.setdefault((src, dst), []).append(f"[{', '.join(block)}]")
+            sizes[src, dst] = (sizes.get((src, dst), 0)
+                               + math.prod(len(ix) for ix in dst_index) * plan.dtype.itemsize)
         out += [{"step": i, "src": s, "dst": r, "blocks": blocks, "bytes": sizes[s, r]}
                 for (s, r), blocks in pairs.items()]
     return tuple(out)
+
+
+def _step_pairs(step: Any, plan: Plan) -> list[Pair]:
+    """(sender, receiver, sender's positions, receiver's) of a step between two meshes: the
+    plan's transfers, or for a step planned by counting, every receiver's blocks in turn."""
+    if step.transfers:
+        return [(t.src, t.dst, t.src_index, t.dst_index) for t in step.transfers]
+    mesh, dst_mesh = step.mesh or plan.mesh, step.dst_mesh
+    a, b = from_layout(step.before, mesh, plan.shape), from_layout(step.after, dst_mesh, plan.shape)
+    if not lazy_cross(a, mesh, b):
+        return []
+    pos = {r: i for i, r in enumerate(plan.ranks)}
+    return sorted((p for r in dst_mesh.ranks for p in receiver_pairs(a, mesh, b, dst_mesh, r)),
+                  key=lambda p: (pos[p[0]], pos[p[1]]))
 
 
 def balance(plan: Plan) -> tuple[dict[str, Any], ...]:

@@ -16,21 +16,18 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-import torch
 
 from ..core.layout import Layout
 from ..core.mesh import AxisName, Mesh
 from .blocks import (
-    DimBlock,
     block,
-    coords_grid,
-    dim_block,
     in_mesh_order,
     own_and_need,
     summed_overlap,
 )
 from .bounds import missing, sharding_axes, state_bound
 from .moves import Move, block_indices
+from .pairs import lazy_cross, positions, receiver_pairs, sender_pairs
 from .states import DimState, State, chunk_dim, even_dim, from_layout, is_chain
 from .values import Step, Transfer
 
@@ -328,10 +325,15 @@ def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
 def step_transfers(step: Step, mesh: Mesh, shape: tuple[int, ...],
                    rank: int) -> tuple[Transfer, ...]:
     """The transfers of `step` that `rank` sends or receives (a send_recv), or keeps (a
-    select or reindex). Between two meshes they are the plan's; on one mesh they are
-    computed here, for this rank only, from the step's layouts, and cached."""
-    if step.transfers or step.dst_mesh is not None:
+    select or reindex), computed here for this rank only from the step's layouts (and
+    cached) where the step lists none: on one mesh always; between two meshes where every
+    element has one holder (`lazy_cross`). Otherwise they are the plan's."""
+    if step.transfers:
         return step.transfers
+    if step.dst_mesh is not None:
+        src_mesh = step.mesh or mesh
+        return _cross_rank_transfers(step.before, step.after, src_mesh, step.dst_mesh, shape,
+                                     rank)
     return _rank_transfers(step.kind, step.action, step.before, step.after, mesh, shape, rank)
 
 
@@ -356,62 +358,36 @@ def _cell(src: int, dst_rank: int, state: State, dst: State, mesh: Mesh) -> Tran
     """The block `src` holds in `state` that `dst_rank` needs in `dst`, at local positions."""
     have = block(state, mesh, mesh.coords(src))
     need = block(dst, mesh, mesh.coords(dst_rank))
-    pairs = [_positions(h, n) for h, n in zip(have, need)]
+    pairs = [positions(h, n) for h, n in zip(have, need)]
     return Transfer(src, dst_rank, tuple(s for s, _ in pairs), tuple(d for _, d in pairs))
 
 
-def _positions(h: DimBlock, n: DimBlock, runs: bool = False
-               ) -> tuple[Sequence[int], Sequence[int]]:
-    """The local positions, in `h`'s block and in `n`'s, of the indices both hold; with
-    `runs`, two one-run blocks give ranges (no index spelled out)."""
-    both = h & n
-    if runs and not h.digits and not n.digits:
-        return (range(both.start - h.start, both.stop - h.start),
-                range(both.start - n.start, both.stop - n.start))
-    common = both.indices()
-    return (tuple(torch.searchsorted(h.indices(), common).tolist()),
-            tuple(torch.searchsorted(n.indices(), common).tolist()))
 
 
-# -- one receiver's blocks between meshes, when every element has one holder -----------------
+# -- between two meshes, per rank (planner/pairs.py) ----------------------------------------
 def receiver_transfers(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
                        rank: int) -> tuple[Transfer, ...]:
     """The blocks `rank` of `dst_mesh` receives when `state` on `mesh` moves to `dst`, for
     a `state` whose every element has exactly one holder (every axis of `mesh` that does not
     shard it has size 1, and nothing is pending): what the send_recv step of
-    `plan(mesh, ..., dst_mesh=dst_mesh)` gives `rank` (one block per sender where the plan
-    may cut it into several), computed for this rank only.
-
-    Cost: per dim, one block intersection per coordinate of the axes splitting that dim,
-    then one transfer per sender that overlaps; never the element count, never the other
-    receivers (a checkpoint loader on 1,024 ranks plans in milliseconds).
+    `plan(mesh, ..., dst_mesh=dst_mesh)` gives `rank`, computed for this rank only (a
+    checkpoint loader on 1,024 ranks plans in milliseconds; see `pairs.receiver_pairs`).
     """
     spare = [a for a in mesh.axis_names if a not in sharding_axes(state) and mesh.axis_size(a) > 1]
     if spare or state.partial:
         raise ValueError(f"receiver_transfers: every element needs one holder; axes {spare}"
                          f" replicate it, {list(state.partial)} hold it pending")
-    need = block(dst, dst_mesh, dst_mesh.coords(rank))
-    if any(n.count() == 0 for n in need):
+    return tuple(Transfer(*p) for p in receiver_pairs(state, mesh, dst, dst_mesh, rank))
+
+
+@functools.lru_cache(maxsize=256)
+def _cross_rank_transfers(before: Layout, after: Layout, mesh: Mesh, dst_mesh: Mesh,
+                          shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
+    """What `rank` sends, receives and keeps in a transfer between meshes planned by
+    counting (`pairs.lazy_cross`); none for any other."""
+    state, dst = from_layout(before, mesh, shape), from_layout(after, dst_mesh, shape)
+    if not lazy_cross(state, mesh, dst):
         return ()
-    zero = dict.fromkeys(mesh.axis_names, 0)
-    options: list[list[dict[AxisName, int]]] = []     # per dim: overlapping coordinates
-    for dim, n in zip(state.dims, need):
-        axes = in_mesh_order(mesh, dim.axes)
-        options.append([c for c in coords_grid(mesh, axes)
-                        if (dim_block(dim, mesh, {**zero, **c}) & n).count()])
-    out = []
-    for combo in _product(options):
-        coords = dict(zero)
-        for c in combo:
-            coords.update(c)
-        pairs = [_positions(h, n, runs=True) for h, n in zip(block(state, mesh, coords), need)]
-        out.append(Transfer(mesh.rank_at(**coords), rank, tuple(s for s, _ in pairs),
-                            tuple(d for _, d in pairs)))
-    return tuple(out)
-
-
-def _product(options: list[list[dict[AxisName, int]]]) -> list[tuple[dict[AxisName, int], ...]]:
-    combos: list[tuple[dict[AxisName, int], ...]] = [()]
-    for choices in options:
-        combos = [c + (x,) for c in combos for x in choices]
-    return combos
+    got = receiver_pairs(state, mesh, dst, dst_mesh, rank) if rank in dst_mesh.ranks else []
+    sent = sender_pairs(state, mesh, dst, dst_mesh, rank) if rank in mesh.ranks else []
+    return tuple(Transfer(*p) for p in [*(p for p in sent if p[1] != rank), *got])

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ...core.errors import MeshMismatchError, ShapeError
+from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
 from ..local import pack, recv_splits, unpack
 from . import wire
@@ -98,8 +99,9 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
     ranks, rank = plan.ranks, dst.rank
     me = ranks.index(rank)
     held = x if x is not None else torch.empty(0, dtype=plan.dtype, device=dst.device)
-    flat, send_splits = pack(step.transfers, ranks, rank, held)
-    wanted = recv_splits(step.transfers, ranks, rank)
+    mine = step_transfers(step, plan.mesh, plan.shape, rank)     # this rank's blocks only
+    flat, send_splits = pack(mine, ranks, rank, held)
+    wanted = recv_splits(mine, ranks, rank)
     out = flat.new_empty(sum(wanted))
     sends, recvs = flat.split(send_splits), out.split(wanted)
     ops = [dist.P2POp(dist.isend, wire.as_real(sends[j]), peer)
@@ -116,5 +118,5 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
         trace.add(step.kind, step.axes, sent, got)
     if not dst.in_mesh:
         return None
-    return unpack(step.transfers, ranks, rank, out,
+    return unpack(mine, ranks, rank, out,
                       step.after.local_shape(dst.mesh, plan.shape, rank), step.op)

@@ -210,12 +210,13 @@ def _transfer(step: Step, plan: Plan, held: dict[int, Tensor]) -> tuple[dict[int
     """The send_recv between meshes, simulated as one uneven all_to_all over both meshes."""
     ranks = plan.ranks
     empty = torch.empty(0, dtype=plan.dtype)
-    packed = [pack(step.transfers, ranks, r, held.get(r, empty)) for r in ranks]
+    mine = {r: step_transfers(step, plan.mesh, plan.shape, r) for r in ranks}
+    packed = [pack(mine[r], ranks, r, held.get(r, empty)) for r in ranks]
     res = coll.all_to_all([p[0] for p in packed], (tuple(range(len(ranks))),),
                           input_splits=[p[1] for p in packed])
     dst_mesh = step.dst_mesh
     assert dst_mesh is not None, f"a transfer step needs dst_mesh: {step}"
-    out = {r: unpack(step.transfers, ranks, r, res.outputs[ranks.index(r)],
+    out = {r: unpack(mine[r], ranks, r, res.outputs[ranks.index(r)],
                          step.after.local_shape(dst_mesh, plan.shape, r), step.op)
            for r in dst_mesh.ranks}
     return out, res
