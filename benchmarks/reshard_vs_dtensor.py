@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import plan_vs_dtensor as pvd  # noqa: E402  (the layout -> placements mapper)
 
 import meshcomm as mc  # noqa: E402
+from meshcomm.executors.distributed import wire
 from meshcomm.executors.distributed.launch import run_ranks
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "reshard_vs_dtensor.json"
@@ -131,7 +132,6 @@ def _case_rank(case: Case, k: int, bound: Any, dmesh: Any, reps: int) -> dict[st
 def _overhead_rank(bound: Any, reps: int) -> dict[str, float]:
     """Per-rank medians (seconds) of a cached reshard and of the bare collective it makes."""
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
 
     x = torch.ones(2, 16)
     name = bound.group_name(("dp", "tp"))
@@ -143,7 +143,7 @@ def _overhead_rank(bound: Any, reps: int) -> dict[str, float]:
         return _done(mc.reshard(x, bound, src, dst, shape=shape))
 
     def bare() -> Any:      # what the plan's only step calls, without the final rearrange
-        return _done(funcol.all_gather_single(x.unsqueeze(0), 0, name))
+        return _done(wire.all_gather_single(x.unsqueeze(0), 0, name))
 
     full = torch.ones(8, 16)
 

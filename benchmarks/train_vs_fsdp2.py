@@ -439,10 +439,13 @@ def counter_check(rank: int, world: int) -> dict[str, Any]:
         cases[label] = (got, expected)
 
     x = torch.ones(n)
+    # (torch before 2.12 names them all_gather_into_tensor / reduce_scatter_tensor)
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     measure("dist.all_gather_single", (world - 1) * b,
-            lambda: dist.all_gather_single(torch.empty(world * n), x))
+            lambda: gather(torch.empty(world * n), x))
     measure("dist.reduce_scatter_single", b - b // world,
-            lambda: dist.reduce_scatter_single(torch.empty(n // world), x))
+            lambda: scatter(torch.empty(n // world), x))
     measure("dist.all_reduce", 2 * (b - b // world), lambda: dist.all_reduce(x.clone()))
     measure("funcol.all_reduce", 2 * (b - b // world),
             lambda: funcol.all_reduce(x, "sum", dist.group.WORLD).wait())

@@ -39,6 +39,8 @@ def rand(*shape: int, seed: int, std: float = 1.0) -> Tensor:
 def count_collectives() -> None:
     """Wrap funcol's collectives (as the executors call them) to count calls by kind."""
     for name, kind in KINDS.items():
+        # torch before 2.12 names the first two all_gather_tensor / reduce_scatter_tensor
+        name = name if hasattr(funcol, name) else name.replace("_single", "_tensor")
         fn = getattr(funcol, name)
 
         def counted(*args: Any, _fn: Callable[..., Any] = fn, _kind: str = kind,
