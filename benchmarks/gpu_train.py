@@ -79,9 +79,8 @@ def train(how: str, args: argparse.Namespace) -> dict[str, Any]:
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq + 1), device="cuda",
                              generator=g) for _ in range(3 + args.steps)]
     losses, times = [], []
-    for i, tokens in enumerate(batches):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
         with torch.autocast("cuda", torch.bfloat16, enabled=how == "plain"):
             logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
@@ -89,12 +88,31 @@ def train(how: str, args: argparse.Namespace) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i, tokens in enumerate(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step(tokens)
         torch.cuda.synchronize()
         if i >= 3:
             times.append(time.perf_counter() - t0)
         losses.append(loss.item())
-    return {"step_s": statistics.median(times), "peak_bytes": torch.cuda.max_memory_allocated(),
-            "losses": losses}
+    out = {"step_s": statistics.median(times), "peak_bytes": torch.cuda.max_memory_allocated(),
+           "losses": losses}
+    if args.profile:     # one more step under the profiler: where the time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step(batches[-1])
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=18,
+                                          max_name_column_width=50)
+        cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12,
+                                        max_name_column_width=50)
+        out["profile"] = f"{how}: by GPU time\n{table}\n{how}: by CPU time\n{cpu}"
+        print(out["profile"], flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--configs", default="plain,fsdp2,meshcomm", help="of plain, fsdp2 and"
+                   " meshcomm (fsdp2 is the reference: keep it)")
+    p.add_argument("--profile", action="store_true", help="print torch.profiler tables of"
+                   " one more step of each configuration")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_train: no CUDA device here; nothing measured")
@@ -114,8 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_PORT", "29517")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1)
-    rows = {how: train(how, args) for how in ("plain", "fsdp2", "meshcomm")}
+    rows = {how: train(how, args) for how in args.configs.split(",")}
     dist.destroy_process_group()
+    for r in rows.values():
+        r.pop("profile", None)
     ref = rows["fsdp2"]["losses"]
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}; dim {args.dim},"
           f" {args.layers} layers, batch {args.batch} x seq {args.seq}, bf16")
