@@ -58,6 +58,7 @@ class Param:
         self.pad = max(self.rows, default=0)
         self.inner = math.prod(self.use_shape[1:])
         self.even = all(r == self.pad for r in self.rows)
+        self.local_shape = tuple(self.param.to_local().shape)   # this rank's shard
 
 
 Tied = dict[int, tuple[tuple[nn.Module, str], ...]]

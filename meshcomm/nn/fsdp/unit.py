@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from ...executors.distributed import wire
 from ...executors.distributed.bind import BoundMesh
 from ...executors.steps import Wire
-from ...interop.runtime import wrap
+from ...interop.runtime import like
 from .param import MixedPrecision, Param
 from .regather import Regather
 from .schedule import Schedule
@@ -140,15 +140,14 @@ class Unit:
         return wire.call(funcol.all_reduce, flat, "sum", self.rep_group, wait=False)
 
     def finish_reduce(self, out: Tensor) -> None:
-        flat = wire.waited(out)
+        """Each parameter's gradient: its rows of the reduced buffer, averaged (one division
+        for the unit), as a DTensor like the parameter (views where no cast is needed)."""
+        flat = wire.waited(out).div_(self.n * self.n_rep)
         off = 0
         for p in self.params:
-            width = p.pad * p.inner
-            rows = p.rows[self.pos]
-            local = flat[off:off + rows * p.inner].view(p.param.to_local().shape)
-            off += width
-            local = local.to(p.param.dtype) / (self.n * self.n_rep)
-            grad = wrap(local, p.param.device_mesh, p.param.placements, p.shape)
+            local = flat[off:off + p.rows[self.pos] * p.inner].view(p.local_shape)
+            off += p.pad * p.inner
+            grad = like(local.to(p.param.dtype), p.param)
             if p.param.grad is None:
                 p.param.grad = grad
             else:
