@@ -4,7 +4,7 @@
 # the next runs whatever the last gave; logs and JSON land in OUTDIR (default $OUT, else
 # /tmp/meshcomm-gpu). The parts:
 #   1. tests/test_cuda.py: every plan kind on CUDA tensors, a rank of 1,024 without host
-#      syncs, a one-GPU NCCL job, four gloo ranks sharing the GPU;
+#      syncs, a one-GPU NCCL job;
 #   2. benchmarks/host_scale.py --device cuda: host time per step with CUDA tensors at
 #      8 to 4,096 ranks beside PyTorch (fake process group);
 #   3. benchmarks/gpu_train.py: a bf16 training step on one NCCL rank, FSDP2 beside meshcomm.
