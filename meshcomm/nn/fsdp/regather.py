@@ -67,15 +67,20 @@ class Regather:
             return t
         return Saved(key, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
-    def unpack(self, saved: Any) -> Tensor:
-        if not isinstance(saved, Saved):
-            return saved      # type: ignore[no-any-return]
-        unit = self.unit
+    def parameters(self) -> list[Tensor]:
+        """The unit's parameters gathered again for backward (the first call gathers them
+        and prefetches the gather of the unit backward reaches next)."""
         if self.gathered is None:
+            unit = self.unit
             self.gathered = unit.gather()
             after = unit.schedule.next_backward(unit)
             if unit.prefetch and after is not None and after.reshard_after_forward:
                 after.prefetch_gather()
-        base = self.gathered[saved.key]
+        return self.gathered
+
+    def unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, Saved):
+            return saved      # type: ignore[no-any-return]
+        base = self.parameters()[saved.key]
         return base.as_strided(saved.size, saved.stride, saved.offset)
 

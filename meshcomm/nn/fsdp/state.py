@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 from ...executors.distributed import wire
 from .param import UNIT_ATTR
@@ -22,6 +23,8 @@ def finish_backward(schedule: Schedule[Unit]) -> None:
     for (unit, _, _), out in zip(pending, outs):
         unit.finish_reduce(out)
     for unit in schedule.order:     # a prefetch no forward used would be stale next step
+        put_back(unit)
+        unit.kept = None
         unit.regather.release()
         if unit.pending is not None:
             wire.waited(unit.pending.out)
@@ -41,6 +44,7 @@ class Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[None, ...]:
         unit: Unit = ctx.unit
+        put_back(unit)             # a recompute's gathered parameters: out of the modules
         unit.regather.release()    # every use of the saved parameters is behind us
         schedule = unit.schedule
         if not schedule.callback_queued:
@@ -76,6 +80,7 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     else:
         used = gathered
     unit.regather.remember(used)
+    unit.kept = None if unit.reshard_after_forward else used
     for p, t in zip(unit.params, used):
         p.module._parameters[p.attr] = t      # type: ignore[assignment]
         for m, a in p.aliases:                # a tied parameter: one gathered tensor
@@ -93,14 +98,43 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
+def put_back(unit: Unit) -> None:
+    """The DTensor parameters back in the modules' places."""
+    for p in unit.params:
+        p.module._parameters[p.attr] = p.param
+        for m, a in p.aliases:
+            m._parameters[a] = p.param
+
+
+def pre_backward(unit: Unit) -> None:
+    """The unit's backward begins: until it ends (`Gathered.backward`), its modules hold
+    the gathered parameters, so that a recompute of activation checkpointing that calls
+    `forward` itself, without the module's hooks (Hugging Face's gradient checkpointing),
+    computes with whole parameters. They are leaves: the recompute only remakes saved
+    values, and the gradients flow through the graph of the first forward."""
+    if unit.reshard_after_forward:
+        values = unit.regather.parameters()
+    elif unit.kept is not None:
+        values = unit.kept
+    else:
+        return
+    for p, t in zip(unit.params, values):
+        leaf = t.detach().requires_grad_(p.param.requires_grad)
+        p.module._parameters[p.attr] = leaf   # type: ignore[assignment]
+        for m, a in p.aliases:
+            m._parameters[a] = leaf           # type: ignore[assignment]
+
+
 def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
     unit: Unit = getattr(module, UNIT_ATTR)
     if unit.hooks is not None:
         unit.hooks.__exit__(None, None, None)
         unit.hooks = None
-    for p in unit.params:
-        p.module._parameters[p.attr] = p.param
-        for m, a in p.aliases:
-            m._parameters[a] = p.param
+    put_back(unit)
     unit.regather.forget()
+    if unit.params and torch.is_grad_enabled():
+        outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
+        if outputs:    # as FSDP2's pre-backward hook: the first gradient of any output
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda _: pre_backward(unit), mode="any")
     return output

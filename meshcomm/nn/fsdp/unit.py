@@ -53,6 +53,7 @@ class Unit:
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
         self.pending: Pending | None = None
+        self.kept: list[Tensor] | None = None   # gathered, kept to backward (no reshard)
         self.regather = Regather(self)   # the saved-tensor hooks (regather.py)
         self.hooks: Any = None
         self.schedule = schedule         # shared by every unit of one model (see fully_shard)
