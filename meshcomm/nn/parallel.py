@@ -97,10 +97,28 @@ def _split_at(ndim: int, dim: int, axis: str, mesh: Mesh) -> str:
     return " ".join(names)
 
 
-def _weight_dim(style: Style) -> int:
-    """The dim of the weight that `style` splits: 0 for "(tp d0) d1", 1 for "d0 (tp d1)"."""
+def _weight_dim(style: Style, module: nn.Module) -> int:
+    """The dim of the weight that `style` splits: 0 for "(tp d0) d1", 1 for "d0 (tp d1)";
+    the other for a transformers `Conv1D`, whose weight is a Linear's transposed."""
     assert style.weight is not None
-    return 0 if style.weight.startswith("(tp") else 1
+    dim = 0 if style.weight.startswith("(tp") else 1
+    return 1 - dim if _is_conv1d(module) else dim
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """A transformers `Conv1D` (GPT-2's attention and MLP projections): `x @ weight + bias`
+    with weight (in `nx`, out `nf`), told by its name and fields (transformers is not
+    imported)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
+
+
+def _kind_fits(module: nn.Module, kind: type) -> bool:
+    return isinstance(module, kind) or (kind is nn.Linear and _is_conv1d(module))
+
+
+def _out_features(module: nn.Module) -> int:
+    """A Linear's or Conv1D's output width (0 for other modules)."""
+    return int(module.nf if _is_conv1d(module) else getattr(module, "out_features", 0))
 
 
 class _TP:
@@ -120,6 +138,9 @@ class _TP:
         self.bias: Any = None
         self.mask: Tensor | None = None
         self.padding_idx: int | None = None
+        self.conv1d = _is_conv1d(module)
+        self.out_features = _out_features(module)
+        self.zero_bias: Tensor | None = None  # a Conv1D's addmm needs a bias: zeros
         if self.spec.inputs == "tokens":     # (first row, rows) of this rank's vocabulary
             sizes = chunk_sizes(module.num_embeddings, self.n)
             self.vocab_rows = (sum(sizes[:self.pos]), sizes[self.pos])
@@ -138,6 +159,8 @@ class _TP:
             if p is not None and is_dtensor(p):     # not gathered by fully_shard: use the shard
                 self.swapped[attr] = p
                 module._parameters[attr] = p.to_local()   # type: ignore[assignment]
+        if self.conv1d:    # its forward shapes the output by `nf`: this rank's columns
+            module.nf = module._parameters["weight"].shape[1]
         if spec.grad_sum and grad:
             for attr, p in list(module._parameters.items()):
                 if p is not None:
@@ -171,17 +194,29 @@ class _TP:
             self.bias = module._parameters.get("bias")   # added once, after the sum
             if self.bias is not None:
                 self.swapped.setdefault("bias", self.bias)
-                module._parameters["bias"] = None
+                module._parameters["bias"] = self._no_bias(self.bias)
                 if spec.outputs == "sequence" and grad:   # used on this rank's rows only
                     self.bias = self.grad_sum(self.bias)
         if key is not None:
             return args, {**kwargs, key: x}
         return (x, *args[1:]), kwargs
 
+    def _no_bias(self, bias: Tensor) -> Tensor | None:
+        """What stands for the bias while the partial sums are computed: none, or for a
+        Conv1D (whose forward adds it with addmm) zeros, made once."""
+        if not self.conv1d:
+            return None
+        z = self.zero_bias
+        if z is None or z.dtype != bias.dtype or z.device != bias.device:
+            z = self.zero_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
+        return z
+
     def post(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
         for attr, p in self.swapped.items():
             module._parameters[attr] = p
         self.swapped = {}
+        if self.conv1d:
+            module.nf = self.out_features
         if self.spec.inputs == "tokens":
             module.padding_idx = self.padding_idx
         spec = self.spec
@@ -194,7 +229,7 @@ class _TP:
             self.mask = None
         if spec.outputs == "gather":
             out = reshard(out, self.bound, _split_at(out.dim(), -1, self.axis, mesh), names,
-                          shape=(*out.shape[:-1], module.out_features))
+                          shape=(*out.shape[:-1], self.out_features))
         elif spec.outputs == "sum":
             out = reshard(out, self.bound, f"{names} | sum({self.axis})", names)
         elif spec.outputs == "sequence":
@@ -241,7 +276,7 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
                              f" {[n for n in modules if n][:4]}")
         for name in names:
             m = modules[name]
-            if not isinstance(m, kind):
+            if not _kind_fits(m, kind):
                 raise ShapeError(f"parallelize: {name} is an nn.{type(m).__name__}; style"
                                  f" {style!r} needs an nn.{kind.__name__}")
             if hasattr(m, TP_ATTR) or name in targets:
@@ -254,14 +289,15 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
     return module
 
 
-def _param_layout(style: str | None, attr: str, ndim: int, axis: str, mesh: Mesh) -> str:
-    """The layout `style` gives a module's parameter `attr` ("" for a module outside the
+def _param_layout(style: str | None, module: nn.Module, attr: str, ndim: int, axis: str,
+                  mesh: Mesh) -> str:
+    """The layout `style` gives `module`'s parameter `attr` ("" for a module outside the
     plan: the parameter stays a plain tensor)."""
     spec = STYLES[style] if style else None
     if spec is None or spec.weight is None:
         return ""
     if attr == "weight":
-        return _split_at(ndim, _weight_dim(spec), axis, mesh)
+        return _split_at(ndim, _weight_dim(spec, module), axis, mesh)
     if spec.outputs in ("split", "gather"):
         return _split_at(ndim, 0, axis, mesh)   # the bias follows the output rows
     return _names(ndim, mesh)                   # replicated
@@ -281,7 +317,8 @@ def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: 
         layouts = []
         for qual, p in held:
             owner, _, attr = qual.rpartition(".")
-            layouts.append(_param_layout(targets.get(owner), attr, p.dim(), axis, mesh))
+            layouts.append(_param_layout(targets.get(owner), module.get_submodule(owner), attr,
+                                         p.dim(), axis, mesh))
         if len(set(layouts)) > 1:
             where = ", ".join(f'{q} ("{lay}")' if lay else f"{q} (not split)"
                               for (q, _), lay in zip(held, layouts))
@@ -306,7 +343,7 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
         if is_dtensor(p):
             raise ShapeError(f"parallelize: {name}.{attr} is a DTensor already; fix:"
                              " parallelize before fully_shard, once")
-        layout = Layout(_param_layout(style, attr, p.dim(), axis, bound.mesh))
+        layout = Layout(_param_layout(style, m, attr, p.dim(), axis, bound.mesh))
         shape = tuple(p.shape)
         local = _block(p.detach(), layout, bound, shape)
         dt = wrap(local, bound.device_mesh, to_placements(bound.mesh, shape, layout), shape)

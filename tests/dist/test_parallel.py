@@ -34,6 +34,29 @@ class Tiny(nn.Module):
         return self.out(h)
 
 
+class Conv1D(nn.Module):
+    """transformers' Conv1D (GPT-2's projections), as it is written there: weight (in, out)."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        size_out = x.size()[:-1] + (self.nf,)
+        x = torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight)
+        return x.view(size_out)
+
+
+class TinyConv(Tiny):
+    """Tiny with GPT-2's Conv1D projections in the MLP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = Conv1D(16, 6), Conv1D(6, 16)
+
+
 class Mlp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -113,6 +136,11 @@ def worker(rank: int, world: int) -> dict[str, Any]:
                      {n: str(tuple(p.placements)) for n, p in m.named_parameters()},
                      {n: p.full_tensor() for n, p in m.named_parameters()})
     out["styles"] = {n: mc.nn.tp_style(mod) for n, mod in m.named_modules() if n}
+    for fsdp in (False, True):      # transformers' Conv1D: weight (in, out)
+        m, x, y = built(TinyConv(), bound, PLAN, fsdp)
+        out[("conv1d", fsdp)] = (losses_of(m, x, y, world),
+                                 {n: p.full_tensor() for n, p in m.named_parameters()},
+                                 {n: str(tuple(p.placements)) for n, p in m.named_parameters()})
     for fsdp in (False, True):      # sequence parallel: activations split over dim 1 (seq)
         m, x, y = built(TinySP(), bound, SP_PLAN, fsdp)
         out[("sp", fsdp)] = (losses_of(m, x, y, world),
@@ -215,3 +243,21 @@ def test_bad_plans_are_refused(four: list[dict[str, Any]]) -> None:
     assert errors["style"].startswith("ShapeError: parallelize: style 'diagonal' for 'up'")
     assert errors["type"] == ("ShapeError: parallelize: emb is an nn.Embedding; style 'colwise'"
                               " needs an nn.Linear")
+
+
+def test_transformers_conv1d_is_split_as_its_transposed_weight_says(
+        four: list[dict[str, Any]]) -> None:
+    """GPT-2's Conv1D keeps (in, out) weights: colwise splits its dim 1, rowwise its dim 0,
+    and training equals one process (parallelize_module refuses Conv1D)."""
+    ref = TinyConv()
+    x, y = data()
+    want = losses_of(ref, x, y, 1)
+    for fsdp in (False, True):
+        losses, params, placements = four[0][("conv1d", fsdp)]
+        assert max(abs(a - b) / b for a, b in zip(losses, want)) < 1e-5, fsdp
+        for name, p in ref.named_parameters():
+            assert torch.allclose(params[name], p.detach(), rtol=1e-4, atol=1e-6), (fsdp, name)
+    _, _, placements = four[0][("conv1d", False)]
+    assert placements["up.weight"] == "(Replicate(), Shard(dim=1))"   # colwise: out columns
+    assert placements["up.bias"] == "(Replicate(), Shard(dim=0))"
+    assert placements["down.weight"] == "(Replicate(), Shard(dim=0))"  # rowwise: in rows
