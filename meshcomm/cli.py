@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from .core.errors import MeshAxisError, MeshcommError, did_you_mean
+from .core.errors import LaunchError, MeshAxisError, MeshcommError, did_you_mean
 
 # Parsing arguments and `--help` import no torch, rich or pydantic (they take over a
 # second): each handler imports what it uses.
@@ -287,9 +287,9 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if nproc < 1:
-        raise MeshAxisError(f"launch needs -n of at least 1, got {nproc}")
+        raise LaunchError(f"launch needs -n of at least 1, got {nproc}")
     if not Path(script).is_file():
-        raise MeshAxisError(f"launch: script {script!r} is not a file (from {Path.cwd()});"
+        raise LaunchError(f"launch: script {script!r} is not a file (from {Path.cwd()});"
                             " fix: give the path of a Python script, e.g."
                             " meshcomm launch -n 4 examples/train_2d.py")
     # Each line of a rank's output is prefixed "[rank<i>]:"; one intra-op thread per process,
@@ -331,7 +331,7 @@ def dryrun(nproc: int, rank: int, script: str, script_args: Sequence[str] = ()) 
     from . import dryrun as dry
 
     if not Path(script).is_file():
-        raise MeshAxisError(f"dryrun: script {script!r} is not a file (from {Path.cwd()});"
+        raise LaunchError(f"dryrun: script {script!r} is not a file (from {Path.cwd()});"
                             " fix: give the path of a Python script, e.g. meshcomm dryrun"
                             " -n 1024 --rank 5 examples/train_llama.py --size 8b")
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0",

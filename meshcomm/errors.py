@@ -9,6 +9,7 @@ from .core.errors import (
                           CollectiveMismatchError,
                           CollectiveTimeout,
                           InteropError,
+                          LaunchError,
                           LayoutSyntaxError,
                           MeshAxisError,
                           MeshcommError,
@@ -17,8 +18,10 @@ from .core.errors import (
                           RankFailure,
                           RecipeError,
                           ShapeError,
+                          StyleError,
 )
 
 __all__ = ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeout", "InteropError",
-           "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError", "MeshcommError",
-           "PlanError", "RankFailure", "RecipeError", "ShapeError"]
+           "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
+           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ShapeError",
+           "StyleError"]

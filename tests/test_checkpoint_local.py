@@ -41,13 +41,32 @@ def test_missing_key_names_it_and_the_closest_saved_key(tmp_path: Path) -> None:
     mc.nn.save_checkpoint(state(), tmp_path)
     target = zeros()
     target["model"]["wq"] = target["model"].pop("w")  # type: ignore[union-attr,attr-defined]
-    with pytest.raises(mc.nn.CheckpointError, match=r"\['model.wq'\].*closest saved key to"
-                       r" 'model.wq': 'model.w'.*strict=False"):
+    with pytest.raises(mc.nn.CheckpointError, match=r"1 of the state dict's 5 key\(s\).*"
+                       r"\['model.wq'\] \(a saved key close to 'model.wq': 'model.w'\).*"
+                       r"strict=False to fill the other 4 key\(s\)"):
         mc.nn.load_checkpoint(target, tmp_path)
     assert torch.equal(target["model"]["b"], torch.zeros(4))  # type: ignore[index]  # nothing read
     mc.nn.load_checkpoint(target, tmp_path, strict=False)
     assert torch.equal(target["model"]["wq"], torch.zeros(5, 3))  # type: ignore[index]
     assert target["step"] == 7
+
+
+def test_missing_keys_under_a_prefix_or_none_matching_say_so(tmp_path: Path) -> None:
+    """A prefix that differs (torch.compile's `_orig_mod.`, DDP's `module.`) is named;
+    when no key matches, strict=False (which would load nothing) is not suggested."""
+    mc.nn.save_checkpoint(state(), tmp_path)
+    target = {"_orig_mod." + k: v for k, v in zeros().items()}
+    with pytest.raises(mc.nn.CheckpointError,
+                       match=r"the state dict's keys carry the prefix '_orig_mod\.'"):
+        mc.nn.load_checkpoint(target, tmp_path)
+    saved_prefixed = tmp_path / "prefixed"
+    mc.nn.save_checkpoint({"net": state()}, saved_prefixed)
+    with pytest.raises(mc.nn.CheckpointError, match=r"the checkpoint's keys carry the prefix"
+                       r" 'net\.'"):
+        mc.nn.load_checkpoint(zeros(), saved_prefixed)
+    with pytest.raises(mc.nn.CheckpointError, match=r"none of them is in the checkpoint") as info:
+        mc.nn.load_checkpoint({"other": torch.zeros(2)}, tmp_path)
+    assert "strict=False" not in str(info.value)
 
 
 def test_other_shape_or_kind_is_refused_before_reading(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def test_init_mesh_ranks_go_with_a_spec_string_only() -> None:
 def test_launch_checks_that_the_script_exists(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["launch", "-n", "2", "no/such/script.py"]) == 2
     err = capsys.readouterr().err
-    assert "script 'no/such/script.py' is not a file" in err and "fix:" in err
+    assert "LaunchError: launch: script 'no/such/script.py' is not a file" in err and "fix:" in err
 
 
 def test_forward_dtype_goes_with_a_dtensor() -> None:

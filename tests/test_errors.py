@@ -14,7 +14,7 @@ from meshcomm.core.errors import (LayoutSyntaxError, MeshAxisError, MeshcommErro
                                   MeshMismatchError, PlanError, RecipeError, ShapeError)
 
 INPUT_ERRORS = (LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError, RecipeError,
-                PlanError)
+                PlanError, errors.StyleError, errors.LaunchError)
 
 
 @pytest.mark.parametrize("kind", INPUT_ERRORS, ids=lambda k: k.__name__)

@@ -40,6 +40,15 @@ class PlanError(MeshcommError, ValueError):
     """A layout change that cannot be planned (e.g. mixing two reductions on one axis)."""
 
 
+class StyleError(MeshcommError, ValueError):
+    """A tensor-parallel plan (`mc.nn.parallelize`) that names an unknown style, a pattern
+    that matches no module, or a style on a module it does not fit."""
+
+
+class LaunchError(MeshcommError, ValueError):
+    """A launch that cannot start: a script that does not exist, no processes."""
+
+
 class InteropError(MeshcommError, ValueError):
     """A layout, placement or mesh with no exact counterpart in torch DTensor (or back)."""
 
@@ -65,7 +74,7 @@ class CollectiveMismatchError(CollectiveError):
 # pickles name that public home rather than this module.
 for _cls in (MeshcommError, LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError,
              RecipeError, PlanError, InteropError, RankFailure, CollectiveError,
-             CollectiveTimeout, CollectiveMismatchError):
+             CollectiveTimeout, CollectiveMismatchError, StyleError, LaunchError):
     _cls.__module__ = "meshcomm.errors"
 
 

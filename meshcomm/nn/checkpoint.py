@@ -216,6 +216,31 @@ def _write(save: Any, obj: Any, path: Path) -> None:
 
 
 # -- loading ---------------------------------------------------------------------------------
+def _missing_message(folder: Path, missing: list[str], saved: list[str], wanted: int) -> str:
+    """Which keys are missing, what the checkpoint's keys look like (a prefix that differs
+    is named), and a fix that loads something."""
+    head = (f"load_checkpoint: {len(missing)} of the state dict's {wanted} key(s) are not in"
+            f" {folder}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    first = missing[0]
+    for key in saved:                  # "model.x" saved, "x" asked (or the other way round)
+        if key.endswith("." + first):
+            return (f"{head}; the checkpoint's keys carry the prefix"
+                    f" {key[:-len(first)]!r} ({key!r}). fix: add that prefix to the state"
+                    " dict's keys, or save without it")
+        if first.endswith("." + key):
+            return (f"{head}; the state dict's keys carry the prefix"
+                    f" {first[:-len(key)]!r} that the checkpoint's lack ({key!r}). fix: strip"
+                    " it (e.g. `_orig_mod.` of torch.compile, `module.` of DDP) before loading")
+    near = difflib.get_close_matches(first, saved, n=1, cutoff=0.8)
+    hint = f' (a saved key close to {first!r}: {near[0]!r})' if near else ""
+    if len(missing) == wanted:
+        return (f"{head}{hint}; none of them is in the checkpoint, whose keys look like"
+                f" {saved[:3]}. fix: load into the model the checkpoint was saved from, with"
+                " the same key names")
+    return (f"{head}{hint}. fix: give them the saved names, or load with strict=False to fill"
+            f" the other {wanted - len(missing)} key(s) and leave these as they are")
+
+
 def load_checkpoint(state_dict: MutableMapping[str, Any], folder: str | os.PathLike[str], *,
                     strict: bool = True) -> CheckpointRead:
     """Fill `state_dict` in place from a checkpoint `save_checkpoint` wrote, on any mesh and
@@ -235,12 +260,7 @@ def load_checkpoint(state_dict: MutableMapping[str, Any], folder: str | os.PathL
     leaves = _leaves(state_dict)
     missing = [k for k in leaves if k not in saved]
     if missing and strict:
-        near = difflib.get_close_matches(missing[0], list(saved), n=1)
-        raise CheckpointError(
-            f"load_checkpoint: {len(missing)} key(s) of the state dict are not in {folder}:"
-            f" {missing[:5]}{' ...' if len(missing) > 5 else ''}"
-            + (f" (closest saved key to {missing[0]!r}: {near[0]!r})" if near else "")
-            + "; fix: load with strict=False to keep them as they are")
+        raise CheckpointError(_missing_message(folder, missing, list(saved), len(leaves)))
     work: list[tuple[str, Any, Any, _Placed | None]] = []
     for key, (value, where) in leaves.items():
         if key not in saved:

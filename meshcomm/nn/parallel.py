@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError
+from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, StyleError
 from ..core.layout import Layout, positional_names
 from ..core.mesh import Mesh
 from ..core.reduce_ops import chunk_sizes
@@ -267,20 +267,20 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
     targets: dict[str, str] = {}      # module name -> style; checked whole before any change
     for pattern, style in plan.items():
         if style not in STYLES:
-            raise ShapeError(f"parallelize: style {style!r} for {pattern!r} is not one of"
+            raise StyleError(f"parallelize: style {style!r} for {pattern!r} is not one of"
                              f" {sorted(STYLES)}")
         kind = STYLES[style].kind
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
-            raise ShapeError(f"parallelize: {pattern!r} matches no module; names look like"
+            raise StyleError(f"parallelize: {pattern!r} matches no module; names look like"
                              f" {[n for n in modules if n][:4]}")
         for name in names:
             m = modules[name]
             if not _kind_fits(m, kind):
-                raise ShapeError(f"parallelize: {name} is an nn.{type(m).__name__}; style"
+                raise StyleError(f"parallelize: {name} is an nn.{type(m).__name__}; style"
                                  f" {style!r} needs an nn.{kind.__name__}")
             if hasattr(m, TP_ATTR) or name in targets:
-                raise ShapeError(f"parallelize: {name} matches two patterns of the plan")
+                raise StyleError(f"parallelize: {name} matches two patterns of the plan")
             targets[name] = style
     tied = _check_ties(module, targets, axis, mesh.mesh)
     split: dict[int, nn.Parameter | None] = dict.fromkeys(tied)  # tied: split once

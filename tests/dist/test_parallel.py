@@ -239,9 +239,9 @@ def test_uneven_at_both_levels_is_split_tp_first_then_dp(four: list[dict[str, An
 
 def test_bad_plans_are_refused(four: list[dict[str, Any]]) -> None:
     errors = four[0]["errors"]
-    assert errors["pattern"].startswith("ShapeError: parallelize: 'nope.*' matches no module")
-    assert errors["style"].startswith("ShapeError: parallelize: style 'diagonal' for 'up'")
-    assert errors["type"] == ("ShapeError: parallelize: emb is an nn.Embedding; style 'colwise'"
+    assert errors["pattern"].startswith("StyleError: parallelize: 'nope.*' matches no module")
+    assert errors["style"].startswith("StyleError: parallelize: style 'diagonal' for 'up'")
+    assert errors["type"] == ("StyleError: parallelize: emb is an nn.Embedding; style 'colwise'"
                               " needs an nn.Linear")
 
 
