@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_2d import CONFIG, Block, Transformer, init_params
 
 import meshcomm as mc
+from meshcomm.executors.distributed.launch import print_on_rank0
 
 ACTIVATIONS = (          # (what, logical dims, global shape from CONFIG)
     ("tokens", "batch seq", ("batch", "seq")),
@@ -91,4 +92,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    print_on_rank0()  # launched: the report prints once (MESHCOMM_PRINT_ALL=1: all)
     sys.exit(main())

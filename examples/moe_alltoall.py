@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import sys
 
+import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-import meshcomm as mc
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
 
 MESH, RECIPE = "ep=4", "expert_parallel"
 BATCH, SEQ, EMBED, HIDDEN, EXPERTS = 8, 6, 16, 32, 8
@@ -112,4 +112,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    print_on_rank0()  # launched: the report prints once (MESHCOMM_PRINT_ALL=1: all)
     sys.exit(main())

@@ -22,11 +22,11 @@ import argparse
 import sys
 from typing import Any
 
+import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 from torch import Tensor
 
-import meshcomm as mc
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
 
 CONFIG = {"batch": 8, "inputs": 6, "hidden": 8, "outputs": 4, "steps": 3, "seed": 0}
 LR = 0.1
@@ -154,4 +154,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    print_on_rank0()  # launched: the report prints once (MESHCOMM_PRINT_ALL=1: all)
     sys.exit(main())

@@ -29,11 +29,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 from torch import Tensor
 
-import meshcomm as mc
-from meshcomm.executors.distributed.launch import launched_rank, run_ranks
+from meshcomm.executors.distributed.launch import launched_rank, print_on_rank0, run_ranks
 
 SAVED_MESH = "dp=2 tp=2"
 LOADED_MESH = "tp=2"
@@ -118,4 +118,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    print_on_rank0()  # launched: the report prints once (MESHCOMM_PRINT_ALL=1: all)
     sys.exit(main())

@@ -19,12 +19,12 @@ import argparse
 import sys
 import time
 
+import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import meshcomm as mc
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
 
 CONFIG = {"layers": 2, "embed": 16, "heads": 2, "mlp": 32, "vocab": 64, "seq": 8, "batch": 4,
           "steps": 20, "lr": 1e-2, "seed": 0}
@@ -224,4 +224,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    print_on_rank0()  # launched: the report prints once (MESHCOMM_PRINT_ALL=1: all)
     sys.exit(main())

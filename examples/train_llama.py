@@ -26,13 +26,13 @@ import sys
 import time
 from pathlib import Path
 
+import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import ModelArgs, Transformer, counting_batches, loss_fn
 
-import meshcomm as mc
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
 
 MESH = "dp=2 tp=2"
 PLAN = {   # module-name patterns -> tensor-parallel style (docs/fsdp.md)
@@ -177,4 +177,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    print_on_rank0()  # launched: the report prints once (MESHCOMM_PRINT_ALL=1: all)
     sys.exit(main())

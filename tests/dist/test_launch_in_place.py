@@ -96,11 +96,24 @@ def test_an_example_runs_under_meshcomm_launch(tmp_path: Path, script: tuple[str
                            str(ROOT / "examples" / script[0]), *script[1:]],
                           capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300),
                           env={**env, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    for rank in range(n):                                  # every rank checks
-        assert any(line.startswith(f"[rank{rank}]:") and ok_line in line
-                   for line in done.stdout.splitlines()), (rank, done.stdout[-3000:])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]  # every rank's check
+    # the report prints once, from rank 0 (issue 20 item 10: it printed n times)
+    oks = [line for line in done.stdout.splitlines() if ok_line in line]
+    assert oks and all(line.startswith("[rank0]:") for line in oks), done.stdout[-3000:]
+    assert not any(line.startswith("[rank1]:") for line in done.stdout.splitlines())
     assert "FAIL" not in done.stdout
+
+
+def test_every_rank_prints_when_asked(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "meshcomm", "launch", "-n", "4",
+                           str(ROOT / "examples" / "train_2d.py"), "--steps", "2"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=scaled(300),
+                          env={**env, "PYTHONPATH": str(ROOT), "MESHCOMM_PRINT_ALL": "1"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for rank in range(4):
+        assert any(line.startswith(f"[rank{rank}]:") and "OK: largest relative" in line
+                   for line in done.stdout.splitlines()), (rank, done.stdout[-3000:])
 
 
 QUIET = '''

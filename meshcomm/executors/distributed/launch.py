@@ -20,6 +20,7 @@ import os
 import pickle
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -177,6 +178,20 @@ def _quiet_numpy_warning() -> Iterator[None]:
             del os.environ["PYTHONWARNINGS"]
         else:
             os.environ["PYTHONWARNINGS"] = before
+
+
+PRINT_ALL_ENV = "MESHCOMM_PRINT_ALL"
+
+
+def print_on_rank0() -> None:
+    """Under a launcher (torchrun, `meshcomm launch`), keep only rank 0's standard output, so
+    a report every rank would print alike prints once; errors (standard error) and exit
+    codes stay every rank's. MESHCOMM_PRINT_ALL=1 keeps every rank's output. Plain `python`
+    (one process that starts its own ranks) prints as usual."""
+    launched = launched_rank()
+    keep_all = os.environ.get(PRINT_ALL_ENV, "").strip() not in ("", "0")
+    if launched is not None and launched[0] != 0 and not keep_all:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of the process
 
 
 def launched_rank() -> tuple[int, int] | None:
