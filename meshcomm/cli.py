@@ -335,7 +335,8 @@ def dryrun(nproc: int, rank: int, script: str, script_args: Sequence[str] = ()) 
                             " fix: give the path of a Python script, e.g. meshcomm dryrun"
                             " -n 1024 --rank 5 examples/train_llama.py --size 8b")
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0",
+                       "MESHCOMM_PRINT_ALL": "1"})    # the one rank here prints its report
     def script_main() -> int:
         try:
             runpy.run_path(script, run_name="__main__")

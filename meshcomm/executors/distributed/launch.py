@@ -187,7 +187,8 @@ def print_on_rank0() -> None:
     """Under a launcher (torchrun, `meshcomm launch`), keep only rank 0's standard output, so
     a report every rank would print alike prints once; errors (standard error) and exit
     codes stay every rank's. MESHCOMM_PRINT_ALL=1 keeps every rank's output. Plain `python`
-    (one process that starts its own ranks) prints as usual."""
+    (one process that starts its own ranks) prints as usual, and so does a dry run
+    (`meshcomm dryrun` sets MESHCOMM_PRINT_ALL: its one process is the rank to watch)."""
     launched = launched_rank()
     keep_all = os.environ.get(PRINT_ALL_ENV, "").strip() not in ("", "0")
     if launched is not None and launched[0] != 0 and not keep_all:
