@@ -175,8 +175,8 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
     start, goal = from_layout(src, mesh, shape), from_layout(landing, dst_mesh, shape)
     if lazy_cross(start, mesh, goal):   # one holder each: a receiver lacks what it gets
         _, got = cross_traffic(start, mesh, goal, dst_mesh)
-        need = dict(zip(dst_mesh.ranks, got.tolist()))
-        return tuple(need.get(r, 0) * itemsize for r in ranks)
+        lacking = dict(zip(dst_mesh.ranks, got.tolist()))
+        return tuple(lacking.get(r, 0) * itemsize for r in ranks)
     complete = src.reduce_op is None
     g = math.prod(mesh.axis_size(a) for a in src.partial_axes)
     reduce_share = -(-math.prod(shape) * (g - 1) // mesh.size) if not complete else 0
