@@ -410,11 +410,23 @@ def _run_recipe(args: argparse.Namespace) -> int:
 
 
 def _recipe_list(recipes: ModuleType) -> int:
+    """One recipe a line, its description wrapped to the terminal's width (COLUMNS, or the
+    terminal's); into a pipe without COLUMNS, one line each (for grep)."""
+    import shutil
+    import textwrap
+
     names = recipes.builtin_recipes()
     width = max(map(len, names), default=0)
+    columns = (shutil.get_terminal_size().columns
+               if os.environ.get("COLUMNS") or sys.stdout.isatty() else None)
     for name in names:
         found = recipes.recipe(name)
-        print(f"{name:<{width}}  {str(found.mesh):<18}  {found.description}")
+        head = f"{name:<{width}}  {str(found.mesh):<18}  "
+        room = max((columns or 10**6) - len(head), 20)
+        lines = textwrap.wrap(found.description, room, break_on_hyphens=False) or [""]
+        print(head + lines[0])
+        for line in lines[1:]:
+            print(" " * len(head) + line)
     return 0
 
 

@@ -129,3 +129,17 @@ def test_python_dash_m() -> None:
     done = subprocess.run([sys.executable, "-m", "meshcomm", *show_argv(layout="(dq b) h")],
                           capture_output=True, text=True, env=env, cwd=root, timeout=scaled(60))
     assert done.returncode == 2 and '"dq" is not a mesh axis' in done.stderr
+
+
+def test_recipe_list_fits_the_terminal(monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 20 item 12: at 80 columns the list was 123 wide; descriptions now wrap."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["recipe", "list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any(line.startswith("ddp ") for line in lines)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["recipe", "list"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert len(wide) < len(lines)       # room enough: one line per recipe
