@@ -71,6 +71,23 @@ def scaled(seconds: float) -> float:
     return seconds * timeout_factor()
 
 
+def in_fresh_interpreter(module: str, function: str, timeout_s: float = 300) -> Any:
+    """`tests/<module>.py`'s `function()` run in a new Python process (for work that sets
+    process-wide state, such as torch's fake process group); its result comes back as JSON."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (f"import json, sys; sys.path.insert(0, 'tests'); import {module} as t;"
+            f" print('RESULT' + json.dumps(t.{function}()))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=scaled(timeout_s))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT"):])
+
+
 def run_scaled(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float,
                **kwargs: Any) -> list[Any]:
     """`run_ranks(fn, world_size, *args, **kwargs)` under `scaled(timeout_s)`, which also

@@ -20,20 +20,16 @@ paths are the CPU tests' gloo runs, the same code with another backend name).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import run_scaled, scaled
+from conftest import in_fresh_interpreter, run_scaled
 from test_meta_device import CASES, MESH
 
 import meshcomm as mc
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA device (on a GPU machine: python -m pytest tests/test_cuda.py)")
@@ -148,13 +144,7 @@ def fake_rank_worker(device: str = "cuda") -> dict[str, Any]:
 
 
 def test_a_rank_of_1024_runs_every_block_on_cuda_without_a_host_sync() -> None:
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_cuda as t;"
-            " print('RESULT' + json.dumps(t.fake_rank_worker()))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=scaled(300))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    problems = json.loads(lines[-1][len("RESULT"):])["problems"]
+    problems = in_fresh_interpreter("test_cuda", "fake_rank_worker")["problems"]
     assert not problems, "\n".join(problems)
 
 

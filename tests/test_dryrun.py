@@ -4,13 +4,12 @@ calculations; each case runs in a fresh interpreter (the fake group is process-w
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import scaled
+from conftest import in_fresh_interpreter, scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,13 +68,7 @@ def tp_and_memory() -> dict[str, Any]:
 
 
 def run_in_fresh_interpreter(name: str) -> Any:
-    code = (f"import json, sys; sys.path.insert(0, 'tests'); import test_dryrun as t;"
-            f" print('RESULT' + json.dumps(t.{name}()))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=scaled(300))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT"):])
+    return in_fresh_interpreter("test_dryrun", name)
 
 
 def test_fsdp_bytes_match_a_hand_calculation() -> None:

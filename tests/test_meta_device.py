@@ -12,13 +12,11 @@ fake process group is process-wide.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import scaled
+from conftest import in_fresh_interpreter
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "dp=2 tp=4"
@@ -113,13 +111,7 @@ def llama(bound: Any, *, sp: bool, mp: bool, hsdp: bool) -> list[str]:
 
 
 def test_every_plan_kind_and_training_block_runs_on_meta() -> None:
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_meta_device as t;"
-            " print('RESULT' + json.dumps(t.worker()))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=scaled(300))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(lines[-1][len("RESULT"):])
+    report = in_fresh_interpreter("test_meta_device", "worker")
     assert not report["problems"], "\n".join(report["problems"])
     assert set(report["kinds"]) >= {"all_gather", "all_to_all", "reduce_scatter", "all_reduce",
                                     "collective_permute", "send_recv", "slice", "reindex"}

@@ -22,22 +22,23 @@ from torch import Tensor
 
 from ..core.mesh import AxisName, Mesh
 from .blocks import DimBlock, block, coords_grid, coords_table, dim_block, flat_index, in_mesh_order
+from .bounds import sharding_axes
 from .states import State
 
 Positions = tuple[Sequence[int], ...]          # per dim: local positions (a range: one run)
 Pair = tuple[int, int, Positions, Positions]    # (sender, receiver, sender's, receiver's)
 
 
-def sharding_axes(state: State) -> frozenset[AxisName]:
-    return frozenset(a for dim in state.dims for a in dim.axes)
+def replicating_axes(state: State, mesh: Mesh) -> list[AxisName]:
+    """The axes of size > 1 that shard no dim of `state`: each element has a holder per
+    coordinate on them."""
+    return [a for a in mesh.axis_names if a not in sharding_axes(state) and mesh.axis_size(a) > 1]
 
 
 def lazy_cross(state: State, mesh: Mesh, dst: State) -> bool:
     """Whether moving `state` on `mesh` to `dst` (on another mesh) is planned by counting
     (see the module doc)."""
-    spare = [a for a in mesh.axis_names
-             if a not in sharding_axes(state) and mesh.axis_size(a) > 1]
-    return not spare and not state.partial and not dst.partial
+    return not replicating_axes(state, mesh) and not state.partial and not dst.partial
 
 
 def positions(h: DimBlock, n: DimBlock, runs: bool = False
@@ -65,6 +66,24 @@ def _pair(src: int, dst: int, have: Sequence[DimBlock], need: Sequence[DimBlock]
     return src, dst, tuple(s for s, _ in both), tuple(d for _, d in both)
 
 
+def _overlapping(state: State, mesh: Mesh, blocks: Sequence[DimBlock],
+                 free: tuple[AxisName, ...] = ()) -> list[dict[AxisName, int]]:
+    """Every coordinate of `mesh` whose block of `state` overlaps `blocks` in every dim, the
+    axes in `free` taking every value (they split no dim)."""
+    zero = dict.fromkeys(mesh.axis_names, 0)
+    options = [[c for c in coords_grid(mesh, in_mesh_order(mesh, dim.axes))
+                if (dim_block(dim, mesh, {**zero, **c}) & b).count()]
+               for dim, b in zip(state.dims, blocks)]
+    options.append(list(coords_grid(mesh, free)))
+    out = []
+    for combo in _product(options):
+        coords = dict(zero)
+        for c in combo:
+            coords.update(c)
+        out.append(coords)
+    return out
+
+
 def receiver_pairs(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
                    rank: int) -> list[Pair]:
     """The blocks `rank` of `dst_mesh` gets, one per sender whose block overlaps what it
@@ -77,19 +96,8 @@ def receiver_pairs(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
     need = block(dst, dst_mesh, dst_mesh.coords(rank))
     if any(n.count() == 0 for n in need):
         return []
-    zero = dict.fromkeys(mesh.axis_names, 0)
-    options: list[list[dict[AxisName, int]]] = []     # per dim: overlapping coordinates
-    for dim, n in zip(state.dims, need):
-        axes = in_mesh_order(mesh, dim.axes)
-        options.append([c for c in coords_grid(mesh, axes)
-                        if (dim_block(dim, mesh, {**zero, **c}) & n).count()])
-    out = []
-    for combo in _product(options):
-        coords = dict(zero)
-        for c in combo:
-            coords.update(c)
-        out.append(_pair(mesh.rank_at(**coords), rank, block(state, mesh, coords), need))
-    return out
+    return [_pair(mesh.rank_at(**c), rank, block(state, mesh, c), need)
+            for c in _overlapping(state, mesh, need)]
 
 
 def sender_pairs(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
@@ -99,23 +107,10 @@ def sender_pairs(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
     have = block(state, mesh, mesh.coords(rank))
     if any(h.count() == 0 for h in have):
         return []
-    zero = dict.fromkeys(dst_mesh.axis_names, 0)
-    used = {a for dim in dst.dims for a in dim.axes}
-    options: list[list[dict[AxisName, int]]] = []
-    for dim, h in zip(dst.dims, have):
-        axes = in_mesh_order(dst_mesh, dim.axes)
-        options.append([c for c in coords_grid(dst_mesh, axes)
-                        if (dim_block(dim, dst_mesh, {**zero, **c}) & h).count()])
     # a destination axis that splits no dim: every coordinate on it needs the same block
-    options.append(list(coords_grid(dst_mesh, tuple(a for a in dst_mesh.axis_names
-                                                    if a not in used))))
-    out = []
-    for combo in _product(options):
-        coords = dict(zero)
-        for c in combo:
-            coords.update(c)
-        out.append(_pair(rank, dst_mesh.rank_at(**coords), have, block(dst, dst_mesh, coords)))
-    return out
+    free = tuple(a for a in dst_mesh.axis_names if a not in sharding_axes(dst))
+    return [_pair(rank, dst_mesh.rank_at(**c), have, block(dst, dst_mesh, c))
+            for c in _overlapping(dst, dst_mesh, have, free)]
 
 
 def _interval(b: DimBlock) -> tuple[int, int] | None:

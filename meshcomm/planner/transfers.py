@@ -16,7 +16,6 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-
 from ..core.layout import Layout
 from ..core.mesh import AxisName, Mesh
 from .blocks import (
@@ -27,7 +26,7 @@ from .blocks import (
 )
 from .bounds import missing, sharding_axes, state_bound
 from .moves import Move, block_indices
-from .pairs import lazy_cross, positions, receiver_pairs, sender_pairs
+from .pairs import lazy_cross, positions, receiver_pairs, replicating_axes, sender_pairs
 from .states import DimState, State, chunk_dim, even_dim, from_layout, is_chain
 from .values import Step, Transfer
 
@@ -373,7 +372,7 @@ def receiver_transfers(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
     `plan(mesh, ..., dst_mesh=dst_mesh)` gives `rank`, computed for this rank only (a
     checkpoint loader on 1,024 ranks plans in milliseconds; see `pairs.receiver_pairs`).
     """
-    spare = [a for a in mesh.axis_names if a not in sharding_axes(state) and mesh.axis_size(a) > 1]
+    spare = replicating_axes(state, mesh)
     if spare or state.partial:
         raise ValueError(f"receiver_transfers: every element needs one holder; axes {spare}"
                          f" replicate it, {list(state.partial)} hold it pending")

@@ -14,7 +14,6 @@ local copy and moves no bytes. Ranks in neither mesh do nothing.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ...core.errors import MeshMismatchError, ShapeError
@@ -104,18 +103,15 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
     wanted = recv_splits(mine, ranks, rank)
     out = flat.new_empty(sum(wanted))
     sends, recvs = flat.split(send_splits), out.split(wanted)
-    ops = [dist.P2POp(dist.isend, wire.as_real(sends[j]), peer)
-           for j, peer in enumerate(ranks) if j != me and send_splits[j]]
-    ops += [dist.P2POp(dist.irecv, wire.as_real(recvs[j]), peer)
-            for j, peer in enumerate(ranks) if j != me and wanted[j]]
-    works = dist.batch_isend_irecv(ops) if ops else []
+    to = [(sends[j], peer) for j, peer in enumerate(ranks) if j != me and send_splits[j]]
+    back = [(recvs[j], peer) for j, peer in enumerate(ranks) if j != me and wanted[j]]
+    works = wire.post_p2p(to, back)
     recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
     for work in works:
         work.wait()
     if trace is not None:
-        sent = sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
-        got = sum(op.tensor.nbytes for op in ops if op.op is dist.irecv)
-        trace.add(step.kind, step.axes, sent, got)
+        trace.add(step.kind, step.axes, sum(t.nbytes for t, _ in to),
+                  sum(t.nbytes for t, _ in back))
     if not dst.in_mesh:
         return None
     return unpack(mine, ranks, rank, out,

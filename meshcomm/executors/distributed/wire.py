@@ -13,12 +13,12 @@ The functional collectives by the names of torch 2.12 and later, on any torch fr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
-
 
 
 def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
@@ -44,13 +44,21 @@ def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     group = _resolve_process_group(name)
-    ops = [dist.P2POp(dist.isend if kind == "isend" else dist.irecv, t,
-                      dist.get_global_rank(group, peer), group)
-           for kind, peer, t in zip(kinds, peers, tensors)]
-    for work in dist.batch_isend_irecv(ops) if ops else []:
+    ops = [(t, dist.get_global_rank(group, peer)) for peer, t in zip(peers, tensors)]
+    for work in post_p2p([o for o, k in zip(ops, kinds) if k == "isend"],
+                         [o for o, k in zip(ops, kinds) if k == "irecv"], group):
         work.wait()
     # as the functional op: a send gives back an empty token, a receive its filled tensor
     return [t if kind == "irecv" else t.new_empty(0) for kind, t in zip(kinds, tensors)]
+
+
+def post_p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
+             group: Any = None) -> list[Any]:
+    """Post sends and receives (tensor, global peer rank) together in one batch; the works
+    to wait on. Complex tensors travel as real pairs."""
+    ops = ([dist.P2POp(dist.isend, as_real(t), peer, group) for t, peer in sends]
+           + [dist.P2POp(dist.irecv, as_real(t), peer, group) for t, peer in recvs])
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def as_real(x: Tensor) -> Tensor:

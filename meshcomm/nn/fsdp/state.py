@@ -4,6 +4,7 @@ place and take them out again (the order units run in is schedule.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -81,10 +82,7 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
         used = gathered
     unit.regather.remember(used)
     unit.kept = None if unit.reshard_after_forward else used
-    for p, t in zip(unit.params, used):
-        p.module._parameters[p.attr] = t      # type: ignore[assignment]
-        for m, a in p.aliases:                # a tied parameter: one gathered tensor
-            m._parameters[a] = t              # type: ignore[assignment]
+    place(unit, used)
     if unit.reshard_after_forward and torch.is_grad_enabled():
         unit.hooks = torch.autograd.graph.saved_tensors_hooks(unit.regather.pack,
                                                                unit.regather.unpack)
@@ -98,12 +96,17 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
 
 
+def place(unit: Unit, tensors: Sequence[Tensor]) -> None:
+    """`tensors` in the places of the unit's parameters (a tied one: in each of its places)."""
+    for p, t in zip(unit.params, tensors):
+        p.module._parameters[p.attr] = t      # type: ignore[assignment]
+        for m, a in p.aliases:
+            m._parameters[a] = t              # type: ignore[assignment]
+
+
 def put_back(unit: Unit) -> None:
     """The DTensor parameters back in the modules' places."""
-    for p in unit.params:
-        p.module._parameters[p.attr] = p.param
-        for m, a in p.aliases:
-            m._parameters[a] = p.param
+    place(unit, [p.param for p in unit.params])
 
 
 def pre_backward(unit: Unit) -> None:
@@ -118,11 +121,8 @@ def pre_backward(unit: Unit) -> None:
         values = unit.kept
     else:
         return
-    for p, t in zip(unit.params, values):
-        leaf = t.detach().requires_grad_(p.param.requires_grad)
-        p.module._parameters[p.attr] = leaf   # type: ignore[assignment]
-        for m, a in p.aliases:
-            m._parameters[a] = leaf           # type: ignore[assignment]
+    place(unit, [t.detach().requires_grad_(p.param.requires_grad)
+                 for p, t in zip(unit.params, values)])
 
 
 def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
