@@ -6,10 +6,12 @@ new ones each run (a long fuzz run).
 
 Timeouts: every timeout in tests/ (`run_ranks`, `init_mesh(timeout_s=...)` inside rank
 functions, subprocesses, a benchmark's `--timeout`) is `scaled(base)`, the base times the
-one environment factor MESHCOMM_TEST_TIMEOUT_FACTOR (default 1.0). On a loaded machine,
-raise it (MESHCOMM_TEST_TIMEOUT_FACTOR=3 at a load average of several times the core
-count). The hang tests keep a short, unscaled collective timeout on the one group that
-hangs; everything healthy around it waits `scaled(...)`.
+one environment factor MESHCOMM_TEST_TIMEOUT_FACTOR. Unset, it follows the machine's load:
+the one-minute load average per core, at least 1 (a machine running 30 jobs on 2 cores
+waits 15 times as long), read when each timeout is set. Set it to fix the factor
+(MESHCOMM_TEST_TIMEOUT_FACTOR=1 for the unscaled timeouts). The hang tests keep a short,
+unscaled collective timeout on the one group that hangs; everything healthy around it
+waits `scaled(...)`.
 
 Test modules import the helpers by name: `from conftest import scaled, run_scaled`
 (pytest puts tests/ on sys.path for this file, and spawned ranks inherit sys.path).
@@ -53,9 +55,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # -- timeouts ----------------------------------------------------------------------------------
+def load_factor() -> float:
+    """The one-minute load average per core, at least 1 (1 where the platform has no load
+    average): how much slower than idle this machine runs a test now."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 1.0
+    return max(1.0, load / (os.cpu_count() or 1))
+
+
 def timeout_factor() -> float:
-    """MESHCOMM_TEST_TIMEOUT_FACTOR as a number (1.0 when unset or empty)."""
-    text = os.environ.get(TIMEOUT_FACTOR_ENV, "").strip() or "1"
+    """MESHCOMM_TEST_TIMEOUT_FACTOR as a number; unset or empty, `load_factor()`."""
+    text = os.environ.get(TIMEOUT_FACTOR_ENV, "").strip()
+    if not text:
+        return load_factor()
     try:
         factor = float(text)
     except ValueError:
@@ -67,7 +81,7 @@ def timeout_factor() -> float:
 
 
 def scaled(seconds: float) -> float:
-    """`seconds` times MESHCOMM_TEST_TIMEOUT_FACTOR: the one way tests/ sets a timeout."""
+    """`seconds` times `timeout_factor()`: the one way tests/ sets a timeout."""
     return seconds * timeout_factor()
 
 

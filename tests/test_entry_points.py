@@ -8,6 +8,7 @@ import pytest
 
 import meshcomm as mc
 from meshcomm import cli
+from conftest import scaled
 
 
 def bound(mesh: mc.Mesh) -> mc.BoundMesh:
@@ -55,7 +56,7 @@ def _modules_after(code: str) -> set[str]:
 
     done = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\n"
                            "print('MODULES:', *sys.modules)"],
-                          capture_output=True, text=True, check=True, timeout=120)
+                          capture_output=True, text=True, check=True, timeout=scaled(120))
     return set(done.stdout.split("MODULES:")[-1].split())
 
 
@@ -90,5 +91,5 @@ def test_reshard_is_marked_for_dynamo_whenever_dynamo_loads(dynamo_first: bool) 
         "\nprint(id(s._reshard_traced) in t._nonstrict_trace_callable_ids,"
         " s._reshard_traced is not s._reshard_opaque)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True, timeout=120)
+                          check=True, timeout=scaled(120))
     assert done.stdout.split() == ["True", "True"], done.stderr

@@ -133,13 +133,25 @@ def test_a_crashed_rank_is_reported() -> None:
 
 
 # -- the timeout factor ----------------------------------------------------------------------
-@pytest.mark.parametrize("value, factor", [(None, 1.0), ("", 1.0), ("3", 3.0), (" 0.5 ", 0.5)])
+@pytest.mark.parametrize("value, factor", [("1", 1.0), ("3", 3.0), (" 0.5 ", 0.5)])
 def test_scaled_multiplies_by_the_environment_factor(monkeypatch: pytest.MonkeyPatch,
-                                                     value: str | None, factor: float) -> None:
+                                                     value: str, factor: float) -> None:
+    monkeypatch.setattr(os, "getloadavg", lambda: (50.0, 50.0, 50.0))   # a set factor wins
+    monkeypatch.setenv(TIMEOUT_FACTOR_ENV, value)
+    assert scaled(20) == 20 * factor
+
+
+@pytest.mark.parametrize("value", [None, ""])
+@pytest.mark.parametrize("load, factor", [(0.3, 1.0), (2.0, 1.0), (30.0, 15.0)])
+def test_unset_the_factor_follows_the_load_per_core(monkeypatch: pytest.MonkeyPatch,
+                                                    value: str | None, load: float,
+                                                    factor: float) -> None:
     if value is None:
         monkeypatch.delenv(TIMEOUT_FACTOR_ENV, raising=False)
     else:
         monkeypatch.setenv(TIMEOUT_FACTOR_ENV, value)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, 0.0, 0.0))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert scaled(20) == 20 * factor
 
 
