@@ -31,6 +31,7 @@ __all__ = ["BlockGrid", "Console", "ShardRow", "block_grid", "dim_names", "expor
 EMPTY = "∅"
 MAX_BLOCKS = 16
 MAX_LISTED_OWNERS = 4
+MAX_PICTURE_WIDTH = 100     # a wider console leaves the block picture at this (labels may need more)
 PARTIAL_MARK = {"sum": "+", "avg": "avg", "max": "max", "min": "min"}
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7",
             "#bebada", "#80b1d3", "#fccde5", "#d9d9d9", "#ccebc5")
@@ -197,8 +198,8 @@ def render_layout(mesh: Mesh | str, shape: Sequence[int], layout: str | Layout,
     """
     mesh, layout, shape = _as_mesh(mesh), as_layout(layout), tuple(int(s) for s in shape)
     rows = shard_rows(mesh, shape, layout)
-    return Group(_title(mesh, shape, layout), _summary(mesh, layout),
-                 *_grid_part(mesh, shape, layout, width), _rank_table(mesh, layout, rows))
+    return Group(_title(mesh, shape, layout, width), _summary(mesh, layout),
+                 *_grid_part(mesh, shape, layout, width), _rank_table(mesh, layout, rows, width))
 
 
 def _grid_part(mesh: Mesh, shape: Shape, layout: Layout, width: int) -> list[RenderableType]:
@@ -218,10 +219,15 @@ def _as_mesh(mesh: Mesh | str) -> Mesh:
     return mesh if isinstance(mesh, Mesh) else Mesh(mesh)
 
 
-def _title(mesh: Mesh, shape: Shape, layout: Layout) -> Text:
+def _title(mesh: Mesh, shape: Shape, layout: Layout, width: int = 100) -> Text:
+    """'layout "(dp b) h" of shape (8, 6) on Mesh(dp=2)'; where wider than `width`, a new
+    line before "of shape" and before "on", so neither the shape nor the mesh is split."""
+    parts = [f" of shape {shape}", f" on {mesh!r}"]
+    if len(f'layout "{layout}"') + sum(map(len, parts)) > width:
+        parts = [f"\n  {part[1:]}" for part in parts]
     text = Text("layout ")
     text.append(f'"{layout}"', style="bold")
-    text.append(f" of shape {shape} on {mesh!r}")
+    text.append("".join(parts))
     return text
 
 
@@ -284,7 +290,7 @@ def _grid_table(mesh: Mesh, layout: Layout, grid: BlockGrid, width: int) -> Tabl
     head = f"{names[0]}\\{names[1]}" if two_d else names[0]
     head_w = max([len(head)] + [len(_span_text(s)) for s in grid.spans[0]]) + 2 if two_d else 0
     col_spans = grid.spans[-1]
-    room = width - head_w - len(col_spans) - 2
+    room = min(width, MAX_PICTURE_WIDTH) - head_w - len(col_spans) - 2
     labels, compact = _grid_labels(mesh, layout, grid, room)
     table = Table(show_header=True, show_lines=True, box=box.SQUARE, padding=0,
                   title=None if two_d else f"dim 0 ({head})", title_justify="left",
@@ -343,18 +349,43 @@ def _cell_styles(grid: BlockGrid) -> dict[tuple[int, ...], str]:
     return styles
 
 
-def _rank_table(mesh: Mesh, layout: Layout, rows: Sequence[ShardRow]) -> Table:
+def _rank_table(mesh: Mesh, layout: Layout, rows: Sequence[ShardRow],
+                width: int = 100) -> Table:
+    """One row per rank, a column per dim. Where its cells are wider than `width`, the dims share
+    one column of "b=0:4 h=0:3" words (a row takes more lines), so no column is dropped and
+    no shape, range or coordinate splits."""
+    names = dim_names(mesh, layout)
+    heads = [f"dim {d}" if name == f"dim{d}" else f"{name} (dim {d})"
+             for d, name in enumerate(names)]
+    table = _rank_rows(rows, heads, [list(row.ranges) for row in rows])
+    table.show_header = False                       # headers may wrap; cells may not
+    fits = _one_line_width(table) <= width
+    table.show_header = True
+    if fits:
+        return table
+    words = [" ".join(f"{name}={span}" for name, span in zip(names, row.ranges)) for row in rows]
+    return _rank_rows(rows, ["index range per dim"], [[text] for text in words], keep=True)
+
+
+def _rank_rows(rows: Sequence[ShardRow], heads: Sequence[str],
+               ranges: Sequence[Sequence[str]], *, keep: bool = False) -> Table:
+    """The table of `_rank_table`; `keep`: the coords and shape columns as wide as their
+    widest cell (the range column wraps instead)."""
     table = Table(box=box.SIMPLE_HEAD, title="shards per rank", title_justify="left")
     table.add_column("rank", justify="right")
-    table.add_column("coords")
-    table.add_column("local shape")
-    for d, name in enumerate(dim_names(mesh, layout)):
-        table.add_column(f"dim {d}" if name == f"dim{d}" else f"{name} (dim {d})")
+    for head, cells in (("coords", [_coords_text(row) for row in rows]),
+                        ("local shape", [str(row.local_shape) for row in rows])):
+        table.add_column(head, min_width=max(map(len, cells)) if keep and rows else None)
+    for head in heads:
+        table.add_column(head)
     table.add_column("note")
-    for row in rows:
-        coords = " ".join(f"{a}{c}" for a, c in row.coords)
-        table.add_row(f"r{row.rank}", coords, str(row.local_shape), *row.ranges, row.note)
+    for row, spans in zip(rows, ranges):
+        table.add_row(f"r{row.rank}", _coords_text(row), str(row.local_shape), *spans, row.note)
     return table
+
+
+def _coords_text(row: ShardRow) -> str:
+    return " ".join(f"{a}{c}" for a, c in row.coords)
 
 
 # -- plans ------------------------------------------------------------------------
@@ -367,7 +398,7 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
     parts: list[RenderableType] = [Text("\n".join(explain.title_lines(plan, width)),
                                         style="bold")]
     rows = plan.rows()
-    parts.append(_plan_table(plan, rows) if rows else Text(explain.NO_STEPS))
+    parts.append(_plan_table(plan, rows, width) if rows else Text(explain.NO_STEPS))
     parts.append(Text("\n".join(explain.total_lines(plan))))
     if plan.dst_mesh is not None:
         parts.append(Text("\n".join(explain.transfer_lines(plan))))
@@ -379,21 +410,67 @@ def render_plan(plan: Plan, *, width: int = 100, pictures: bool = True) -> Rende
     return Group(*parts)
 
 
-def _plan_table(plan: Plan, rows: Sequence[dict[str, object]]) -> Table:
+def _plan_table(plan: Plan, rows: Sequence[dict[str, object]],
+                width: int = 100) -> RenderableType:
     """One row per step; under its local shapes, the layout the step leaves (and the
-    collective it runs as). Narrow consoles wrap cells and headers, never drop a column."""
+    collective it runs as). Where that table is wider than `width`, one block of lines per
+    step instead, each cell labelled, and a shape or layout never split across lines."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True, show_edge=False)
     heads = list(explain.headers(plan))
     heads[3] = "local shape\nlayout after"
     cells_per_row = [explain.step_cells(row, timed=plan.cost_model.models_time) for row in rows]
     for i, head in enumerate(heads):
-        table.add_column(head, justify="right" if i in explain.RIGHT else "left",
-                         overflow="fold")
+        table.add_column(head, justify="right" if i in explain.RIGHT else "left")
     for row, cells in zip(rows, cells_per_row):
         shapes = Text(cells[3])
         shapes.append(f'\n"{row["after"]}"{explain.wire_note(row)}', style="italic")
         table.add_row(*cells[:3], shapes, *cells[4:])
-    return table
+    if _one_line_width(table) <= width:
+        return table
+    return Group(*(_step_block(plan, row, cells, width)
+                   for row, cells in zip(rows, cells_per_row)))
+
+
+def _step_block(plan: Plan, row: dict[str, object], cells: tuple[str, ...],
+                width: int) -> Text:
+    """One step as labelled lines (the narrow form of a table row):
+        1  send_recv over dp,tp,pp (256), as all_to_all
+           local shape (5120, 2752, 400, 128) -> (5120, 1376, 800, 128)
+           layout after "(tp b) (dp s) (pp h) d"
+           sent 2.6 TiB · received 2.6 TiB · peak mem 5.2 TiB"""
+    heads = explain.headers(plan)
+    note = explain.wire_note(row)
+    over = f" over {cells[2]}" if cells[2] != "-" else ""
+    first = _fill([f"{cells[0]}  {cells[1]}{over}{',' if note else ''}", note[2:]], width, 3)
+    before, after = (_tuple_text(row[key]) for key in ("local_shape_before", "local_shape_after"))
+    lines = [first,
+             _fill(["local shape", before, "->", after], width, 3),
+             _fill(["layout after", f'"{row["after"]}"'], width, 3),
+             _fill([" · ".join(f"{head} {cell}" for head, cell in zip(heads[4:], cells[4:]))],
+                   width, 3)]
+    return Text("\n".join(line if i == 0 else "   " + line for i, line in enumerate(lines)))
+
+
+def _fill(atoms: Sequence[str], width: int, indent: int) -> str:
+    """`atoms` joined by spaces, a new line (indented) before an atom that would pass `width`;
+    an atom is never split."""
+    lines = [""]
+    for atom in (a for a in atoms if a):
+        if lines[-1] and indent + len(lines[-1]) + 1 + len(atom) > width:
+            lines.append("")
+        lines[-1] = f"{lines[-1]} {atom}" if lines[-1] else atom
+    return f"\n{' ' * indent}".join(lines)
+
+
+def _one_line_width(renderable: RenderableType) -> int:
+    """How wide `renderable` is when nothing in it wraps."""
+    return Console(width=10_000).measure(renderable).maximum
+
+
+def _tuple_text(values: object) -> str:
+    """A plan row's shape (a list) as a tuple: "(4, 6)"."""
+    assert isinstance(values, (list, tuple)), values
+    return str(tuple(values))
 
 
 def show_plan(plan: Plan, *, console: Console | None = None, width: int | None = None,

@@ -211,3 +211,46 @@ def test_empty_shards_are_not_called_replicas() -> None:
     rows = shard_rows(mc.Mesh("dp=4"), (2,), "(dp b)")
     assert [r.replica_of for r in rows] == [None, None, None, None]
     assert "replica" not in rows[3].note
+
+
+# -- widths: nothing split at 80 columns, nothing stretched at 200 ----------------------------
+WIDE_PLAN = ("dp=8 tp=8 pp=4", (40960, 11008, 3200, 128), "(dp b) (pp s) (tp h) d",
+             "(tp b) (dp s) (pp h) d")
+
+
+def printed_plan(width: int) -> str:
+    mesh, shape, src, dst = WIDE_PLAN
+    p = mc.plan(mc.Mesh(mesh), shape, src, dst)
+    console = Console(width=width, no_color=True, record=True, file=io.StringIO())
+    display.show_plan(p, console=console)
+    return console.export_text()
+
+
+def test_a_plan_at_80_columns_splits_no_shape_layout_or_mesh() -> None:
+    text = printed_plan(80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    whole = ["(5120, 2752, 400, 128)", "(5120, 1376, 800, 128)", '"(tp b) (dp s) (pp h) d"',
+             "(40960, 11008, 3200, 128)", "Mesh(dp=8, tp=8, pp=4)", "dp0 tp0 pp1"]
+    for atom in whole:
+        assert any(atom in line for line in lines), (atom, text)
+    # the step keeps every cell, labelled; each rank's ranges keep every dim
+    flat = " ".join(text.split())
+    for cell in ("send_recv over dp,tp,pp (256), as all_to_all", "sent 2.6 TiB",
+                 "received 2.6 TiB", "peak mem 5.2 TiB"):
+        assert cell in flat, (cell, text)
+    assert "r1 dp0 tp0 pp1 (5120, 2752, 400, 128) b=0:5120 s=2752:5504 h=0:400 d=0:128" in flat
+
+
+def test_a_plan_that_fits_keeps_its_table() -> None:
+    text = printed_plan(160)
+    assert "#  step       axes (group)    layout after" in text
+    assert "(5120, 2752, 400, 128) -> (5120, 1376, 800, 128)  2.6 TiB" in text
+    assert "b (dim 0)" in text
+
+
+@pytest.mark.parametrize("width", [100, 200])
+def test_a_wide_console_does_not_stretch_the_block_picture(width: int) -> None:
+    text = render((8, 6), "(dp b) (tp h)", width=width)
+    picture = [line for line in text.splitlines() if line.startswith(("┌", "│", "└"))]
+    assert picture and display.MAX_PICTURE_WIDTH - 4 <= max(map(len, picture)) <= display.MAX_PICTURE_WIDTH

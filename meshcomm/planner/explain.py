@@ -66,13 +66,19 @@ def dtype_name(plan: Plan) -> str:
 
 def title_lines(plan: Plan, width: int = 100) -> tuple[str, ...]:
     """'plan "src" -> "dst": shape (8, 6) float32 on Mesh(dp=2, tp=2)', in two lines
-    (the shape on the second) when one would be wider than `width`."""
+    (the shape on the second) when one would be wider than `width`, and three (the mesh on
+    the third) when the second would be too."""
     head = f'plan "{plan.src}" -> "{plan.dst}"'
     tail = f"shape {tuple(plan.shape)} {dtype_name(plan)} on {plan.mesh!r}"
     if plan.dst_mesh is not None:
         tail += f" -> {plan.dst_mesh!r}"
     one = f"{head}: {tail}"
-    return (one,) if len(one) <= width else (f"{head}:", f"  {tail}")
+    if len(one) <= width:
+        return (one,)
+    if len(tail) + 2 <= width:
+        return (f"{head}:", f"  {tail}")
+    shape, mesh = tail.split(" on ", 1)
+    return (f"{head}:", f"  {shape}", f"  on {mesh}")
 
 
 def step_name(row: dict[str, Any]) -> str:
