@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO, cast
 
 from .core.errors import LaunchError, MeshAxisError, MeshcommError, did_you_mean
 
@@ -295,13 +295,36 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
     # Each line of a rank's output is prefixed "[rank<i>]:"; one intra-op thread per process,
     # as torchrun would set, without its banner about it.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    streams = sys.stdout, sys.stderr
+    # torchrun's tee writes each rank's lines to sys.stdout/sys.stderr as it finds them.
+    sys.stdout, sys.stderr = cast(TextIO, OnePrefix(sys.stdout)), cast(TextIO, OnePrefix(sys.stderr))
     try:
         torchrun.main(["--standalone", f"--nproc-per-node={nproc}", "--tee", "3",
                        "--role", "rank", script, *script_args])
     except ChildFailedError as err:
         print(f"meshcomm launch: {err}", file=sys.stderr)
         return 1
+    finally:
+        sys.stdout, sys.stderr = streams
     return 0
+
+
+_DOUBLED_PREFIX = re.compile(r"^(\[rank\d+\]:)\1", re.MULTILINE)
+
+
+class OnePrefix:
+    """A text stream that writes to `stream`, with a doubled rank prefix made one:
+    torch's own log lines start "[rank0]:" once a process group exists, and the
+    launcher's tee puts "[rank0]:" before every line again."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(_DOUBLED_PREFIX.sub(r"\1", text))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
 
 
 # -- dryrun ----------------------------------------------------------------------

@@ -11,6 +11,7 @@ BoundMesh with no process groups: they must fire before any communication.
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import re
@@ -23,6 +24,7 @@ import pytest
 import torch
 
 import meshcomm as mc
+from meshcomm import cli
 from meshcomm.sharded import infer_shape
 from meshcomm.executors.distributed.bind import BoundMesh
 from meshcomm.executors.distributed.execute import ByteTrace, execute
@@ -268,6 +270,8 @@ import meshcomm as mc
 bound = mc.init_mesh("tp=2")
 y = mc.reshard(torch.arange(3.0) + 3 * bound.rank, bound, "(tp b)", "b")
 print(f"rank {bound.rank} {bound.backend} {y.tolist()} {sys.argv[1:]}")
+# torch's log lines carry "[rank0]:" once a group exists; the launcher's tee must not add one
+torch.distributed.tensor._random.logger.warning("a torch log line")
 """
 
 
@@ -278,6 +282,18 @@ def test_launch_runs_a_script_on_2_processes(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for rank in (0, 1):
         assert f"rank {rank} gloo [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] ['hello']" in done.stdout
+        logged = [line for line in done.stderr.splitlines() if "a torch log line" in line]
+        assert any(line.startswith(f"[rank{rank}]:W") for line in logged), done.stderr
+    assert "]:[rank" not in done.stdout + done.stderr, done.stderr[-2000:]
+
+
+def test_one_prefix_collapses_a_doubled_rank_prefix_only() -> None:
+    out = io.StringIO()
+    stream = cli.OnePrefix(out)
+    stream.write("[rank3]:[rank3]:W a log line\n[rank3]:a print\n")
+    stream.write("[rank1]:[rank2]: two ranks stay\n")
+    assert out.getvalue() == ("[rank3]:W a log line\n[rank3]:a print\n"
+                              "[rank1]:[rank2]: two ranks stay\n")
 
 
 def test_launch_reports_a_failing_script(tmp_path: Path) -> None:
