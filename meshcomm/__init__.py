@@ -29,7 +29,7 @@ warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 _EXPORTS = {
     "collectives": "meshcomm.collectives", "dryrun": "meshcomm.dryrun",
     "dtensor": "meshcomm.dtensor",
-    "errors": "meshcomm.errors", "nn": "meshcomm.nn", "sim": "meshcomm.executors.sim",
+    "errors": "meshcomm.errors", "nn": "meshcomm.nn", "sim": "meshcomm.sim",
     "Layout": "meshcomm.core.layout", "Mesh": "meshcomm.core.mesh",
     "show": "meshcomm.display", "show_plan": "meshcomm.display",
     "BoundMesh": "meshcomm.executors.distributed", "ByteTrace": "meshcomm.executors.distributed",
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from .core.layout import Layout
     from .core.mesh import Mesh
     from .display import show, show_plan
-    from .executors import sim
+    from . import sim
     from .executors.distributed import BoundMesh, ByteTrace, init_mesh
     from .planner.plan import plan
     from .planner.values import CostModel, Plan, Step
@@ -67,26 +67,25 @@ __all__ = [
     "collectives", "dryrun", "dtensor", "errors", "nn", "sim",
 ]
 
-# Spellings from before the namespaces (meshcomm 0.1). They keep working, with a
-# DeprecationWarning that names the one spelling to use instead.
-_MOVED = {
-    **{name: ("meshcomm.collectives", f"mc.collectives.{name}")
+# Spellings of meshcomm 0.1, removed in 0.2 (docs/changelog.md): reading one raises an
+# AttributeError that names the spelling to use instead. Nothing here works as an alias.
+_REMOVED = {
+    **{name: f"mc.collectives.{name}"
        for name in ("all_gather", "all_reduce", "all_to_all", "broadcast", "collective_permute",
                     "recv", "reduce_scatter", "send", "sendrecv")},
-    **{name: ("meshcomm.dtensor", f"mc.dtensor.{name}")
+    **{name: f"mc.dtensor.{name}"
        for name in ("bind_device_mesh", "from_dtensor", "from_placements", "to_dtensor",
                     "to_placements")},
-    **{name: ("meshcomm.errors", f"mc.errors.{name}")
+    **{name: f"mc.errors.{name}"
        for name in ("CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
                     "InteropError", "LayoutSyntaxError", "MeshAxisError", "MeshcommError",
                     "MeshMismatchError", "PlanError", "RankFailure", "RecipeError", "ShapeError")},
-    "as_layout": ("meshcomm.core.layout", "mc.Layout(...)"),
-    "checks": ("meshcomm.executors.distributed.checks",
-               "mc.init_mesh(..., check=True) or check=True on a call (MESHCOMM_CHECK=1 sets the"
-               " default)"),
-    "plan_cache_info": ("meshcomm.planner.plan", "meshcomm.planner.plan_cache_info"),
-    "set_plan_cache_size": ("meshcomm.planner.plan", "meshcomm.planner.set_plan_cache_size"),
-    "dist": ("meshcomm.executors.distributed", "meshcomm.executors.distributed"),
+    "as_layout": "mc.Layout(...)",
+    "checks": "mc.init_mesh(..., check=True) or check=True on a call (MESHCOMM_CHECK=1 sets"
+              " the default)",
+    "plan_cache_info": "meshcomm.planner.plan_cache_info",
+    "set_plan_cache_size": "meshcomm.planner.set_plan_cache_size",
+    "dist": "meshcomm.executors.distributed",
 }
 
 
@@ -102,12 +101,10 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _SUBPACKAGES:     # the layers below, e.g. mc.planner.plan_cache_info()
         return importlib.import_module(f"meshcomm.{name}")
-    if name not in _MOVED:
-        raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
-    module, instead = _MOVED[name]
-    warnings.warn(f"mc.{name} is deprecated; use {instead}", DeprecationWarning, stacklevel=2)
-    found = importlib.import_module(module)
-    return found if name == "dist" else getattr(found, name)
+    if name in _REMOVED:
+        raise AttributeError(f"mc.{name} was removed in meshcomm 0.2 (docs/changelog.md);"
+                             f" use {_REMOVED[name]}")
+    raise AttributeError(f"module 'meshcomm' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -1,5 +1,5 @@
-"""The public surface (docs/api.md): what `mc` exports, its namespaces, and the 0.1 spellings
-that still work with a DeprecationWarning naming the one new spelling."""
+"""The public surface (docs/api.md): what `mc` exports, its namespaces (each a module), and
+the 0.1 spellings removed in 0.2, whose errors name the one new spelling."""
 
 from __future__ import annotations
 
@@ -40,33 +40,33 @@ def test_errors_print_with_their_public_module() -> None:
     assert issubclass(mc.errors.ShapeError, mc.errors.MeshcommError)
 
 
-OLD = {
-    "all_gather": (mc.collectives, "mc.collectives.all_gather"),
-    "sendrecv": (mc.collectives, "mc.collectives.sendrecv"),
-    "from_dtensor": (mc.dtensor, "mc.dtensor.from_dtensor"),
-    "to_placements": (mc.dtensor, "mc.dtensor.to_placements"),
-    "ShapeError": (mc.errors, "mc.errors.ShapeError"),
-    "RankFailure": (mc.errors, "mc.errors.RankFailure"),
+@pytest.mark.parametrize("namespace", sorted(NAMESPACES))
+def test_every_namespace_imports_as_a_module(namespace: str) -> None:
+    module = importlib.import_module(f"meshcomm.{namespace}")
+    assert module is getattr(mc, namespace)
+
+
+def test_names_import_from_the_sim_module() -> None:
+    from meshcomm.sim import execute, scatter
+
+    assert scatter is mc.sim.scatter and execute is mc.sim.execute
+
+
+REMOVED = {   # 0.1 spellings, removed in 0.2: each error names the one spelling to use
+    "all_gather": "mc.collectives.all_gather", "sendrecv": "mc.collectives.sendrecv",
+    "from_dtensor": "mc.dtensor.from_dtensor", "to_placements": "mc.dtensor.to_placements",
+    "ShapeError": "mc.errors.ShapeError", "RankFailure": "mc.errors.RankFailure",
+    "as_layout": "mc.Layout(...)", "plan_cache_info": "meshcomm.planner.plan_cache_info",
+    "dist": "meshcomm.executors.distributed", "checks": "mc.init_mesh(..., check=True)",
 }
 
 
-@pytest.mark.parametrize("name", sorted(OLD))
-def test_old_spellings_warn_and_are_the_same_object(name: str) -> None:
-    home, instead = OLD[name]
-    with pytest.warns(DeprecationWarning, match=re.escape(instead)):
-        old = getattr(mc, name)
-    assert old is getattr(home, name)
-
-
-def test_other_old_spellings() -> None:
-    with pytest.warns(DeprecationWarning, match=r"mc\.Layout"):
-        assert mc.as_layout("b h") == mc.Layout("b h")
-    with pytest.warns(DeprecationWarning, match="meshcomm.planner.plan_cache_info"):
-        assert "maxsize" in mc.plan_cache_info()
-    with pytest.warns(DeprecationWarning, match="meshcomm.executors.distributed"):
-        assert mc.dist.init_mesh is mc.init_mesh
-    with pytest.warns(DeprecationWarning, match=r"check=True"):
-        assert callable(mc.checks)
+@pytest.mark.parametrize("name", sorted(REMOVED))
+def test_removed_spellings_raise_naming_the_new_one(name: str) -> None:
+    with pytest.raises(AttributeError, match=re.escape(f"mc.{name} was removed in meshcomm 0.2"
+                                                       f" (docs/changelog.md); use"
+                                                       f" {REMOVED[name]}")):
+        getattr(mc, name)
 
 
 def test_unknown_names_still_raise_attribute_error() -> None:
@@ -87,7 +87,7 @@ def test_docs_and_examples_use_no_deprecated_spelling() -> None:
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in files
             for i, line in enumerate(p.read_text().splitlines(), 1)
             if pattern.search(line) and p.name != "architecture.md"
-            and "deprecated" not in line and "0.1" not in line]
+            and "changelog" not in p.name and "0.1" not in line]
     assert not hits, "\n".join(hits)
 
 

@@ -56,19 +56,6 @@ def test_the_environment_variable_is_the_meshes_default(monkeypatch: pytest.Monk
     assert checking(None, None) is on            # groups that are not a BoundMesh
 
 
-def test_deprecated_checks_forces_every_call_and_restores() -> None:
-    off = fake(False)
-    with pytest.warns(DeprecationWarning, match="init_mesh"):
-        mode = mc.checks
-    with mode():
-        assert checking(off, None)
-        with mode(False):
-            assert not checking(off, None)
-        assert checking(off, None)
-        assert not checking(off, False)          # a call's own choice still wins
-    assert not checking(off, None)
-
-
 def test_ranks_text() -> None:
     assert _ranks_text([3]) == "rank 3"
     assert _ranks_text([2, 0, 1]) == "ranks 0-2"

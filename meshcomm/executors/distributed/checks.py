@@ -16,8 +16,7 @@ bytes); when they differ, the fingerprints are all-gathered and every rank raise
 `CollectiveMismatchError`, naming which ranks differ and how, instead of hanging or mixing
 up data. Point-to-point calls (`send`, `recv`, `sendrecv`) are not checked: only two
 members of the group take part. Under `torch.compile` nothing is checked (the traced
-program has no extra collective). `mc.checks()` (deprecated) still forces check mode on
-for the whole process.
+program has no extra collective).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from types import TracebackType
 from typing import NamedTuple, NoReturn, cast
 
 import torch
@@ -50,54 +48,12 @@ TEXT_BYTES = FINGERPRINT_BYTES - HASH_BYTES
 Fields = tuple[tuple[str, str], ...]   # (name, value) pairs, in the order they are shown
 
 
-class _Forced:
-    """Set only by the deprecated `checks()`: check every call of this process."""
-
-    __slots__ = ("on",)
-
-    def __init__(self) -> None:
-        self.on = False
-
-
-_FORCED = _Forced()
-
-
 def checking(mesh: object, check: bool | None) -> bool:
     """Whether a call on `mesh` (a BoundMesh, or another group) with `check=` is checked:
     the call's choice, else the mesh's (`init_mesh(check=...)`), else the environment's."""
     if check is not None:
         return bool(check)
-    if _FORCED.on:
-        return True
     return mesh.check if isinstance(mesh, BoundMesh) else check_default(None)
-
-
-class CheckMode:
-    """What the deprecated `checks(on)` returns: forced check mode is already set; leaving
-    a `with` block restores the state from before the call."""
-
-    def __init__(self, on: bool) -> None:
-        self.before, self.on = _FORCED.on, bool(on)
-        _FORCED.on = self.on
-
-    def __enter__(self) -> CheckMode:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        _FORCED.on = self.before
-
-    def __repr__(self) -> str:
-        return f"checks({self.on})"
-
-
-def checks(on: bool = True) -> CheckMode:
-    """Deprecated: force check mode on (or off again) for every call of this process; also
-    a context manager that restores the previous state on exit.
-
-    Use `mc.init_mesh(..., check=True)` (one mesh) or `check=True` on a call instead.
-    """
-    return CheckMode(on)
 
 
 # -- the calls' descriptions -----------------------------------------------------------------
