@@ -5,6 +5,7 @@ and is raised before any communication starts.
 """
 
 from .core.errors import (
+                          CheckpointError,
                           CollectiveError,
                           CollectiveMismatchError,
                           CollectiveTimeout,
@@ -21,7 +22,7 @@ from .core.errors import (
                           StyleError,
 )
 
-__all__ = ["CollectiveError", "CollectiveMismatchError", "CollectiveTimeout", "InteropError",
+__all__ = ["CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout", "InteropError",
            "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
            "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ShapeError",
            "StyleError"]

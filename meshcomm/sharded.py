@@ -28,7 +28,7 @@ from .core.errors import (
 from .core.layout import Layout, Shape, as_layout, positional_names
 from .core.mesh import Mesh
 from .executors.distributed.autograd import plan_untraced, reshard_autograd
-from .executors.distributed.bind import BoundMesh
+from .executors.distributed.bind import BoundMesh, require_bound
 from .executors.distributed.checks import (
     agree_many,
     agree_reshard,
@@ -147,11 +147,7 @@ def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: s
                    cost_model: CostModel | None, trace: ByteTrace | None) -> Tensor | None:
     """`reshard` onto another mesh (see `meshcomm.executors.distributed.cross`)."""
     for name, b in (("mesh", bound), ("dst_mesh", dst_bound)):
-        if not isinstance(b, BoundMesh):
-            what = f"the Mesh {b!r}" if isinstance(b, Mesh) else f"a {type(b).__name__}"
-            raise MeshMismatchError(
-                f"reshard(..., dst_mesh=...) needs both meshes bound to torch.distributed, got"
-                f" {what} as {name}; fix: mc.init_mesh(...) both meshes on every rank")
+        require_bound(b, "reshard(..., dst_mesh=...)", name)
     rank = bound.rank
     if not bound.in_mesh and not dst_bound.in_mesh:
         return None
@@ -229,11 +225,7 @@ when_dynamo_loads(_mark_for_dynamo)
 def _plan_for(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
               shape: Sequence[int] | None, dtype: torch.dtype | None,
               cost_model: CostModel | None, dst_mesh: Mesh | None = None) -> Plan:
-    if not isinstance(bound, BoundMesh):
-        what = f"the Mesh {bound!r}" if isinstance(bound, Mesh) else f"a {type(bound).__name__}"
-        raise MeshMismatchError(
-            f"reshard needs a mesh bound to torch.distributed, got {what};"
-            f" fix: bound = mc.init_mesh({str(bound)!r}) on every rank, then pass bound")
+    require_bound(bound, "reshard")
     if not bound.in_mesh:
         raise MeshMismatchError(
             f"reshard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
@@ -300,10 +292,7 @@ class Sharded:
     shape: Shape
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mesh, BoundMesh):
-            raise MeshMismatchError(f"Sharded needs a mesh from mc.init_mesh, got"
-                                    f" {type(self.mesh).__name__}; fix: bound ="
-                                    f" mc.init_mesh({str(self.mesh)!r}) on every rank")
+        require_bound(self.mesh, "Sharded")
         object.__setattr__(self, "layout", as_layout(self.layout))
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if self.mesh.in_mesh:
@@ -359,9 +348,7 @@ def distribute(global_tensor: Tensor, mesh: BoundMesh, layout: str | Layout) -> 
 
     >>> s = mc.distribute(torch.arange(8.0), bound, "(tp b)")    # doctest: +SKIP
     """
-    if not isinstance(mesh, BoundMesh):
-        raise MeshMismatchError(f"distribute needs a mesh from mc.init_mesh, got"
-                                f" {type(mesh).__name__}; fix: mc.init_mesh({str(mesh)!r})")
+    require_bound(mesh, "distribute")
     layout = as_layout(layout)
     m, shape = mesh.mesh, tuple(global_tensor.shape)
     if layout.reduce_op is None:

@@ -173,13 +173,14 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
      'reshard needs a mesh bound to torch.distributed, got the Mesh Mesh(dp=2, tp=2);'
      " fix: bound = mc.init_mesh('dp=2 tp=2') on every rank, then pass bound"),
     ("meshes", "Sharded on an unbound mesh", lambda: mc.Sharded(X, M, "(dp b) (tp h)", (8, 6)), MeshMismatchError,
-     "Sharded needs a mesh from mc.init_mesh, got Mesh; fix: bound = mc.init_mesh('dp=2"
-     " tp=2') on every rank"),
+     "Sharded needs a mesh bound to torch.distributed, got the Mesh Mesh(dp=2, tp=2); fix:"
+     " bound = mc.init_mesh('dp=2 tp=2') on every rank, then pass bound"),
     ("meshes", "distribute on an unbound mesh", lambda: mc.distribute(torch.zeros(8, 6), M, "(dp b) (tp h)"), MeshMismatchError,
-     "distribute needs a mesh from mc.init_mesh, got Mesh; fix: mc.init_mesh('dp=2 tp=2')"),
+     "distribute needs a mesh bound to torch.distributed, got the Mesh Mesh(dp=2, tp=2); fix:"
+     " bound = mc.init_mesh('dp=2 tp=2') on every rank, then pass bound"),
     ("meshes", "dst_mesh unbound", lambda: mc.reshard(X, B, "(dp b) (tp h)", "b h", dst_mesh=mc.Mesh("dp=4")), MeshMismatchError,
-     'reshard(..., dst_mesh=...) needs both meshes bound to torch.distributed, got the'
-     ' Mesh Mesh(dp=4) as dst_mesh; fix: mc.init_mesh(...) both meshes on every rank'),
+     'reshard(..., dst_mesh=...) needs dst_mesh bound to torch.distributed, got the Mesh'
+     " Mesh(dp=4); fix: bound = mc.init_mesh('dp=4') on every rank, then pass bound"),
     # -- rank
     ("rank", "rank outside the mesh: reshard", lambda: mc.reshard(X, fake_bound(rank=5), "(dp b) (tp h)", "b h"), MeshMismatchError,
      'reshard: rank 5 is not in Mesh(dp=2, tp=2) (its ranks are [0, 1, 2, 3]), so it'
@@ -264,3 +265,28 @@ def test_a_shape_that_is_not_ints(shape: Any) -> None:
 def test_a_cost_model_that_is_not_one() -> None:
     with pytest.raises(mc.errors.PlanError, match="cost_model must be a meshcomm CostModel"):
         mc.plan(M, (8,), "(dp b)", "b", cost_model="fast")  # type: ignore[arg-type]
+
+
+# -- one guard for "this needs a bound mesh" ----------------------------------------------------
+UNBOUND_CALLS = {
+    "reshard": lambda: mc.reshard(X, M, "(dp b) (tp h)", "b h"),
+    "Sharded": lambda: mc.Sharded(X, M, "(dp b) (tp h)", (8, 6)),
+    "distribute": lambda: mc.distribute(torch.zeros(8, 6), M, "(dp b) (tp h)"),
+    "parallelize": lambda: mc.nn.parallelize(torch.nn.Linear(4, 4), M, {"": "colwise"}),
+    "fully_shard": lambda: mc.nn.fully_shard(torch.nn.Linear(4, 4), M),
+    "vocab_parallel_cross_entropy": lambda: mc.nn.vocab_parallel_cross_entropy(
+        torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), M, "tp"),
+    "ColumnParallelLinear": lambda: mc.nn.ColumnParallelLinear(M, "tp", torch.zeros(4, 4)),
+    "execute": lambda: mc.executors.distributed.execute(
+        mc.plan(M, (8, 6), "(dp b) (tp h)", "b h"), X, M),
+}
+
+
+@pytest.mark.parametrize("who", sorted(UNBOUND_CALLS))
+def test_every_call_that_needs_a_bound_mesh_says_so_the_same_way(who: str) -> None:
+    with pytest.raises(MeshMismatchError) as info:
+        UNBOUND_CALLS[who]()
+    assert str(info.value).startswith(f"{who} needs ")
+    assert str(info.value).endswith(" bound to torch.distributed, got the Mesh Mesh(dp=2, tp=2);"
+                                    " fix: bound = mc.init_mesh('dp=2 tp=2') on every rank,"
+                                    " then pass bound")

@@ -53,6 +53,14 @@ class InteropError(MeshcommError, ValueError):
     """A layout, placement or mesh with no exact counterpart in torch DTensor (or back)."""
 
 
+class CheckpointError(MeshcommError, KeyError):
+    """A checkpoint that cannot fill the given state dict (missing keys, other shapes, not a
+    meshcomm checkpoint)."""
+
+    def __str__(self) -> str:       # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
 class RankFailure(MeshcommError, RuntimeError):
     """A rank of a multi-process run raised, crashed or did not finish in time."""
 
@@ -74,7 +82,7 @@ class CollectiveMismatchError(CollectiveError):
 # pickles name that public home rather than this module.
 for _cls in (MeshcommError, LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError,
              RecipeError, PlanError, InteropError, RankFailure, CollectiveError,
-             CollectiveTimeout, CollectiveMismatchError, StyleError, LaunchError):
+             CollectiveTimeout, CollectiveMismatchError, StyleError, LaunchError, CheckpointError):
     _cls.__module__ = "meshcomm.errors"
 
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.errors import MeshcommError, ShapeError
+from ..core.errors import CheckpointError, ShapeError
 from ..core.layout import Layout, Shape, positional_names
 from ..core.mesh import Mesh
 from ..executors.local import grid, slices, take
@@ -50,13 +50,6 @@ from ..sharded import Sharded
 FORMAT = "meshcomm-checkpoint/1"
 META = "meshcomm.json"
 _ONE = "one"          # the one-axis mesh of a tensor a single rank writes
-
-
-class CheckpointError(MeshcommError, KeyError):
-    """A checkpoint that cannot fill the given state dict (missing keys, other shapes)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else ""
 
 
 @dataclass(frozen=True)

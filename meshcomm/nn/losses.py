@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
 from ..core.layout import chunk_range
 from ..executors.distributed import wire
-from ..executors.distributed.bind import BoundMesh
+from ..executors.distributed.bind import BoundMesh, require_bound
 from ..executors.distributed.collectives import all_reduce
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_range"]
@@ -113,11 +113,7 @@ def _check_args(logits: object, target: object, mesh: object, axis: object,
                 ignore_index: object, reduction: object,
                 vocab_size: object) -> tuple[int, int, int | None, bool]:
     """(axis size, this rank's position, global V or None, whether the targets are checked)."""
-    if not isinstance(mesh, BoundMesh):
-        raise MeshMismatchError(f"{_FN}: mesh must be a BoundMesh (from mc.init_mesh), got"
-                                f" {type(mesh).__name__}; fix: bound = mc.init_mesh(\"tp=4\")"
-                                " and pass bound")
-    m = mesh.mesh
+    m = require_bound(mesh, _FN).mesh
     if not isinstance(axis, str):
         raise MeshAxisError(f"{_FN}: axis={axis!r} must name one mesh axis of {m!r}, e.g."
                             f' "{m.axis_names[-1]}"; the vocabulary is split over one axis')

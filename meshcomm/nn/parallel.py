@@ -40,7 +40,7 @@ from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, StyleErr
 from ..core.layout import Layout, positional_names
 from ..core.mesh import Mesh
 from ..core.reduce_ops import chunk_sizes
-from ..executors.distributed.bind import BoundMesh
+from ..executors.distributed.bind import BoundMesh, require_bound
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, wrap
 from ..sharded import reshard
@@ -253,9 +253,7 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
     `STYLES`. Every pattern must match a module of the right type. Apply it before
     `fully_shard`, which then shards the split weights over its own axis.
     """
-    if not isinstance(mesh, BoundMesh):
-        raise MeshAxisError(f"parallelize needs a BoundMesh (mc.init_mesh), got"
-                            f" {type(mesh).__name__}")
+    mesh = require_bound(mesh, "parallelize")
     if not mesh.in_mesh:
         raise MeshMismatchError(
             f"parallelize: rank {mesh.rank} is not in {mesh.mesh!r}, so it holds no shard;"

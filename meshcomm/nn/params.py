@@ -29,7 +29,7 @@ from ..core.errors import MeshMismatchError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from ..executors.distributed.autograd import without_reduction
-from ..executors.distributed.bind import BoundMesh
+from ..executors.distributed.bind import BoundMesh, require_bound
 from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
 from ..planner.values import Plan
@@ -227,10 +227,7 @@ class ShardedModule(nn.Module):
 
     def __init__(self, bound: BoundMesh, recipe: RecipeLike) -> None:
         super().__init__()
-        if not isinstance(bound, BoundMesh):
-            raise MeshMismatchError(f"{type(self).__name__} needs a mesh from mc.init_mesh, got"
-                                    f" {type(bound).__name__}; fix: bound = mc.init_mesh(...)")
-        self.bound = bound
+        self.bound = require_bound(bound, type(self).__name__)
         self.recipe = recipe
         self.specs: dict[str, ParamSpec] = {}
         self.in_use: dict[str, Tensor] = {}      # filled by FullyShard during its forward

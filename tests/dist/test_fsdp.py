@@ -256,7 +256,8 @@ def test_bad_input_is_refused_before_communicating(four: list[dict[str, Any]]) -
     assert errors["root_first"].startswith(
         "ShapeError: fully_shard: parameter weight is sharded by another unit already: a module"
         " around this one was fully_shard'ed first. fix: fully_shard the inner modules first")
-    assert errors["mesh"].startswith("MeshMismatchError: fully_shard needs a BoundMesh")
+    assert errors["mesh"].startswith("MeshMismatchError: fully_shard needs a DeviceMesh or a mesh"
+                                     " bound to torch.distributed, got")
     assert [r["errors"]["outside"] for r in four][:2] == ["ran"] * 2
     for rank in (2, 3):
         assert four[rank]["errors"]["outside"].startswith(

@@ -320,8 +320,8 @@ T = torch.randint(0, 50, (2, 3))
 
 LOCAL_ERRORS = [
     (lambda: CE(X, T, "tp"), MeshMismatchError,  # type: ignore[arg-type]
-     "vocab_parallel_cross_entropy: mesh must be a BoundMesh (from mc.init_mesh), got str;"
-     ' fix: bound = mc.init_mesh("tp=4") and pass bound'),
+     "vocab_parallel_cross_entropy needs a mesh bound to torch.distributed, got a str; fix:"
+     " bound = mc.init_mesh('dp=2 tp=4') on every rank, then pass bound"),
     (lambda: CE(X, T, B, "tq", vocab_size=50), MeshAxisError,
      'vocab_parallel_cross_entropy: axis="tq" is not an axis of Mesh(dp=2, tp=4); axes are dp,'
      ' tp\n  fix: did you mean "tp"?'),

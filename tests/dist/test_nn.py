@@ -330,7 +330,8 @@ def test_column_explain_text() -> None:
 
 
 def test_blocks_need_a_bound_mesh() -> None:
-    msg = "ColumnParallelLinear needs a mesh from mc.init_mesh, got Mesh"
+    msg = ("ColumnParallelLinear needs a mesh bound to torch.distributed, got the Mesh"
+           " Mesh(tp=2); fix: bound = mc.init_mesh('tp=2') on every rank, then pass bound")
     with pytest.raises(MeshMismatchError, match=re.escape(msg)):
         mc.nn.ColumnParallelLinear(mc.Mesh("tp=2"), "tp", torch.zeros(4, 4))  # type: ignore[arg-type]
 

@@ -31,6 +31,19 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
+def require_bound(value: object, who: str, argument: str = "a mesh") -> BoundMesh:
+    """`value`, which must be a BoundMesh; otherwise the one error every public call raises
+    for it: "reshard needs a mesh bound to torch.distributed, got the Mesh Mesh(dp=2); fix:
+    bound = mc.init_mesh('dp=2') on every rank, then pass bound"."""
+    if isinstance(value, BoundMesh):
+        return value
+    what = f"the Mesh {value!r}" if isinstance(value, Mesh) else f"a {type(value).__name__}"
+    spec = str(value) if isinstance(value, Mesh) or "=" in str(value) else "dp=2 tp=4"
+    raise MeshMismatchError(f"{who} needs {argument} bound to torch.distributed, got {what};"
+                            f" fix: bound = mc.init_mesh({spec!r}) on every rank, then pass"
+                            " bound")
+
+
 @dataclass(frozen=True, eq=False)
 class BoundMesh:
     """A Mesh bound to live process groups on this rank.

@@ -21,7 +21,7 @@ from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
 from ..local import pack, recv_splits, unpack
 from . import wire
-from .bind import BoundMesh
+from .bind import BoundMesh, require_bound
 from .execute import _RUN, ByteTrace, _Run
 
 
@@ -32,10 +32,7 @@ def check_cross(plan: Plan, local: Tensor | None, src: BoundMesh, dst: BoundMesh
             f"execute_cross runs plans between two meshes, but this plan stays on"
             f" {plan.mesh!r}. fix: run it with mc.executors.distributed.execute(plan, local, bound)")
     for word, bound, mesh in (("source", src, plan.mesh), ("destination", dst, plan.dst_mesh)):
-        if not isinstance(bound, BoundMesh):
-            raise MeshMismatchError(
-                f"execute_cross needs the {word} mesh bound to torch.distributed, got"
-                f" {type(bound).__name__}; fix: mc.init_mesh({mesh!r}) on every rank")
+        require_bound(bound, "execute_cross", f"the {word} mesh")
         if bound.mesh != mesh:
             raise MeshMismatchError(
                 f"plan's {word} mesh is {mesh!r} but the bound {word} mesh is {bound.mesh!r}."

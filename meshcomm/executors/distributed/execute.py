@@ -34,7 +34,7 @@ from ...planner.values import Plan, Step
 from ..local import local_move, pack, rank_transfers, recv_splits, unpack
 from ..steps import Wire
 from . import wire
-from .bind import BoundMesh
+from .bind import BoundMesh, require_bound
 
 
 class Call(NamedTuple):
@@ -102,10 +102,7 @@ class _Run(NamedTuple):
 
 def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
     """Raise before any communication if `local` or `bound` do not fit the plan on this rank."""
-    if not isinstance(bound, BoundMesh):
-        raise MeshMismatchError(
-            f"execute needs a BoundMesh (from mc.init_mesh), got {type(bound).__name__};"
-            f" fix: bound = mc.init_mesh({str(plan.mesh)!r})")
+    require_bound(bound, "execute")
     if bound.mesh != plan.mesh:
         raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {bound.mesh!r}."
                                 " fix: plan with the bound mesh, mc.plan(bound.mesh, ...)")

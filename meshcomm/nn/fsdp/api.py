@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from ...core.layout import Layout
-from ...executors.distributed.bind import BoundMesh
+from ...executors.distributed.bind import BoundMesh, require_bound
 from ...executors.local import run_slice
 from ...interop.placements import from_placements
 from ...interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of
@@ -92,8 +92,7 @@ def _bound(mesh: Any) -> BoundMesh:
         return mesh
     if type(mesh).__name__ == "DeviceMesh":
         return bind_device_mesh(mesh)
-    raise MeshMismatchError(f"fully_shard needs a BoundMesh (mc.init_mesh) or a DeviceMesh,"
-                            f" got {type(mesh).__name__}")
+    return require_bound(mesh, "fully_shard", "a DeviceMesh or a mesh")
 
 
 def _axis(bound: BoundMesh, axis: str | None) -> str:
