@@ -200,14 +200,21 @@ def test_a_sum_over_two_axes_is_not_gathered_whole_first() -> None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(transitions())
 def test_there_and_back_again(case):
+    """src -> dst -> src gives back what src held: the same shards exactly where src holds
+    no pending reduction; where it does, the same global tensor once reduced (the pending
+    parts themselves may be split differently). Integer-valued data keeps sums exact."""
     mesh, shape, src, dst = case
-    if mc.Layout(src).reduce_op or mc.Layout(dst).reduce_op:
-        return  # a reduction cannot be undone; partial round trips are covered above
-    x = torch.randn(shape)
-    there = execute(mc.plan(mesh, shape, src, dst), scatter(x, mesh, src))
+    x = torch.randint(-9, 10, shape).float()
+    start = scatter(x, mesh, src)
+    there = execute(mc.plan(mesh, shape, src, dst), start)
     back = execute(mc.plan(mesh, shape, dst, src), list(there.outputs))
-    for got, want in zip(back.outputs, scatter(x, mesh, src)):
-        assert torch.equal(got, want)
+    if mc.Layout(src).reduce_op is None:
+        for got, want in zip(back.outputs, start):
+            assert torch.equal(got, want)
+    elif mc.Layout(src).reduce_op == "avg":
+        torch.testing.assert_close(gather(list(back.outputs), mesh, src, shape), x)
+    else:
+        assert torch.equal(gather(list(back.outputs), mesh, src, shape), x)
 
 
 def test_a_backend_without_a_collective_never_gets_it():
