@@ -110,8 +110,12 @@ def soak_rank(rank: int, world: int, count: int, pool: int, plan_cache: int, see
             "check_cost": check_cost(bound, cost_reps) if cost_reps else None}
 
 
-def check_cost(bound: mc.BoundMesh, reps: int) -> dict[str, dict[str, float]]:
-    """Median µs per call with check mode off and on, in alternating blocks of reps/10."""
+def check_cost(bound: mc.BoundMesh, reps: int) -> dict[str, dict[str, Any]]:
+    """Median µs per call with check mode off and on, in alternating blocks of reps/10, and
+    the collective calls check mode adds to one call (as the wire module recorded them:
+    kind and input bytes)."""
+    from meshcomm.executors.distributed import wire
+
     x = torch.ones(4, 8)
     calls = {
         "reshard_all_gather": lambda on: mc.reshard(x, bound, "(dp b) h", "b h", check=on),
@@ -134,8 +138,17 @@ def check_cost(bound: mc.BoundMesh, reps: int) -> dict[str, dict[str, float]]:
                     call(on)
                     times[on].append(time.perf_counter() - t)
         off, on_ = statistics.median(times[False]) * 1e6, statistics.median(times[True]) * 1e6
+        heard = {}
+        for on in (False, True):
+            with wire.recording() as calls:
+                call(on)
+            heard[on] = [[w.kind, w.numel_in * size] for w, size in calls]
+        added = list(heard[True])
+        for made in heard[False]:    # what the unchecked call makes, the checked one makes too
+            added.remove(made)
         out[name] = {"off_us": round(off, 1), "on_us": round(on_, 1),
-                     "added_us": round(on_ - off, 1)}
+                     "added_us": round(on_ - off, 1), "calls_off": heard[False],
+                     "added_calls": added}
     return out
 
 

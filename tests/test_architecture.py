@@ -26,7 +26,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("adapters", ("meshcomm.interop", "meshcomm.display", "meshcomm.recipes", "meshcomm.testing")),
     ("sharded", ("meshcomm.sharded",)),
     ("building blocks", ("meshcomm.nn", "meshcomm.dtensor", "meshcomm.collectives",
-                         "meshcomm.errors", "meshcomm.dryrun")),
+                         "meshcomm.errors", "meshcomm.dryrun", "meshcomm.sim")),
     ("entry points", ("meshcomm.cli", "meshcomm.__main__", "meshcomm")),
 )
 # Siblings inside one layer that must not import each other (either direction).
@@ -49,7 +49,10 @@ REQUIRED = (
     "meshcomm.interop.placements", "meshcomm.interop.runtime", "meshcomm.sharded",
     "meshcomm.recipes", "meshcomm.display", "meshcomm.nn", "meshcomm.dtensor",
     "meshcomm.collectives", "meshcomm.errors", "meshcomm.cli", "meshcomm.dryrun",
+    "meshcomm.sim", "meshcomm.executors.distributed.wire",
 )
+# The one module that hands tensors to torch's functional collectives (and records them).
+WIRE = "meshcomm.executors.distributed.wire"
 # The pure layers: no process groups, no printers, no config parsing, no executors.
 PURE_LAYERS = ("meshcomm.core", "meshcomm.planner")
 FORBIDDEN_IN_PURE = ("torch.distributed", "rich", "pydantic", "meshcomm.executors",
@@ -280,3 +283,10 @@ def test_ci_script_fails_on_errors() -> None:
     text = (ROOT / ".ci" / "run").read_text()
     assert text.startswith("#!")
     assert "set -euo pipefail" in text or "set -e" in text
+
+
+def test_only_the_wire_module_calls_functional_collectives() -> None:
+    """Every functional-collective call goes through `wire`, which measures it (`Wire`)."""
+    callers = sorted(name for name, path in modules().items()
+                     if "torch.distributed._functional_collectives" in imports(path))
+    assert callers == [WIRE], callers

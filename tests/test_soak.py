@@ -43,9 +43,15 @@ def test_memory_is_flat_once_caches_are_warm(report: dict[str, Any]) -> None:
     assert max(report["summary"]["rss_growth_second_half_mb"]) < 4.0, report["summary"]
 
 
-def test_check_cost_is_measured_on_every_rank(report: dict[str, Any]) -> None:
+def test_check_mode_adds_one_32_byte_all_reduce_to_each_call(report: dict[str, Any]) -> None:
+    """What check mode costs in communication, as the wire module recorded every call: the
+    call's own collectives, plus one all_reduce of the 32-byte probe when the ranks agree."""
     assert set(report["check_cost"]) == {"0", "1", "2", "3"}
     for cost in report["check_cost"].values():
         assert set(cost) == {"reshard_all_gather", "reshard_no_step", "all_reduce_1_elem"}
+        assert cost["reshard_all_gather"]["calls_off"] == [["all_gather", 128]]   # (4, 8) f32
+        assert cost["reshard_no_step"]["calls_off"] == []
+        assert cost["all_reduce_1_elem"]["calls_off"] == [["all_reduce", 4]]
         for c in cost.values():
-            assert c["added_us"] == pytest.approx(c["on_us"] - c["off_us"], abs=0.11), c
+            assert c["added_calls"] == [["all_reduce", 32]], c
+            assert c["on_us"] > 0 and c["off_us"] > 0, c

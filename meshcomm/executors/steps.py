@@ -27,7 +27,8 @@ KINDS: dict[str, tuple[str, ...]] = WIRES
 class Wire:
     """One collective call on one rank: `kind` over a group of `group` ranks at position
     `pos`, handed an input buffer of `numel_in` elements and giving `numel_out`; for an
-    all_to_all, `in_splits`/`out_splits` per position (empty: even splits).
+    all_to_all, `in_splits`/`out_splits` per position (empty: even splits); for a broadcast,
+    the `root` position whose buffer every other member receives.
 
     Data movement per kind (the standard algorithms, ring for all_reduce):
     - all_gather: the input goes to the g-1 others; the output's other blocks come in.
@@ -35,6 +36,7 @@ class Wire:
     - all_reduce: a reduce_scatter then an all_gather of the flat tensor's torch.chunk
       chunks: (n - c) + (g-1) c both ways, c this position's chunk.
     - all_to_all: every split but the own one, both ways.
+    - broadcast: the root sends its buffer to each of the g-1 others (as gloo does).
 
     >>> Wire("all_gather", 4, 0, 6, 24).sent, Wire("all_gather", 4, 0, 6, 24).received
     (18, 18)
@@ -49,6 +51,7 @@ class Wire:
     numel_out: int
     in_splits: tuple[int, ...] = ()
     out_splits: tuple[int, ...] = ()
+    root: int = 0
 
     @property
     def sent(self) -> int:
@@ -61,6 +64,8 @@ class Wire:
             return self._ring()
         if self.kind == "all_to_all":
             return _others(self.in_splits, n, g, self.pos)
+        if self.kind == "broadcast":
+            return (g - 1) * n if self.pos == self.root else 0
         raise AssertionError(f"unknown collective {self.kind!r}")
 
     @property
@@ -74,6 +79,8 @@ class Wire:
             return self._ring()
         if self.kind == "all_to_all":
             return _others(self.out_splits, self.numel_out, g, self.pos)
+        if self.kind == "broadcast":
+            return 0 if self.pos == self.root else self.numel_out
         raise AssertionError(f"unknown collective {self.kind!r}")
 
     def _ring(self) -> int:

@@ -4,7 +4,8 @@ plans chosen by a layout recipe (`import meshcomm as mc; mc.nn.ColumnParallelLin
 Every block has `explain(shape)`: the plans it runs in forward and backward, one line each.
 See docs/tutorial.md.
 """
-from .checkpoint import CheckpointError, CheckpointRead, load_checkpoint, save_checkpoint
+from ..core.errors import CheckpointError
+from .checkpoint import CheckpointRead, load_checkpoint, save_checkpoint
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
 from .fsdp import (

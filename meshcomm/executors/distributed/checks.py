@@ -24,12 +24,10 @@ from __future__ import annotations
 import functools
 import hashlib
 from collections.abc import Sequence
-from typing import NamedTuple, NoReturn, cast
+from typing import NamedTuple, NoReturn
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
-from torch.distributed import distributed_c10d as c10d
 
 from ...core.errors import (
     CollectiveError,
@@ -141,7 +139,9 @@ def raise_together(bound: BoundMesh, err: MeshcommError, call: str) -> NoReturn:
 def _agree_on_mesh(bound: BoundMesh, mine: Fingerprint, what: str) -> None:
     """`agree` over the group of the whole mesh."""
     axes = bound.mesh.axis_names
-    agree(bound.group_name(axes), bound.mesh.groups(*axes)[0], mine, what)
+    ranks = bound.mesh.groups(*axes)[0]
+    agree(wire.Group(bound.group_name(axes), len(ranks), ranks.index(bound.rank)), ranks, mine,
+          what)
 
 
 def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
@@ -162,12 +162,12 @@ def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
                        f"reshard_many on {bound.mesh!r}")
 
 
-def agree_collective(fn: str, name: str, pg_ranks: Sequence[int], where: str, x: Tensor,
-                     args: Fields) -> None:
+def agree_collective(fn: str, group: wire.Group, pg_ranks: Sequence[int], where: str,
+                     x: Tensor, args: Fields) -> None:
     """Raise on every member unless all of them called `fn` over this group with the same
     dtype and the same `args` (each collective passes those that must agree)."""
     fields = (("call", fn), ("group", where), ("dtype", str(x.dtype).replace("torch.", ""))) + args
-    agree(name, tuple(pg_ranks), _collective_fingerprint(fields, x.device), f"{fn} {where}")
+    agree(group, tuple(pg_ranks), _collective_fingerprint(fields, x.device), f"{fn} {where}")
 
 
 @functools.lru_cache(maxsize=1024)
@@ -175,19 +175,18 @@ def _collective_fingerprint(fields: Fields, device: torch.device) -> Fingerprint
     return encode(fields, "", device)
 
 
-def agree(group: str, ranks: Sequence[int], mine: Fingerprint, what: str) -> None:
-    """Compare `mine` across the group named `group` (members `ranks`, in group order) and
-    raise `CollectiveMismatchError` on every member when the fingerprints differ.
+def agree(group: wire.Group, ranks: Sequence[int], mine: Fingerprint, what: str) -> None:
+    """Compare `mine` across `group` (members `ranks`, in group order) and raise
+    `CollectiveMismatchError` on every member when the fingerprints differ.
 
     One all_reduce(max) of the probe (h, -h) gives (max h, -min h): it equals this rank's
     probe on every rank when all hashes agree, and differs on every rank otherwise (32 bytes
     a rank instead of 256). Only then are the rows gathered, to say who asked for what."""
-    name = cast(c10d.GroupName, group)
     try:
-        seen = wire.waited(funcol.all_reduce(mine.probe, "max", name))
+        seen, _ = wire.all_reduce(mine.probe, "max", group)
         if torch.equal(seen, mine.probe):
             return
-        got = wire.waited(wire.all_gather_single(mine.row, 0, name))
+        got, _ = wire.all_gather(mine.row, group)
     except RuntimeError as err:
         kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
         raise kind(f"{what}: check mode could not compare the call across the group"

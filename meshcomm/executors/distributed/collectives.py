@@ -19,7 +19,6 @@ from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
@@ -49,6 +48,11 @@ class _Group(NamedTuple):
     pos: int                 # this rank's caller position
     size: int
     desc: tuple[object, object]  # (axes or None, owner) for messages: see `_where`
+
+    @property
+    def wire(self) -> wire.Group:
+        """The group as the wire module takes it (positions in process-group order)."""
+        return wire.Group(self.name, self.size, self.order[self.pos])
 
 
 def _where(g: _Group | tuple[object, object]) -> str:
@@ -259,7 +263,7 @@ def _reorder(t: Tensor, dim: int, sizes: Sequence[int], perm: Sequence[int]) -> 
 def _check(fn: str, g: _Group, x: Tensor, *args: tuple[str, object]) -> None:
     """Check mode: the members agree on this call (and on `args`) before it runs."""
     if not torch.compiler.is_compiling():
-        agree_collective(fn, g.name, [g.ranks[g.inv[q]] for q in range(g.size)], _where(g), x,
+        agree_collective(fn, g.wire, [g.ranks[g.inv[q]] for q in range(g.size)], _where(g), x,
                          tuple((k, str(v)) for k, v in args))
 
 
@@ -291,11 +295,12 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
     if sizes is None or len(set(sizes)) == 1:
         # along dim 0 and moved back: a gather along another dim is a chunk-cat that some
         # torch versions cannot compile
-        out: Tensor = wire.all_gather_single(x.movedim(d, 0).contiguous(), 0, g.name)
+        out, _ = wire.all_gather(x.movedim(d, 0).contiguous(), g.wire, wait=False)
         return _reorder(out, 0, [n] * g.size, g.order).movedim(0, d)
     rows = x.movedim(d, 0)
     out_pg = [sizes[p] for p in g.inv]
-    out = wire.all_to_all(torch.cat([rows] * g.size), g.name, out_pg, [n] * g.size, wait=False)
+    out, _ = wire.all_to_all(torch.cat([rows] * g.size), g.wire, out_pg, [n] * g.size,
+                             wait=False)
     return _reorder(out, 0, out_pg, g.order).movedim(0, d)
 
 
@@ -324,12 +329,13 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
         _check(fn, g, x, ("shape", tuple(x.shape)), ("dim", d), ("op", op), ("splits", splits))
     if len(set(chunks)) == 1:
         moved = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
-        out: Tensor = wire.reduce_scatter_single(moved.contiguous(), wire_op, 0,
-                                                 g.name).movedim(0, d)
+        out, _ = wire.reduce_scatter(moved.contiguous(), wire_op, g.wire, wait=False)
+        out = out.movedim(0, d)
         return out / g.size if op == "avg" else out
     rows = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
     own = chunks[g.pos]
-    got = wire.all_to_all(rows, g.name, [own] * g.size, [chunks[p] for p in g.inv], wait=False)
+    got, _ = wire.all_to_all(rows, g.wire, [own] * g.size, [chunks[p] for p in g.inv],
+                             wait=False)
     blocks = torch.split(got, own) if own else [got] * g.size
     return op_reduce([blocks[q] for q in g.order], op).movedim(0, d)
 
@@ -350,7 +356,7 @@ def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str 
     op = _op(fn, g, op, x.dtype)
     if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("op", op))
-    out: Tensor = funcol.all_reduce(x, "sum" if op == "avg" else op, g.name)
+    out, _ = wire.all_reduce(x, "sum" if op == "avg" else op, g.wire, wait=False)
     return out / g.size if op == "avg" else out
 
 
@@ -401,7 +407,7 @@ def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_di
                ("split_dim", split), ("concat_dim", concat))
     rows = _reorder(x.movedim(split, 0), 0, ins, g.inv)
     outs_pg = [outs[p] for p in g.inv]
-    got = wire.all_to_all(rows, g.name, outs_pg, [ins[p] for p in g.inv], wait=False)
+    got, _ = wire.all_to_all(rows, g.wire, outs_pg, [ins[p] for p in g.inv], wait=False)
     if concat == split:
         return _reorder(got, 0, outs_pg, g.order).movedim(0, split)
     blocks = torch.split(got, outs_pg[0]) if outs_pg[0] else [got] * g.size
@@ -464,8 +470,8 @@ def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> T
     frm_pg = sorted([g.order[p] for p in frm])
     ins = [n if q in to_pg else 0 for q in range(g.size)]
     outs = [n if q in frm_pg else 0 for q in range(g.size)]
-    got = wire.all_to_all(torch.cat([flat] * len(to)) if to else flat[:0], g.name, outs, ins,
-                          wait=False)
+    got, _ = wire.all_to_all(torch.cat([flat] * len(to)) if to else flat[:0], g.wire, outs, ins,
+                             wait=False)
     if len(frm) <= 1 or n == 0:
         return torch.cat([got, flat.new_zeros(n - got.numel())]).view(x.shape)
     blocks = dict(zip(frm_pg, torch.split(got, n)))
@@ -493,7 +499,7 @@ class _Broadcast(torch.autograd.Function):
     def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, g: _Group,
                 src: int) -> Tensor:
         ctx.group, ctx.src = g, src  # type: ignore[attr-defined]
-        return cast(Tensor, funcol.broadcast(x.contiguous(), g.order[src], g.name))
+        return wire.broadcast(x, g.order[src], g.wire, wait=False)[0]
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor
@@ -520,7 +526,7 @@ def broadcast(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, src: int 
         _check(fn, g, x, ("shape", tuple(x.shape)), ("src", src))
     if torch.is_grad_enabled() and x.requires_grad:
         return cast(Tensor, _Broadcast.apply(x, g, src))  # type: ignore[no-untyped-call]
-    return cast(Tensor, funcol.broadcast(x.contiguous(), g.order[src], g.name))
+    return wire.broadcast(x, g.order[src], g.wire, wait=False)[0]
 
 
 def _exchange(x: Tensor | None, like: Tensor | None, g: _Group, dst: int | None,

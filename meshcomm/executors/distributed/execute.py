@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ...core.errors import (
@@ -85,10 +84,10 @@ class _Run(NamedTuple):
     trace: ByteTrace | None
     wait: bool = True      # False: collectives return tensors waited on at first use
 
-    def group(self, step: Step) -> tuple[str, int, int]:
-        """(group name, group size, this rank's position) of the step's group."""
+    def group(self, step: Step) -> wire.Group:
+        """The step's group: its name, size and this rank's position."""
         members, pos = group_of(self.bound.mesh, self.bound.rank, step.axes)
-        return self.bound.group_name(step.axes), len(members), pos
+        return wire.Group(self.bound.group_name(step.axes), len(members), pos)
 
     def members(self, step: Step) -> tuple[int, ...]:
         """Global ranks of the step's group, in group order."""
@@ -187,10 +186,8 @@ def _local(step: Step, x: Tensor, run: _Run) -> Tensor:
 def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
     if step.wire == "all_to_all":
         return _all_gather_v(step, x, run)
-    name, g, pos = run.group(step)
-    buf = x.unsqueeze(0).contiguous()
-    y = wire.call(wire.all_gather_single, buf, 0, name, wait=run.wait)
-    run.record(step, Wire("all_gather", g, pos, buf.numel(), y.numel()), x.element_size())
+    y, call = wire.all_gather(x.unsqueeze(0).contiguous(), run.group(step), wait=run.wait)
+    run.record(step, call, x.element_size())
     return step.post.apply(y) if step.post else y
 
 
@@ -208,13 +205,13 @@ def _all_gather_v(step: Step, x: Tensor, run: _Run) -> Tensor:
 def _reduce_scatter(step: Step, x: Tensor, run: _Run) -> Tensor:
     if step.wire == "all_to_all":
         return _reduce_scatter_v(step, x, run)
-    name, g, pos = run.group(step)
+    group = run.group(step)
     y = (step.pre.apply(x) if step.pre else x).contiguous()
     op = step.op or "sum"
-    out = wire.call(wire.reduce_scatter_single, y, _wire_op(op), 0, name,
-                    wait=run.wait).squeeze(0)
-    run.record(step, Wire("reduce_scatter", g, pos, y.numel(), out.numel()), x.element_size())
-    return out / g if op == "avg" else out
+    out, call = wire.reduce_scatter(y, _wire_op(op), group, wait=run.wait)
+    run.record(step, call, x.element_size())
+    out = out.squeeze(0)
+    return out / group.size if op == "avg" else out
 
 
 def _reduce_scatter_v(step: Step, x: Tensor, run: _Run) -> Tensor:
@@ -231,12 +228,11 @@ def _reduce_scatter_v(step: Step, x: Tensor, run: _Run) -> Tensor:
 
 
 def _all_reduce(step: Step, x: Tensor, run: _Run) -> Tensor:
-    name, g, pos = run.group(step)
+    group = run.group(step)
     op = step.op or "sum"
-    buf = x.contiguous()
-    out = wire.call(funcol.all_reduce, buf, _wire_op(op), name, wait=run.wait)
-    run.record(step, Wire("all_reduce", g, pos, buf.numel(), out.numel()), x.element_size())
-    return out / g if op == "avg" else out
+    out, call = wire.all_reduce(x.contiguous(), _wire_op(op), group, wait=run.wait)
+    run.record(step, call, x.element_size())
+    return out / group.size if op == "avg" else out
 
 
 def _all_to_all(step: Step, x: Tensor, run: _Run) -> Tensor:
@@ -276,12 +272,8 @@ def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
 def _a2a(step: Step, run: _Run, rows: Tensor, out_splits: list[int] | None = None,
          in_splits: list[int] | None = None) -> Tensor:
     """all_to_all_single of `rows` along dim 0 over the step's group, recorded as measured."""
-    name, g, pos = run.group(step)
-    y = wire.all_to_all(rows, name, out_splits, in_splits, wait=run.wait)
-    row = math.prod(rows.shape[1:])
-    run.record(step, Wire("all_to_all", g, pos, rows.numel(), y.numel(),
-                          tuple(s * row for s in in_splits or ()),
-                          tuple(s * row for s in out_splits or ())), rows.element_size())
+    y, call = wire.all_to_all(rows, run.group(step), out_splits, in_splits, wait=run.wait)
+    run.record(step, call, rows.element_size())
     return y
 
 
@@ -379,42 +371,42 @@ def _unrows(buf: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
 
 
 def _all_gather_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
-    name, g, pos = run.group(steps[0])
+    group = run.group(steps[0])
     flat = _rows(xs, 1)
-    y = wire.call(wire.all_gather_single, flat, 0, name)
-    run.record(steps[0], Wire("all_gather", g, pos, flat.numel(), y.numel()), flat.element_size())
-    parts = _unrows(y, [(g, *x.shape) for x in xs])
+    y, call = wire.all_gather(flat, group)
+    run.record(steps[0], call, flat.element_size())
+    parts = _unrows(y, [(group.size, *x.shape) for x in xs])
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
 
 
 def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
-    name, g, pos = run.group(steps[0])
+    group = run.group(steps[0])
+    g = group.size
     ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
     assert all(y.shape[0] == g for y in ys), f"even reduce_scatter inputs lead with {g}"
     op = steps[0].op or "sum"
     buf = _rows(ys, g)
-    out = wire.call(wire.reduce_scatter_single, buf, _wire_op(op), 0, name)
-    run.record(steps[0], Wire("reduce_scatter", g, pos, buf.numel(), out.numel()),
-               buf.element_size())
+    out, call = wire.reduce_scatter(buf, _wire_op(op), group)
+    run.record(steps[0], call, buf.element_size())
     rows = _unrows(out, [(1, *y.shape[1:]) for y in ys])
     parts = [p.reshape(y.shape[1:]) for p, y in zip(rows, ys)]
     return [p / g for p in parts] if op == "avg" else parts
 
 
 def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
-    name, g, pos = run.group(steps[0])
+    group = run.group(steps[0])
+    g = group.size
     op = steps[0].op or "sum"
     flat = _rows(xs, 1)
-    out = wire.call(funcol.all_reduce, flat, _wire_op(op), name)
-    run.record(steps[0], Wire("all_reduce", g, pos, flat.numel(), out.numel()),
-               flat.element_size())
+    out, call = wire.all_reduce(flat, _wire_op(op), group)
+    run.record(steps[0], call, flat.element_size())
     parts = [p.reshape(x.shape) for p, x in zip(_unrows(out, [(1, *x.shape) for x in xs]), xs)]
     return [p / g for p in parts] if op == "avg" else parts
 
 
 def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
     ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
-    out = _a2a(steps[0], run, _rows(ys, run.group(steps[0])[1]))
+    out = _a2a(steps[0], run, _rows(ys, run.group(steps[0]).size))
     parts = _unrows(out, [tuple(y.shape) for y in ys])
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
 

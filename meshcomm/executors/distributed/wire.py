@@ -1,5 +1,11 @@
 """The one place that hands tensors to PyTorch's functional collectives.
 
+Every collective call of meshcomm (the executor's steps, `mc.collectives`, check mode,
+`fully_shard`) is one of `all_gather`, `reduce_scatter`, `all_reduce`, `all_to_all` and
+`broadcast` here. Each returns its result and the `Wire` it measured: the sizes of the
+buffers it was handed, from which every byte figure meshcomm reports is computed. Inside
+`recording()` every call's Wire is also collected, whoever made it.
+
 Complex tensors travel as real pairs (a view, no copy); `wait=True` waits at once (the
 executor's local rearranges need the data anyway), `wait=False` returns the async tensor
 that is waited on at first use (`mc.collectives`). Traced calls are already waited on.
@@ -12,13 +18,95 @@ The functional collectives by the names of torch 2.12 and later, on any torch fr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
+from ..steps import Wire
+
+
+class Group(NamedTuple):
+    """This rank's group for one call: its funcol name, its size, this rank's position."""
+
+    name: str
+    size: int
+    pos: int
+
+
+Heard = tuple[Wire, int]          # one call's Wire and its element size in bytes
+_LISTENERS: list[list[Heard]] = []
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Heard]]:
+    """Collect the (Wire, element size) of every collective call made inside the block, in
+    call order, by any part of meshcomm."""
+    heard: list[Heard] = []
+    _LISTENERS.append(heard)
+    try:
+        yield heard
+    finally:
+        _LISTENERS.remove(heard)
+
+
+def _heard(call: Wire, x: Tensor) -> Wire:
+    for heard in _LISTENERS:
+        heard.append((call, x.element_size()))
+    return call
+
+
+# -- the collectives: (result, measured Wire) --------------------------------------------------
+def all_gather(x: Tensor, group: Group, *, wait: bool = True) -> tuple[Tensor, Wire]:
+    """Every member's `x` stacked along dim 0 (group order)."""
+    y = call(all_gather_single, x, 0, group.name, wait=wait)
+    return y, _heard(Wire("all_gather", group.size, group.pos, x.numel(), y.numel()), x)
+
+
+def reduce_scatter(x: Tensor, op: str, group: Group, *,
+                   wait: bool = True) -> tuple[Tensor, Wire]:
+    """This position's chunk along dim 0 of the `op` of every member's `x`."""
+    y = call(reduce_scatter_single, x, op, 0, group.name, wait=wait)
+    return y, _heard(Wire("reduce_scatter", group.size, group.pos, x.numel(), y.numel()), x)
+
+
+def all_reduce(x: Tensor, op: str, group: Group, *, wait: bool = True) -> tuple[Tensor, Wire]:
+    """The `op` of every member's `x`, on every member."""
+    y = call(funcol.all_reduce, x, op, group.name, wait=wait)
+    return y, _heard(Wire("all_reduce", group.size, group.pos, x.numel(), y.numel()), x)
+
+
+def broadcast(x: Tensor, root: int, group: Group, *, wait: bool = True) -> tuple[Tensor, Wire]:
+    """The `x` of group position `root` on every member."""
+    y = call(funcol.broadcast, x.contiguous(), root, group.name, wait=wait)
+    return y, _heard(Wire("broadcast", group.size, group.pos, x.numel(), y.numel(),
+                          root=root), x)
+
+
+def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = None,
+               in_splits: Sequence[int] | None = None, *,
+               wait: bool = True) -> tuple[Tensor, Wire]:
+    """all_to_all_single along dim 0 (splits in rows of dim 0, group order)."""
+    rows = rows.contiguous()
+    y = call(funcol.all_to_all_single, rows,
+             None if out_splits is None else list(out_splits),
+             None if in_splits is None else list(in_splits), group.name, wait=wait)
+    if out_splits is not None and torch.compiler.is_compiling():
+        # traced, uneven splits give the output an unknown length; it is their sum, and
+        # saying so lets the compiler slice it without guarding on data
+        torch._check(y.shape[0] == sum(out_splits))
+    row = math.prod(rows.shape[1:])
+    return y, _heard(Wire("all_to_all", group.size, group.pos, rows.numel(), y.numel(),
+                          tuple(s * row for s in in_splits or ()),
+                          tuple(s * row for s in out_splits or ())), rows)
+
+
+# -- torch's names across versions --------------------------------------------------------------
 
 
 def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
@@ -79,14 +167,3 @@ def call(fn: Callable[..., Tensor], x: Tensor, *args: object, wait: bool = True)
     return torch.view_as_complex(y) if x.is_complex() else y
 
 
-def all_to_all(rows: Tensor, name: str, out_splits: Sequence[int] | None = None,
-               in_splits: Sequence[int] | None = None, *, wait: bool = True) -> Tensor:
-    """all_to_all_single along dim 0 (splits in rows of dim 0, process-group order)."""
-    y = call(funcol.all_to_all_single, rows.contiguous(),
-             None if out_splits is None else list(out_splits),
-             None if in_splits is None else list(in_splits), name, wait=wait)
-    if out_splits is not None and torch.compiler.is_compiling():
-        # traced, uneven splits give the output an unknown length; it is their sum, and
-        # saying so lets the compiler slice it without guarding on data
-        torch._check(y.shape[0] == sum(out_splits))
-    return y

@@ -2,8 +2,8 @@
 `_foreach_copy_` into one buffer, each shard padded to the largest; copy-out: the gathered
 rows), one reduce_scatter of its gradients (copy-in: a pad per short parameter and one
 concatenation), and HSDP's all_reduce of the shard over the replicas. Every call goes
-through the executor's wire module and its bytes are counted by the executor's `Wire`
-formulas. A step's work here is a few tensor ops per parameter, whatever the world size.
+through the executor's wire module, and its bytes are those of the `Wire` the call
+measured. A step's work here is a few tensor ops per parameter, whatever the world size.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -40,13 +39,13 @@ class Unit:
                  schedule: Schedule[Unit], replicate: str | None = None) -> None:
         self.module, self.bound, self.axis, self.params = module, bound, axis, params
         self.mp, self.reshard_after_forward, self.prefetch = mp, reshard_after_forward, prefetch
-        self.group = bound.group_name(axis)
         self.n = bound.mesh.axis_size(axis)
         self.pos = bound.mesh.coords(bound.rank)[axis]
+        self.group = wire.Group(bound.group_name(axis), self.n, self.pos)
         self.replicate = replicate       # HSDP: gradients also averaged over this axis
-        self.rep_group = bound.group_name(replicate) if replicate else None
         self.n_rep = bound.mesh.axis_size(replicate) if replicate else 1
-        self.rep_pos = bound.mesh.coords(bound.rank)[replicate] if replicate else 0
+        self.rep_group = wire.Group(bound.group_name(replicate), self.n_rep,
+                                    bound.mesh.coords(bound.rank)[replicate]) if replicate else None
         self.width = sum(p.pad * p.inner for p in params)   # a position's padded elements
         self.offsets = [0, *itertools.accumulate(p.pad * p.inner for p in params)][:-1]
         self.short = any(p.rows[self.pos] < p.pad for p in params)   # padding to zero
@@ -75,12 +74,12 @@ class Unit:
         # every shard copied (and cast) into its place in one op, as FSDP2's copy-in
         torch._foreach_copy_([buf[o:o + t.numel()] for o, t in zip(self.offsets, locals_)],
                              locals_)
-        self._record(Wire("all_gather", self.n, self.pos, buf.numel(), buf.numel() * self.n),
-                     buf.element_size())
-        return Pending(wire.call(wire.all_gather_single, buf, 0, self.group, wait=False))
+        out, call = wire.all_gather(buf, self.group, wait=False)
+        self._record(call, buf.element_size())
+        return Pending(out)
 
     def _record(self, call: Wire, itemsize: int) -> None:
-        """Count one collective call's bytes by the executor's formulas (`Wire`)."""
+        """Count one collective call's bytes, as the call measured them (`Wire`)."""
         self.sent_bytes += call.sent * itemsize
         self.received_bytes += call.received * itemsize
 
@@ -126,9 +125,9 @@ class Unit:
                 flat = F.pad(flat, (0, (self.n * p.pad - p.use_shape[0]) * p.inner))
             columns.append(flat.view(self.n, p.pad * p.inner))
         buf = torch.cat(columns, dim=1).reshape(-1)
-        self._record(Wire("reduce_scatter", self.n, self.pos, buf.numel(),
-                          buf.numel() // self.n), buf.element_size())
-        return wire.call(wire.reduce_scatter_single, buf, "sum", 0, self.group, wait=False)
+        out, call = wire.reduce_scatter(buf, "sum", self.group, wait=False)
+        self._record(call, buf.element_size())
+        return out
 
     def issue_replica_reduce(self, out: Tensor) -> Tensor:
         """HSDP: the reduce_scatter's shard summed over the replicate axis (waits for the
@@ -136,9 +135,9 @@ class Unit:
         if self.rep_group is None:
             return out
         flat = wire.waited(out)
-        self._record(Wire("all_reduce", self.n_rep, self.rep_pos, flat.numel(), flat.numel()),
-                     flat.element_size())
-        return wire.call(funcol.all_reduce, flat, "sum", self.rep_group, wait=False)
+        reduced, call = wire.all_reduce(flat, "sum", self.rep_group, wait=False)
+        self._record(call, flat.element_size())
+        return reduced
 
     def finish_reduce(self, out: Tensor) -> None:
         """Each parameter's gradient: its rows of the reduced buffer, averaged (one division
