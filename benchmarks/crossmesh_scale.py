@@ -9,7 +9,7 @@ DTensor has no plan between two meshes.
 Per case: the cold time of one `mc.plan` between the meshes (the plan caches emptied
 first), the number of transfers it lists (0 where it is planned by counting: every element
 with one holder, so each rank lists its own blocks when it runs), the cold time of that
-per-rank listing (`step_transfers`) for the first source rank and the last destination
+per-rank listing (`Step.rank_transfers`) for the first source rank and the last destination
 rank, and the cold time of `receiver_transfers` for the first and the last rank of the
 destination (median of 3).
 """
@@ -30,7 +30,7 @@ import torch
 import meshcomm as mc
 from meshcomm.planner import search
 from meshcomm.planner.states import from_layout
-from meshcomm.planner.transfers import receiver_transfers, step_transfers
+from meshcomm.planner.transfers import receiver_transfers
 
 SHAPE = (50257, 8192)
 CASES = [   # (id, source mesh, source layout, destination mesh, destination layout)
@@ -74,7 +74,7 @@ def run_case(case: tuple[str, str, str, str, str]) -> dict[str, Any]:
     run = {}
     for rank in (saved.ranks[0], renumbered.ranks[-1]):
         start = time.perf_counter()
-        mine = step_transfers(step, p.mesh, p.shape, rank)
+        mine = step.rank_transfers(rank)
         run[str(rank)] = {"s": time.perf_counter() - start, "transfers": len(mine)}
     a = from_layout(mc.Layout(src), saved, SHAPE)
     b = from_layout(mc.Layout(dst), here, SHAPE)

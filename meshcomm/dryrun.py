@@ -42,7 +42,7 @@ from .core.errors import MeshMismatchError
 from .executors.distributed.bind import GROUP_DESC
 from .executors.local import storage_key
 from .executors.steps import Wire
-from .planner.explain import format_bytes
+from .core.units import format_bytes
 
 __all__ = ["Collective", "Report", "Step", "active", "run", "start"]
 

@@ -147,9 +147,8 @@ def cases(draw):
 def received(step, p, rank):
     """The transfers `rank` receives in a step between meshes (listed in the plan, or
     computed for the rank when it runs)."""
-    from meshcomm.planner.transfers import step_transfers
 
-    return [t for t in step_transfers(step, p.mesh, p.shape, rank) if t.dst == rank]
+    return [t for t in step.rank_transfers(rank) if t.dst == rank]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -267,7 +266,6 @@ LAZY_CASES = [   # (source mesh, layout, destination mesh, layout, destination's
 
 @pytest.mark.parametrize("case", LAZY_CASES, ids=[f"{c[0]} -> {c[2]}" for c in LAZY_CASES])
 def test_a_one_holder_move_is_counted_and_each_rank_lists_its_own_blocks(case):
-    from meshcomm.planner.transfers import step_transfers
 
     src_text, src, dst_text, dst, first = case
     shape, itemsize = (50257, 8192), 4
@@ -280,7 +278,7 @@ def test_a_one_holder_move_is_counted_and_each_rank_lists_its_own_blocks(case):
     pos = {r: i for i, r in enumerate(p.ranks)}
     picks = sorted({saved.ranks[0], saved.ranks[-1], here.ranks[0], here.ranks[-1],
                     here.ranks[here.size // 2 + 3]})
-    lists = {r: step_transfers(step, p.mesh, shape, r) for r in picks}
+    lists = {r: step.rank_transfers(r) for r in picks}
     for r, mine in lists.items():       # a rank's own blocks add up to its counted bytes
         sent = sum(t.numel for t in mine if t.src == r and t.dst != r) * itemsize
         got = sum(t.numel for t in mine if t.dst == r and t.src != r) * itemsize

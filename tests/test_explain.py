@@ -10,7 +10,8 @@ from rich.console import Console
 
 import meshcomm as mc
 from meshcomm import cli, display
-from meshcomm.planner.explain import NO_STEPS, format_bytes, format_plan, format_us
+from meshcomm.core.units import format_bytes, format_us
+from meshcomm.planner.explain import NO_STEPS, format_plan
 
 MESH = mc.Mesh("dp=2 tp=4")
 SRC, DST = "(dp b) s (tp h)", "b (dp s) (tp h)"

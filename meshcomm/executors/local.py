@@ -20,7 +20,6 @@ from torch.utils._python_dispatch import (
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
 from ..core.reduce_ops import identity_like
-from ..planner.transfers import step_transfers
 from ..planner.values import Step, Transfer
 
 Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)
@@ -45,23 +44,22 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
     if step.action == "relabel":
         return x.clone()
     if step.action == "select":
-        return fill_reindexed(rank_transfers(step, mesh, shape, rank), rank, x,
+        return fill_reindexed(rank_transfers(step, rank), rank, x,
                                   x.new_empty(out_shape))
     if step.action == "reindex":
         out = identity_like(x.new_empty(out_shape), step.op or "sum")
-        return fill_reindexed(rank_transfers(step, mesh, shape, rank), rank, x, out)
+        return fill_reindexed(rank_transfers(step, rank), rank, x, out)
     raise AssertionError(f"unknown local action {step.action!r} in {step}")
 
 
-def rank_transfers(step: Step, mesh: Mesh, shape: tuple[int, ...], rank: int
-                   ) -> list[Transfer]:
-    """The transfers of `step` that `rank` takes part in (`step_transfers`), worked out
-    outside any active dispatch mode: the planner counts with small real tensors, which
+def rank_transfers(step: Step, rank: int) -> list[Transfer]:
+    """The transfers of `step` that `rank` takes part in (`Step.rank_transfers`), worked
+    out outside any active dispatch mode: the planner counts with small real tensors, which
     must not become fake (data-dependent) ones while torch.compile traces the executor."""
     if _get_current_dispatch_mode() is None:
-        return list(step_transfers(step, mesh, shape, rank))
+        return list(step.rank_transfers(rank))
     with _disable_current_modes():
-        return list(step_transfers(step, mesh, shape, rank))
+        return list(step.rank_transfers(rank))
 
 
 def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Tensor) -> Tensor:

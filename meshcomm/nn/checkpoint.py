@@ -9,7 +9,7 @@ Nothing is gathered.
 `load_checkpoint(state_dict, folder)`: per tensor, the move from the saved mesh and layout to
 this one, with the saved ranks standing for the files: the transfers that the send_recv step
 of `mc.plan(saved mesh, shape, saved layout, this layout, dst_mesh=this mesh)` gives this
-rank, computed for this rank alone (`planner.transfers.receiver_transfers`: every saved
+rank, computed for this rank alone (`meshcomm.planner.receiver_blocks`: every saved
 element has one writer, so nothing is balanced; the cost follows the saved ranks, not the
 elements). They name which block of which file lands where: every element is read once, and
 a rank opens (memory-mapped) only the files they name. Loading does not communicate, so it
@@ -42,8 +42,7 @@ from ..core.mesh import Mesh
 from ..executors.local import grid, slices, take
 from ..interop.placements import from_placements
 from ..interop.runtime import global_shape, is_dtensor, placements_of
-from ..planner.states import from_layout
-from ..planner.transfers import receiver_transfers
+from ..planner import receiver_blocks
 from ..planner.values import Transfer
 from ..sharded import Sharded
 
@@ -319,13 +318,11 @@ def _reads(info: Mapping[str, Any], placed: _Placed, rank: int) -> dict[int, lis
     """The blocks this rank reads, by saved rank: the send_recv transfers of the plan from
     the saved mesh and layout to `placed`'s that this rank receives (the saved ranks are
     files here). Every saved element has one writer, so there is nothing to balance and
-    the planner computes this rank's blocks alone (`receiver_transfers`)."""
+    the planner computes this rank's blocks alone (`planner.receiver_blocks`)."""
     saved = Mesh(info["mesh"], ranks=info["ranks"])
-    shape = placed.shape
-    state = from_layout(Layout(info["layout"]), saved, shape)
-    goal = from_layout(placed.layout, placed.mesh, shape)
     out: dict[int, list[Transfer]] = {}
-    for t in receiver_transfers(state, saved, goal, placed.mesh, rank):
+    for t in receiver_blocks(saved, Layout(info["layout"]), placed.mesh, placed.layout,
+                             tuple(placed.shape), rank):
         out.setdefault(t.src, []).append(t)
     return out
 

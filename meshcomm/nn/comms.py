@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..planner.explain import format_bytes
+from ..core.units import format_bytes
 from ..planner.values import Plan
 
 

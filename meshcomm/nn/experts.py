@@ -28,7 +28,7 @@ from ..core.layout import Layout
 from ..core.mesh import AxisName
 from ..executors.distributed.bind import BoundMesh
 from ..executors.distributed.collectives import all_to_all
-from ..planner.explain import format_bytes
+from ..core.units import format_bytes
 from ..recipes import RecipeLike
 from .comms import Comm, format_comms
 from .params import ShardedModule

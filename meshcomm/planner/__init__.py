@@ -4,7 +4,8 @@
 """
 
 from .plan import DEFAULT_PLAN_CACHE_SIZE, plan, plan_cache_info, set_plan_cache_size
+from .transfers import receiver_blocks
 from .values import CostModel, Plan, Step, Transfer
 
 __all__ = ["DEFAULT_PLAN_CACHE_SIZE", "CostModel", "Plan", "Step", "Transfer", "plan",
-           "plan_cache_info", "set_plan_cache_size"]
+           "plan_cache_info", "receiver_blocks", "set_plan_cache_size"]

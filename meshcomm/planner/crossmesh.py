@@ -32,7 +32,7 @@ from ..core.notation import Dim, Factor, Pattern
 from . import search
 from .states import from_layout, local_numels
 from .pairs import cross_traffic, lazy_cross
-from .transfers import assign, cross_blocks
+from .transfers import assign, cross_blocks, cross_blocks_of
 from .values import CostModel, Plan, Step, Transfer
 
 
@@ -115,14 +115,16 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
     peak = tuple((ins.get(r, 0) + outs.get(r, 0)) * itemsize for r in ranks)
     if lazy_cross(start, mesh, goal):
         # one holder per element: counted here, each rank's blocks listed when it runs
-        # (`step_transfers`), so planning follows the blocks, never ranks x ranks
+        # (`Step.rank_transfers`), so planning follows the blocks, never ranks x ranks
         sent, got = cross_traffic(start, mesh, goal, dst_mesh)
         send, recv = [0] * len(ranks), [0] * len(ranks)
         for r, n in zip(mesh.ranks, sent.tolist()):
             send[pos[r]] = n * itemsize
         for r, n in zip(dst_mesh.ranks, got.tolist()):
             recv[pos[r]] = n * itemsize
-        return _send_recv(mesh, dst_mesh, before, after, (), send, recv, peak, cost_model)
+        return dataclasses.replace(
+            _send_recv(mesh, dst_mesh, before, after, (), send, recv, peak, cost_model),
+            blocks_of=cross_blocks_of(before, after, mesh, dst_mesh, tuple(shape)))
     have, need, atoms = cross_blocks(start, goal, mesh, dst_mesh)
     for r in _contributors_only(dst_mesh, after):
         need[r] = tuple(() for _ in shape)   # holds the identity of the pending op

@@ -8,7 +8,7 @@ nothing is pending in the destination: then the sender of every block is fixed, 
 rank's blocks follow from its own coordinates. A checkpoint loaded onto another mesh and
 a pipeline hand-off are such moves; `crossmesh.py` plans them by counting
 (`cross_traffic`) and the executors list each rank's blocks when it runs
-(`step_transfers`), so a 1,024 -> 1,024-rank plan costs blocks, never ranks x ranks.
+(`Step.rank_transfers`), so a 1,024 -> 1,024-rank plan costs blocks, never ranks x ranks.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from ..core.mesh import Mesh
 from . import bounds
 from .moves import Move, expand
 from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
-from .transfers import reindex_move, send_recv_move, send_recv_targets
+from .transfers import blocks_of, reindex_move, send_recv_move, send_recv_targets
 from .values import CostModel, Plan, Step, wire_of
 
 
@@ -37,7 +37,7 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     src_sizes = _times(local_numels(start, mesh), itemsize)
     for i, move in enumerate(moves):
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
-        steps.append(_step(move, state, layout, after, mesh, itemsize, cost_model,
+        steps.append(_step(move, state, layout, after, mesh, tuple(shape), itemsize, cost_model,
                            src_sizes if i else None))
         state, layout = move.after, after
     zeros = (0,) * mesh.size
@@ -67,8 +67,9 @@ def _check_ops(src: Layout, dst: Layout) -> None:
         )
 
 
-def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, itemsize: int,
-          cost_model: CostModel, held: tuple[int, ...] | None) -> Step:
+def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
+          shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
+          held: tuple[int, ...] | None) -> Step:
     live = (local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)).reshape(-1)
     live = live * itemsize + (torch.tensor(held) if held else 0)
     peak = tuple(live.tolist())
@@ -77,7 +78,8 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh, i
         move.axes, max(max(send), max(recv)))
     return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
                 move.post, move.pairs, (), send, recv, time, peak,
-                wire="" if move.kind == "local" else wire_of(move.kind, move.dim))
+                wire="" if move.kind == "local" else wire_of(move.kind, move.dim),
+                blocks_of=blocks_of(move.kind, move.action, before, after, mesh, shape))
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,

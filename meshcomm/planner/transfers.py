@@ -6,7 +6,7 @@ rank's received bytes equal the lower bound), each from one holder, spreading
 the sending over the ranks that hold replicas. Executors run the step as one
 all_to_all with uneven splits, using `meshcomm.executors.local.pack` and
 `unpack`, so that the simulated and the real executor move the same bytes in the
-same order. `step_transfers` computes one rank's blocks of a step when it runs.
+same order. `blocks_of` gives a step the function that lists one rank's blocks when it runs (`Step.rank_transfers`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .bounds import missing, sharding_axes, state_bound
 from .moves import Move, block_indices
 from .pairs import lazy_cross, positions, receiver_pairs, replicating_axes, sender_pairs
 from .states import DimState, State, chunk_dim, even_dim, from_layout, is_chain
-from .values import Step, Transfer
+from .values import Transfer
 
 Index = tuple[tuple[int, ...], ...]
 
@@ -321,19 +321,24 @@ def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
 
 
 # -- a rank's own blocks, at execution time -----------------------------------------------
-def step_transfers(step: Step, mesh: Mesh, shape: tuple[int, ...],
-                   rank: int) -> tuple[Transfer, ...]:
-    """The transfers of `step` that `rank` sends or receives (a send_recv), or keeps (a
-    select or reindex), computed here for this rank only from the step's layouts (and
-    cached) where the step lists none: on one mesh always; between two meshes where every
-    element has one holder (`lazy_cross`). Otherwise they are the plan's."""
-    if step.transfers:
-        return step.transfers
-    if step.dst_mesh is not None:
-        src_mesh = step.mesh or mesh
-        return _cross_rank_transfers(step.before, step.after, src_mesh, step.dst_mesh, shape,
-                                     rank)
-    return _rank_transfers(step.kind, step.action, step.before, step.after, mesh, shape, rank)
+LISTED_PER_RANK = frozenset({"send_recv", "select", "reindex"})   # step kinds and actions
+
+
+def blocks_of(kind: str, action: str, before: Layout, after: Layout, mesh: Mesh,
+              shape: tuple[int, ...]) -> Callable[[int], tuple[Transfer, ...]] | None:
+    """For `Step.blocks_of`: the function giving the transfers a rank sends or receives (a
+    send_recv) or keeps (a select or reindex) in a step on one mesh, computed for that rank
+    only from the step's layouts (and cached); None for other steps."""
+    if kind not in LISTED_PER_RANK and action not in LISTED_PER_RANK:
+        return None
+    return functools.partial(_rank_transfers, kind, action, before, after, mesh, shape)
+
+
+def cross_blocks_of(before: Layout, after: Layout, mesh: Mesh, dst_mesh: Mesh,
+                    shape: tuple[int, ...]) -> Callable[[int], tuple[Transfer, ...]]:
+    """`blocks_of` for the transfer between two meshes planned by counting
+    (`pairs.lazy_cross`)."""
+    return functools.partial(_cross_rank_transfers, before, after, mesh, dst_mesh, shape)
 
 
 @functools.lru_cache(maxsize=256)
@@ -390,3 +395,12 @@ def _cross_rank_transfers(before: Layout, after: Layout, mesh: Mesh, dst_mesh: M
     got = receiver_pairs(state, mesh, dst, dst_mesh, rank) if rank in dst_mesh.ranks else []
     sent = sender_pairs(state, mesh, dst, dst_mesh, rank) if rank in mesh.ranks else []
     return tuple(Transfer(*p) for p in [*(p for p in sent if p[1] != rank), *got])
+
+
+def receiver_blocks(mesh: Mesh, layout: Layout, dst_mesh: Mesh, dst_layout: Layout,
+                    shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
+    """`receiver_transfers` from layouts: the blocks `rank` of `dst_mesh` receives when a
+    tensor of `shape` moves from `layout` on `mesh` (one holder per element) to
+    `dst_layout` (what `mc.nn.load_checkpoint` reads, the saved ranks being its files)."""
+    return receiver_transfers(from_layout(layout, mesh, shape), mesh,
+                              from_layout(dst_layout, dst_mesh, shape), dst_mesh, rank)

@@ -7,7 +7,7 @@ Nothing here searches or communicates. `Plan.explain()` and `print(plan)` format
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +162,9 @@ class Step:
     `pre`/`post` are the local rearranges around the collective; `dim` is the
     tensor dim of an uneven (chunk) collective; `pairs` the (source, destination)
     group positions of a permute; `transfers` the blocks of a send_recv step between
-    meshes (on one mesh each rank computes its own when the step runs). `wire` is the
+    meshes where the planner lists them; otherwise `rank_transfers(rank)` gives one rank's
+    blocks when it runs (the planner leaves that function in `blocks_of`, so an executor
+    needs nothing of the planner but this value). `wire` is the
     collective the step runs as (`wire_of`: e.g. an uneven all_gather as an
     all_to_all), "" for a local step. Bytes are per rank, in the order of the plan's
     `ranks`.
@@ -186,6 +188,16 @@ class Step:
     mesh: Mesh | None = None       # mesh of `before` when it is not the plan's source mesh
     dst_mesh: Mesh | None = None   # mesh of `after` when it differs from that of `before`
     wire: str = ""
+    blocks_of: Callable[[int], tuple[Transfer, ...]] | None = field(
+        default=None, compare=False, repr=False)
+
+    def rank_transfers(self, rank: int) -> tuple[Transfer, ...]:
+        """The blocks `rank` sends, receives or keeps in this step (a send_recv, select or
+        reindex): the listed `transfers`, else this rank's own, computed (and cached) when
+        it runs."""
+        if self.transfers or self.blocks_of is None:
+            return self.transfers
+        return self.blocks_of(rank)
 
     def __str__(self) -> str:
         what = self.action if self.kind == "local" else self.kind

@@ -17,9 +17,8 @@ import torch
 from torch import Tensor
 
 from ...core.errors import MeshMismatchError, ShapeError
-from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
-from ..local import pack, recv_splits, unpack
+from ..local import pack, rank_transfers, recv_splits, unpack
 from . import wire
 from .bind import BoundMesh, require_bound
 from .execute import _RUN, ByteTrace, _Run
@@ -95,7 +94,7 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
     ranks, rank = plan.ranks, dst.rank
     me = ranks.index(rank)
     held = x if x is not None else torch.empty(0, dtype=plan.dtype, device=dst.device)
-    mine = step_transfers(step, plan.mesh, plan.shape, rank)     # this rank's blocks only
+    mine = rank_transfers(step, rank)     # this rank's blocks only
     flat, send_splits = pack(mine, ranks, rank, held)
     wanted = recv_splits(mine, ranks, rank)
     out = flat.new_empty(sum(wanted))

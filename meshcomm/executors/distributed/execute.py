@@ -261,7 +261,7 @@ def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
 
 def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
-    transfers = rank_transfers(step, mesh, run.shape, rank)
+    transfers = rank_transfers(step, rank)
     members = run.members(step)
     flat, splits = pack(transfers, members, rank, x)
     wanted = recv_splits(transfers, members, rank)

@@ -14,9 +14,8 @@ from torch import Tensor
 from ...core.errors import MeshMismatchError, ShapeError
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, op_reduce
-from ...planner.transfers import step_transfers
 from ...planner.values import Plan, Step
-from ..local import local_move, pack, unpack
+from ..local import local_move, pack, rank_transfers, unpack
 from . import collectives as coll
 from .collectives import SimResult
 
@@ -154,7 +153,7 @@ def _permute(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -
 
 
 def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
-    transfers = [step_transfers(step, mesh, shape, r) for r in mesh.ranks]
+    transfers = [rank_transfers(step, r) for r in mesh.ranks]
     packed = [pack(ts, mesh, r, x) for r, ts, x in zip(mesh.ranks, transfers, xs)]
     group = (tuple(range(mesh.size)),)
     res = coll.all_to_all([p[0] for p in packed], group, input_splits=[p[1] for p in packed])
@@ -210,7 +209,7 @@ def _transfer(step: Step, plan: Plan, held: dict[int, Tensor]) -> tuple[dict[int
     """The send_recv between meshes, simulated as one uneven all_to_all over both meshes."""
     ranks = plan.ranks
     empty = torch.empty(0, dtype=plan.dtype)
-    mine = {r: step_transfers(step, plan.mesh, plan.shape, r) for r in ranks}
+    mine = {r: rank_transfers(step, r) for r in ranks}
     packed = [pack(mine[r], ranks, r, held.get(r, empty)) for r in ranks]
     res = coll.all_to_all([p[0] for p in packed], (tuple(range(len(ranks))),),
                           input_splits=[p[1] for p in packed])

@@ -16,7 +16,7 @@ def fsdp_schedule(module: nn.Module) -> str:
         forward   all_gather      layers.1   96.0 KiB  issued before layers.0 computes
         backward  reduce_scatter  layers.1   96.0 KiB  runs while layers.0's backward computes
     """
-    from ...planner.explain import format_bytes
+    from ...core.units import format_bytes
 
     units = {id(getattr(m, UNIT_ATTR)): name or "(root)" for name, m in module.named_modules()
              if hasattr(m, UNIT_ATTR)}
