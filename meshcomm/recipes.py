@@ -107,7 +107,7 @@ class Recipe:
 RecipeLike = Union[Recipe, str, "os.PathLike[str]", Mapping[str, Union[str, Sequence[str]]]]
 
 
-def logical(dims: str, recipe: RecipeLike, mesh: Mesh | str | None = None) -> Layout:
+def logical(dims: str | Layout, recipe: RecipeLike, mesh: Mesh | str | None = None) -> Layout:
     """The layout of a tensor whose dims have logical names, under `recipe`'s rules.
 
     >>> logical("batch seq embed", {"batch": ["dp", "fsdp"], "embed": "tp"})
@@ -115,12 +115,14 @@ def logical(dims: str, recipe: RecipeLike, mesh: Mesh | str | None = None) -> La
     >>> logical("batch seq embed | sum(tp)", {"batch": "dp", "embed": "tp"}, "dp=4")
     Layout('(dp batch) seq embed')
 
-    `recipe` is a Recipe, a built-in name or TOML path, or a mapping of rules. With
+    `dims` is a layout of logical names (text or a `Layout`, e.g.
+    `Layout.of_names(names).pending("sum", ["batch"])`). `recipe` is a Recipe, a built-in
+    name or TOML path, or a mapping of rules. With
     `mesh`, mesh axes it lacks are dropped, so one recipe serves smaller meshes.
     """
     rules = _as_rules(recipe)
     mesh_axes = None if mesh is None else _as_mesh(mesh).axis_names
-    return _logical(dims, rules, mesh_axes)
+    return _logical(str(dims), rules, mesh_axes)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -146,9 +148,8 @@ def _logical(dims: str, rules: Rules, mesh_axes: tuple[AxisName, ...] | None) ->
                 f' "{name}" in the recipe')
         axes = kept(table.get(name, ()), used)
         used += axes
-        out.append(f"({' '.join(axes)} {name})" if axes else name)
-    tail = f" | {pattern.reduce_op}({', '.join(pending)})" if pending else ""
-    return Layout(" ".join(out) + tail)
+        out.append([*axes, name])
+    return Layout.of_dims(out, pattern.reduce_op, pending)
 
 
 def _dim_name(dims: str, i: int, dim: notation.Dim) -> str:

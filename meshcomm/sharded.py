@@ -27,7 +27,8 @@ from .core.errors import (
 )
 from .core.layout import Layout, Shape, as_layout, positional_names
 from .core.mesh import Mesh
-from .executors.distributed.autograd import plan_untraced, reshard_autograd
+from .executors.distributed.autograd import reshard_autograd
+from .planner.plan import backward_plan, plan_untraced
 from .executors.distributed.bind import BoundMesh, require_bound
 from .executors.distributed.checks import (
     agree_many,
@@ -139,7 +140,7 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
         agree_reshard(x_local, mesh, p)
     if async_op:
         return execute(p, x_local, mesh, trace=trace, wait=False)
-    return reshard_autograd(x_local, mesh, p, trace)
+    return reshard_autograd(x_local, mesh, p, trace, reverse=backward_plan)
 
 
 def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
@@ -206,7 +207,7 @@ def _reshard_opaque(x: Tensor, static: tuple[Any, ...]) -> Tensor:
     cost_model = CostModel(**dict(cost)) if cost else None
     p = _plan_for(x, bound, src, dst, shape[0] if shape else None, dtype[0] if dtype else None,
                   cost_model)
-    return reshard_autograd(x, bound, p)
+    return reshard_autograd(x, bound, p, reverse=backward_plan)
 
 
 # What `reshard` calls under torch.compile: `_reshard_opaque` marked nonstrict_trace, marked
@@ -274,7 +275,7 @@ def replicated(layout: Layout, mesh: Mesh) -> Layout:
     names = layout.dim_names(mesh)
     if len(set(names)) != len(names):
         names = positional_names(len(names), mesh)
-    return Layout(" ".join(names))
+    return Layout.of_names(names)
 
 
 @dataclass(frozen=True, eq=False)
@@ -386,7 +387,8 @@ def reshard_many(items: Sequence[Item], *, bucket_bytes: int = 25 * 2**20,
     if jobs and checking(jobs[0][1], check):
         agree_many(jobs)
     if torch.is_grad_enabled() and any(x.requires_grad for x, _, _ in jobs):
-        outs = [reshard_autograd(x, bound, p, trace) for x, bound, p in jobs]
+        outs = [reshard_autograd(x, bound, p, trace, reverse=backward_plan)
+                for x, bound, p in jobs]
     else:
         outs = execute_many(jobs, bucket_bytes=bucket_bytes, trace=trace)
     return [Sharded(out, bound, p.dst, p.shape) if isinstance(item[0], Sharded) else out

@@ -290,3 +290,12 @@ def test_only_the_wire_module_calls_functional_collectives() -> None:
     callers = sorted(name for name, path in modules().items()
                      if "torch.distributed._functional_collectives" in imports(path))
     assert callers == [WIRE], callers
+
+
+def test_executors_import_only_planner_values() -> None:
+    """A plan runs without the planner: executors read the plan's values (steps, transfers
+    listed per rank by `Step.rank_transfers`) and never import the planning modules."""
+    found = {name: sorted(m for m in edges if m.startswith("meshcomm.planner")
+                          and m != "meshcomm.planner.values")
+             for name, edges in graph().items() if name.startswith("meshcomm.executors")}
+    assert not any(found.values()), {k: v for k, v in found.items() if v}

@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import meshcomm as mc
 from meshcomm import Layout, Mesh
 from meshcomm.errors import MeshAxisError, MeshcommError, ShapeError
 from meshcomm.executors import sim
@@ -412,3 +413,57 @@ def test_dtensor_strided_shard_mapping(text, placements):
             if not isinstance(p, types.Replicate):
                 local = p._split_tensor(local, size, with_padding=False)[0][c]
         assert torch.equal(sim.scatter(x, mesh, layout)[pos], local), rank
+
+
+# -- derivations: layouts made by methods, never by joining strings -----------------------------
+def test_of_names_and_of_dims_build_what_the_text_would() -> None:
+    assert Layout.of_names(["d0", "d1"]) == Layout("d0 d1")
+    assert Layout.of_names([]) == Layout("")
+    assert Layout.of_dims([["dp", "b"], ["s"]], "sum", ["tp"]) == Layout("(dp b) s | sum(tp)")
+    assert Layout.of_dims([["b"]], "sum", []) == Layout("b")       # no axes: nothing pending
+
+
+def test_pending_adds_axes_of_one_op_and_refuses_a_second_op() -> None:
+    assert Layout("b h").pending("sum", ["tp"]) == Layout("b h | sum(tp)")
+    assert Layout("b h | avg(dp)").pending("avg", ["cp"]) == Layout("b h | avg(dp, cp)")
+    assert Layout("b h").pending("sum", []) == Layout("b h")
+    with pytest.raises(mc.errors.PlanError, match="already has a pending sum"):
+        Layout("b h | sum(dp)").pending("max", ["tp"])
+
+
+def test_without_reduction_drops_only_the_pending_part() -> None:
+    assert Layout("(dp b) s | sum(tp, cp)").without_reduction() == Layout("(dp b) s")
+    layout = Layout("(dp b) s")
+    assert layout.without_reduction() is layout
+
+
+def test_split_adds_the_most_minor_axis_of_a_dim() -> None:
+    assert Layout("(dp a) b").split(0, "fsdp") == Layout("(dp fsdp a) b")
+    assert Layout("a b | sum(cp)").split(-1, "tp") == Layout("a (tp b) | sum(cp)")
+    with pytest.raises(IndexError):
+        Layout("a b").split(2, "tp")
+    with pytest.raises(mc.errors.LayoutSyntaxError, match='"cp" appears twice'):
+        Layout("a b | sum(cp)").split(0, "cp")
+
+
+def test_with_dim_and_renamed() -> None:
+    assert Layout("b s (tp v)").with_dim(-1, "v") == Layout("b s v")
+    assert Layout("(tp b) h").renamed({"b": "d0", "h": "d1"}) == Layout("(tp d0) d1")
+    assert Layout("d1 d0").renamed({"d0": "d1", "d1": "d0"}) == Layout("d0 d1")   # at once
+    assert Layout("b h | sum(tp)").renamed({"tp": "cp"}) == Layout("b h | sum(cp)")
+
+
+def test_no_layout_is_built_by_joining_strings_outside_the_parser() -> None:
+    """Derived layouts come from the methods above: no `Layout(" ".join(...))` or
+    `Layout(f"... | sum(...)")` in the package outside core/ (interop's placement
+    translation writes the notation it reads, and is the one exception)."""
+    import re
+    from pathlib import Path
+
+    package = Path(mc.__file__).parent
+    pattern = re.compile(r'(Layout|logical|as_layout)\((f"|" "\.join|f\')|\| (sum|avg)\(\{')
+    hits = [f"{p.relative_to(package)}:{i}" for p in package.rglob("*.py")
+            if p.parts[-2] != "core" and p.name != "placements.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            if pattern.search(line) and "raise" not in line and "f\" fix" not in line]
+    assert not hits, hits

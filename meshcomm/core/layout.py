@@ -13,11 +13,12 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import notation
-from .errors import MeshAxisError, ShapeError, caret, did_you_mean
+from .errors import MeshAxisError, PlanError, ShapeError, caret, did_you_mean
 from .mesh import AxisName, Mesh
 from .notation import Dim
 
@@ -130,6 +131,88 @@ class Layout:
             out.append(local[-1] if local else f"dim{i}")
         return tuple(out)
 
+    # -- derivations: new layouts from this one (each checked as if parsed) -----------------
+    @classmethod
+    def of_names(cls, names: Sequence[str]) -> Layout:
+        """The layout whose dims are the plain `names`: held whole by every rank.
+
+        >>> Layout.of_names(["d0", "d1"])
+        Layout('d0 d1')
+        """
+        return _from_parts(tuple(Dim((notation.Factor(n),)) for n in names), None, ())
+
+    @classmethod
+    def of_dims(cls, dims: Sequence[Sequence[str]], op: str | None = None,
+                axes: Sequence[AxisName] = ()) -> Layout:
+        """The layout whose dim i is made of the names `dims[i]`, major to minor, with a
+        pending `op` over `axes` (none without them).
+
+        >>> Layout.of_dims([["dp", "b"], ["s"]], "sum", ["tp"])
+        Layout('(dp b) s | sum(tp)')
+        """
+        return _from_parts(tuple(Dim(tuple(notation.Factor(n) for n in names)) for names in dims),
+                           op if axes else None, tuple(axes))
+
+    def without_reduction(self) -> Layout:
+        """This layout with its pending reduction dropped (its axes then replicate).
+
+        >>> Layout("(dp b) s | sum(tp)").without_reduction()
+        Layout('(dp b) s')
+        """
+        if self.reduce_op is None:
+            return self
+        return _from_parts(self.dims, None, ())
+
+    def pending(self, op: str, axes: Sequence[AxisName]) -> Layout:
+        """This layout with a pending `op` over `axes` as well (after any it has already;
+        one op per layout). No axes: the layout itself.
+
+        >>> Layout("b h").pending("sum", ["tp"]), Layout("b h | avg(dp)").pending("avg", ["cp"])
+        (Layout('b h | sum(tp)'), Layout('b h | avg(dp, cp)'))
+        """
+        if not axes:
+            return self
+        if self.reduce_op not in (None, op):
+            raise PlanError(f'layout "{self}" already has a pending {self.reduce_op}; it cannot'
+                            f" also have a pending {op} (one reduction per layout). fix: resolve"
+                            " the first one before marking the other")
+        return _from_parts(self.dims, op, (*self.partial_axes, *axes))
+
+    def split(self, dim: int, axis: AxisName) -> Layout:
+        """This layout with dim `dim` (negative: from the end) also split over `axis`, as its
+        most minor axis (just before the dim's own name).
+
+        >>> Layout("(dp a) b").split(0, "fsdp"), Layout("a b").split(-1, "tp")
+        (Layout('(dp fsdp a) b'), Layout('a (tp b)'))
+        """
+        i = range(self.ndim)[dim]
+        factors = self.dims[i].factors
+        dims = list(self.dims)
+        dims[i] = Dim((*factors[:-1], notation.Factor(axis), factors[-1]))
+        return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
+
+    def with_dim(self, dim: int, name: str) -> Layout:
+        """This layout with dim `dim` (negative: from the end) whole, named `name`.
+
+        >>> Layout("b s (tp v)").with_dim(-1, "v")
+        Layout('b s v')
+        """
+        dims = list(self.dims)
+        dims[range(self.ndim)[dim]] = Dim((notation.Factor(name),))
+        return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
+
+    def renamed(self, names: Mapping[str, str]) -> Layout:
+        """This layout with each name in `names` (a dim's name or a mesh axis) replaced by
+        its value, all at once ("d1 d0" renames safely).
+
+        >>> Layout("(tp b) h").renamed({"b": "d0", "h": "d1"})
+        Layout('(tp d0) d1')
+        """
+        dims = tuple(Dim(tuple(notation.Factor(names.get(f.name, f.name), f.size)
+                               for f in d.factors)) for d in self.dims)
+        return _from_parts(dims, self.reduce_op,
+                           tuple(names.get(a, a) for a in self.partial_axes))
+
     # -- math on a mesh --------------------------------------------------------
     def placements(self, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ...]:
         """Each dim resolved on `mesh` for a global `shape`; raises if it does not fit."""
@@ -192,6 +275,12 @@ def positional_names(ndim: int, mesh: Mesh) -> tuple[str, ...]:
 @functools.lru_cache(maxsize=4096)
 def _parse_layout(text: str) -> Layout:
     return Layout._from_pattern(notation.parse(text))
+
+
+def _from_parts(dims: tuple[Dim, ...], op: str | None, axes: tuple[AxisName, ...]) -> Layout:
+    """A derived layout, checked by the parser as if it had been written (a name used
+    twice, a bad op): the pattern's text is the one canonical spelling."""
+    return Layout(str(notation.Pattern(dims, op, axes)))
 
 
 @functools.lru_cache(maxsize=8192)

@@ -27,7 +27,6 @@ import difflib
 import json
 import math
 import os
-import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +90,7 @@ def _place(key: str, value: Any, rank: int, plain_rank: int) -> _Placed | None:
     if isinstance(value, Tensor) and value.dim() > 0:
         shape = tuple(value.shape)
         return _Placed(Mesh({_ONE: 1}, ranks=[plain_rank]),
-                       Layout(" ".join(f"d{i}" for i in range(len(shape)))), shape, value)
+                       Layout.of_names([f"d{i}" for i in range(len(shape))]), shape, value)
     return None
 
 
@@ -106,12 +105,8 @@ def _check_placed(key: str, placed: _Placed) -> _Placed:
 def _named_by_position(layout: Layout, mesh: Mesh) -> Layout:
     """`layout` with each dim's local name replaced by its position's name, d<i> (dim<i> on
     a mesh with axes d0, d1, ...), so layouts from any source plan against each other."""
-    text = str(layout)
     old = layout.dim_names(mesh)
-    new = positional_names(len(old), mesh)
-    for i, name in enumerate(old):      # through placeholders: "d1 d0" renames safely
-        text = re.sub(rf"\b{re.escape(name)}\b", f"\x00{i}\x00", text)
-    return Layout(re.sub(r"\x00(\d+)\x00", lambda m: new[int(m.group(1))], text))
+    return layout.renamed(dict(zip(old, positional_names(len(old), mesh))))
 
 
 def _writers(placed: _Placed) -> tuple[Mesh, Layout]:

@@ -84,17 +84,15 @@ STYLES = {
 TP_ATTR = "_meshcomm_tp"
 
 
-def _names(ndim: int, mesh: Mesh) -> str:
-    """An activation's dims by position, named apart from the axes of `mesh`."""
-    return " ".join(positional_names(ndim, mesh))
+def _names(ndim: int, mesh: Mesh) -> Layout:
+    """An activation's dims by position, named apart from the axes of `mesh`, whole."""
+    return Layout.of_names(positional_names(ndim, mesh))
 
 
-def _split_at(ndim: int, dim: int, axis: str, mesh: Mesh) -> str:
+def _split_at(ndim: int, dim: int, axis: str, mesh: Mesh) -> Layout:
     """The layout of `ndim` dims with dim `dim` (negative counts from the end) split over
     `axis`: "d0 (tp d1)"."""
-    names = list(positional_names(ndim, mesh))
-    names[dim] = f"({axis} {names[dim]})"
-    return " ".join(names)
+    return _names(ndim, mesh).split(dim, axis)
 
 
 def _weight_dim(style: Style, module: nn.Module) -> int:
@@ -149,7 +147,7 @@ class _TP:
         """`x` as is; backward: its gradient summed over the axis (an all_reduce): every
         rank's part of the gradient of an input a colwise layer used (Megatron's `f`)."""
         names = _names(x.dim(), self.mesh)
-        return move(x, self.bound, (names, names), (f"{names} | sum({self.axis})", names),
+        return move(x, self.bound, (names, names), (names.pending("sum", [self.axis]), names),
                     shape=tuple(x.shape))
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -179,7 +177,7 @@ class _TP:
         elif spec.inputs == "sequence":     # backward: the partial gradient reduce_scattered
             names, mesh = _names(x.dim(), self.mesh), self.mesh
             seq = _split_at(x.dim(), 1, self.axis, mesh)
-            x = move(x, self.bound, (seq, names), (f"{names} | sum({self.axis})", seq))
+            x = move(x, self.bound, (seq, names), (names.pending("sum", [self.axis]), seq))
         elif spec.inputs == "tokens":
             start, rows = self.vocab_rows
             local = x - start
@@ -231,9 +229,9 @@ class _TP:
             out = reshard(out, self.bound, _split_at(out.dim(), -1, self.axis, mesh), names,
                           shape=(*out.shape[:-1], self.out_features))
         elif spec.outputs == "sum":
-            out = reshard(out, self.bound, f"{names} | sum({self.axis})", names)
+            out = reshard(out, self.bound, names.pending("sum", [self.axis]), names)
         elif spec.outputs == "sequence":
-            out = reshard(out, self.bound, f"{names} | sum({self.axis})",
+            out = reshard(out, self.bound, names.pending("sum", [self.axis]),
                           _split_at(out.dim(), 1, self.axis, mesh))
         if self.bias is not None:
             out = out + self.bias
@@ -288,12 +286,12 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
 
 
 def _param_layout(style: str | None, module: nn.Module, attr: str, ndim: int, axis: str,
-                  mesh: Mesh) -> str:
-    """The layout `style` gives `module`'s parameter `attr` ("" for a module outside the
+                  mesh: Mesh) -> Layout | None:
+    """The layout `style` gives `module`'s parameter `attr` (None for a module outside the
     plan: the parameter stays a plain tensor)."""
     spec = STYLES[style] if style else None
     if spec is None or spec.weight is None:
-        return ""
+        return None
     if attr == "weight":
         return _split_at(ndim, _weight_dim(spec, module), axis, mesh)
     if spec.outputs in ("split", "gather"):
@@ -318,7 +316,7 @@ def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: 
             layouts.append(_param_layout(targets.get(owner), module.get_submodule(owner), attr,
                                          p.dim(), axis, mesh))
         if len(set(layouts)) > 1:
-            where = ", ".join(f'{q} ("{lay}")' if lay else f"{q} (not split)"
+            where = ", ".join(f'{q} ("{lay}")' if lay is not None else f"{q} (not split)"
                               for (q, _), lay in zip(held, layouts))
             raise ShapeError(
                 f"parallelize: {held[0][0]} is one tensor held in several places (tied"
@@ -341,7 +339,8 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
         if is_dtensor(p):
             raise ShapeError(f"parallelize: {name}.{attr} is a DTensor already; fix:"
                              " parallelize before fully_shard, once")
-        layout = Layout(_param_layout(style, m, attr, p.dim(), axis, bound.mesh))
+        layout = _param_layout(style, m, attr, p.dim(), axis, bound.mesh)
+        assert layout is not None, f"{style} splits {name}.{attr}"
         shape = tuple(p.shape)
         local = _block(p.detach(), layout, bound, shape)
         dt = wrap(local, bound.device_mesh, to_placements(bound.mesh, shape, layout), shape)

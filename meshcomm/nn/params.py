@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from ..core.errors import MeshMismatchError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
-from ..executors.distributed.autograd import without_reduction
 from ..executors.distributed.bind import BoundMesh, require_bound
 from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
@@ -86,7 +85,8 @@ def logical_axes(names: str, recipe: RecipeLike, mesh: Mesh) -> tuple[AxisName, 
     """
     if not names.split():
         return ()
-    return logical(f"x | sum({', '.join(names.split())})", recipe, mesh).partial_axes
+    return logical(Layout.of_names(["x"]).pending("sum", names.split()), recipe,
+                   mesh).partial_axes
 
 
 def param_spec(mesh: Mesh, recipe: RecipeLike, dims: str, shape: Sequence[int],
@@ -106,16 +106,16 @@ def param_spec(mesh: Mesh, recipe: RecipeLike, dims: str, shape: Sequence[int],
     their size, folded into an `avg` when they are exactly the partial axes.
     """
     stored = logical(dims, recipe, mesh)
-    use = stored if not gather.split() else without_reduction(
-        logical(f"{dims} | sum({', '.join(gather.split())})", recipe, mesh))
+    use = stored if not gather.split() else logical(
+        Layout(dims).pending("sum", gather.split()), recipe, mesh).without_reduction()
     own = set(use.sharded_axes(mesh))
     part = tuple(a for a in logical_axes(partial, recipe, mesh) if a not in own)
     loss_axes = logical_axes(loss, recipe, mesh)
     n = math.prod(mesh.axis_size(a) for a in loss_axes)
     if part and set(part) == set(loss_axes):
-        grad, scale = Layout(f"{use} | avg({', '.join(part)})"), 1.0
+        grad, scale = use.pending("avg", part), 1.0
     elif part:
-        grad, scale = Layout(f"{use} | sum({', '.join(part)})"), 1.0 / n
+        grad, scale = use.pending("sum", part), 1.0 / n
     else:
         grad, scale = use, 1.0 / n
     return ParamSpec(dims, mesh, tuple(int(s) for s in shape), dtype, stored, use, grad, scale)
@@ -232,7 +232,7 @@ class ShardedModule(nn.Module):
         self.specs: dict[str, ParamSpec] = {}
         self.in_use: dict[str, Tensor] = {}      # filled by FullyShard during its forward
 
-    def layout(self, dims: str) -> Layout:
+    def layout(self, dims: str | Layout) -> Layout:
         """`mc.logical(dims, self.recipe, mesh)` on this module's mesh."""
         return logical(dims, self.recipe, self.bound.mesh)
 
@@ -280,7 +280,7 @@ class ShardedModule(nn.Module):
 
 
 def _replicated(spec: ParamSpec) -> Layout:
-    return Layout(" ".join(spec.stored.dim_names(spec.mesh)))
+    return Layout.of_names(spec.stored.dim_names(spec.mesh))
 
 
 def _recipe_name(recipe: RecipeLike) -> str:

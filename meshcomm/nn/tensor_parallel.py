@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.layout import Layout
-from ..executors.distributed.autograd import backward_plan
 from ..executors.distributed.bind import BoundMesh
-from ..planner.plan import plan
+from ..planner.plan import backward_plan, plan
 from ..recipes import RecipeLike
 from ..sharded import reshard
 from .comms import Comm
@@ -37,7 +36,7 @@ from .params import ShardedModule
 
 def _whole_last(layout: Layout, name: str) -> Layout:
     """`layout` with its last dim whole (named `name`), e.g. for gathered logits."""
-    return Layout(" ".join([*(str(d) for d in layout.dims[:-1]), name]))
+    return layout.with_dim(-1, name)
 
 
 def _lead(dims: str) -> str:
@@ -61,7 +60,7 @@ class TPEntry(ShardedModule):
         super().__init__(bound, recipe)
         self.x_layout = self.layout(x_dims)
         self.use_layout = self.layout(use_dims)
-        self.grad_layout = self.layout(f"{use_dims} | sum({', '.join(reduce.split())})")
+        self.grad_layout = self.layout(Layout(use_dims).pending("sum", reduce.split()))
 
     def forward(self, x: Tensor) -> Tensor:
         return move(x, self.bound, (self.x_layout, self.use_layout),
@@ -147,7 +146,8 @@ class RowParallelLinear(ShardedModule):
         self.add_param("weight", dims, weight, partial=lead)
         if bias is not None:
             self.add_param("bias", out_name, bias, partial=_lead(out_dims))
-        self.partial_layout = self.layout(f"{lead} {out_name} | sum({in_name})")
+        self.partial_layout = self.layout(Layout.of_names([*lead.split(), out_name]).pending(
+            "sum", [in_name]))
         self.out_layout = self.layout(out_dims)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -190,7 +190,8 @@ class VocabParallelEmbedding(ShardedModule):
         local_of = torch.full((spec.shape[0],), -1, dtype=torch.long, device=device)
         local_of[held] = torch.arange(len(held), device=device)
         self.register_buffer("local_of", local_of, persistent=False)
-        self.partial_layout = self.layout(f"{lead} {embed} | sum({vocab})")
+        self.partial_layout = self.layout(Layout.of_names([*lead.split(), embed]).pending(
+            "sum", [vocab]))
         self.out_layout = self.layout(out_dims or f"{lead} {embed}")
 
     def forward(self, tokens: Tensor) -> Tensor:

@@ -3,9 +3,17 @@
 `plan()` (in `planner.plan`) is the entry point; its caches are bounded and inspectable.
 """
 
-from .plan import DEFAULT_PLAN_CACHE_SIZE, plan, plan_cache_info, set_plan_cache_size
+from .plan import (
+    DEFAULT_PLAN_CACHE_SIZE,
+    backward_plan,
+    plan,
+    plan_cache_info,
+    plan_untraced,
+    set_plan_cache_size,
+)
 from .transfers import receiver_blocks
-from .values import CostModel, Plan, Step, Transfer
+from .values import CostModel, Plan, Step, Transfer, grad_scale
 
-__all__ = ["DEFAULT_PLAN_CACHE_SIZE", "CostModel", "Plan", "Step", "Transfer", "plan",
-           "plan_cache_info", "receiver_blocks", "set_plan_cache_size"]
+__all__ = ["DEFAULT_PLAN_CACHE_SIZE", "CostModel", "Plan", "Step", "Transfer", "backward_plan",
+           "grad_scale", "plan", "plan_cache_info", "plan_untraced", "receiver_blocks",
+           "set_plan_cache_size"]

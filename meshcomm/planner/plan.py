@@ -10,8 +10,10 @@ and every rank computes the same one.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ..core.errors import PlanError
 from ..core.layout import Layout, Shape, as_layout
@@ -119,3 +121,35 @@ def plan_cache_info() -> dict[str, int]:
     calls, plans = _plan_args.cache_info(), search.single_plan.cache_info()
     return {"maxsize": int(calls.maxsize or 0), "plans": plans.currsize,
             "calls": calls.currsize, "hits": calls.hits, "misses": calls.misses}
+
+
+# -- autograd: the plan a reshard's backward runs ---------------------------------------------
+def plan_untraced(*args: Any, **kwargs: Any) -> Plan:
+    """`plan(...)`, run outside any active dispatch mode (fake tensors while torch.compile
+    traces): the planner computes with small real tensors, and a plan holds none."""
+    if _get_current_dispatch_mode() is None:
+        return plan(*args, **kwargs)
+    with _disable_current_modes():
+        return plan(*args, **kwargs)
+
+
+def backward_plan(forward: Plan, dtype: torch.dtype) -> Plan:
+    """The plan the backward of `forward` runs: the output gradient from the destination
+    layout without its pending reduction to the source's (see `grad_scale` and the module
+    doc of `meshcomm.executors.distributed.autograd`). A pending max or min in the source
+    has no gradient: PlanError.
+
+    >>> fwd = plan(Mesh("dp=2"), (8, 4), "(dp b) h", "b h | sum(dp)")
+    >>> str(backward_plan(fwd, torch.float32).src), str(backward_plan(fwd, torch.float32).dst)
+    ('b h', '(dp b) h')
+    """
+    op = forward.src.reduce_op
+    if op in ("max", "min"):
+        raise PlanError(
+            f'reshard from "{forward.src}" has no gradient: a pending {op} over'
+            f" {', '.join(forward.src.partial_axes)} is not differentiable here."
+            f" fix: reduce it first (reshard to \"{forward.src.without_reduction()}\") and"
+            " differentiate from there, or detach the input")
+    return plan_untraced(forward.mesh, forward.shape, forward.dst.without_reduction(),
+                         forward.src.without_reduction(), dtype=dtype,
+                         cost_model=forward.cost_model)

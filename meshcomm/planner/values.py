@@ -313,3 +313,13 @@ def _local_shape(p: Plan, mesh: Mesh, layout: Layout) -> Shape:
     shapes = [layout.local_shape(mesh, p.shape, r) for r in mesh.ranks]
     return max(shapes, key=math.prod)
 
+
+
+def grad_scale(plan: Plan) -> float:
+    """The factor a reshard's backward applies to the resharded gradient: (1/g of an avg
+    source) / (1/g of an avg destination), g the size of the avg's group."""
+    def share(layout: Layout) -> int:
+        if layout.reduce_op != "avg":
+            return 1
+        return math.prod(plan.mesh.axis_size(a) for a in layout.partial_axes)
+    return share(plan.dst) / share(plan.src)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.executors.distributed.autograd import backward_plan, grad_scale, without_reduction
+from meshcomm.planner import backward_plan, grad_scale
 from meshcomm.executors.distributed.bind import BoundMesh
 from meshcomm.core.errors import PlanError
 
@@ -65,8 +65,8 @@ def check_grads(bound: BoundMesh) -> list[str]:
         ref = x_global.clone().requires_grad_()
         (ref * w).sum().backward()          # the single-process gradient: w
         assert ref.grad is not None
-        want = mc.sim.scatter(ref.grad, mesh, without_reduction(s))[pos] / share(mesh, s)
-        grad_out = mc.sim.scatter(w, mesh, without_reduction(d))[pos] / share(mesh, d)
+        want = mc.sim.scatter(ref.grad, mesh, mc.Layout(s).without_reduction())[pos] / share(mesh, s)
+        grad_out = mc.sim.scatter(w, mesh, mc.Layout(d).without_reduction())[pos] / share(mesh, d)
         x = mc.sim.scatter(x_global, mesh, src)[pos].requires_grad_()
         y = mc.reshard(x, bound, src, dst, shape=shape)
         y.backward(grad_out)
@@ -182,7 +182,7 @@ def test_compiled_graphs_hold_the_collectives(four: list[dict[str, Any]]) -> Non
 def test_gradient_layouts_and_scale() -> None:
     mesh = mc.Mesh(MESH)
     p = mc.plan(mesh, (8, 4), "(dp b) h | avg(tp)", "(tp b) h | avg(dp)")
-    assert without_reduction(p.src) == mc.Layout("(dp b) h")
+    assert mc.Layout(p.src).without_reduction() == mc.Layout("(dp b) h")
     assert grad_scale(p) == 1.0      # 1/2 of an avg source over 1/2 of an avg destination
     back = backward_plan(mc.plan(mesh, (8, 4), "b h | sum(tp)", "(tp b) h"), torch.float64)
     assert (back.src, back.dst, back.dtype) == (mc.Layout("(tp b) h"), mc.Layout("b h"),

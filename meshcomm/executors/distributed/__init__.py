@@ -5,10 +5,9 @@
 `collectives` (`mc.collectives`), `launch` (run a function on N local processes).
 """
 
-from .autograd import Reshard, backward_plan, without_reduction
+from .autograd import Reshard
 from .bind import BoundMesh, default_backend, init_mesh
 from .execute import ByteTrace, Call, check_local, execute, execute_many, signature
 
-__all__ = ["BoundMesh", "ByteTrace", "Call", "Reshard", "backward_plan", "check_local",
-           "default_backend", "execute", "execute_many", "init_mesh", "signature",
-           "without_reduction"]
+__all__ = ["BoundMesh", "ByteTrace", "Call", "Reshard", "check_local", "default_backend",
+           "execute", "execute_many", "init_mesh", "signature"]

@@ -11,91 +11,50 @@ its layout with the pending reduction dropped (those axes become replicated):
 - a pending `max` or `min` in the source has no gradient here: backward raises.
 
 So backward takes the output gradient in `dst'`, undoes the avg scale of `dst`,
-reshards it to `src'` with `mc.plan`, and applies the avg scale of `src`.
+reshards it to `src'` and applies the avg scale of `src`: the planner makes that plan
+(`meshcomm.planner.backward_plan`, given to `reshard_autograd` as `reverse`) and its
+scale (`grad_scale`). This module plans nothing itself.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
-from ...core.errors import PlanError
-from ...core.layout import Layout
-from ...planner.plan import plan
-from ...planner.values import Plan
+from ...planner.values import Plan, grad_scale
 from .bind import BoundMesh
 from .execute import ByteTrace, execute
 
 
-def without_reduction(layout: Layout) -> Layout:
-    """`layout` with its pending reduction dropped (its axes become replicated).
-
-    >>> without_reduction(Layout("(dp b) s | sum(tp)"))
-    Layout('(dp b) s')
-    """
-    if layout.reduce_op is None:
-        return layout
-    return Layout(" ".join(str(d) for d in layout.dims))
-
-
-def grad_scale(plan: Plan) -> float:
-    """The factor backward applies: (1/g of an avg source) / (1/g of an avg destination)."""
-    def share(layout: Layout) -> int:
-        if layout.reduce_op != "avg":
-            return 1
-        return math.prod(plan.mesh.axis_size(a) for a in layout.partial_axes)
-    return share(plan.dst) / share(plan.src)
-
-
-def plan_untraced(*args: Any, **kwargs: Any) -> Plan:
-    """`mc.plan`, run outside any active dispatch mode (fake tensors while tracing): the
-    planner computes with small real tensors, and a plan holds none."""
-    if _get_current_dispatch_mode() is None:
-        return plan(*args, **kwargs)
-    with _disable_current_modes():
-        return plan(*args, **kwargs)
-
-
-def backward_plan(forward: Plan, dtype: torch.dtype) -> Plan:
-    """The plan backward runs: the output gradient from `dst'` to `src'` (see module doc)."""
-    op = forward.src.reduce_op
-    if op in ("max", "min"):
-        raise PlanError(
-            f'reshard from "{forward.src}" has no gradient: a pending {op} over'
-            f" {', '.join(forward.src.partial_axes)} is not differentiable here."
-            f" fix: reduce it first (reshard to \"{without_reduction(forward.src)}\") and"
-            " differentiate from there, or detach the input")
-    return plan_untraced(forward.mesh, forward.shape, without_reduction(forward.dst),
-                         without_reduction(forward.src), dtype=dtype,
-                         cost_model=forward.cost_model)
+Reverse = Callable[[Plan, torch.dtype], Plan]    # (forward plan, gradient dtype) -> plan
 
 
 class Reshard(torch.autograd.Function):
     """`execute(plan, x, bound)` with the backward of the module doc (double backward too)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, bound: BoundMesh, plan_: Plan,
-                trace: ByteTrace | None) -> Tensor:
-        ctx.bound, ctx.plan = bound, plan_
+    def forward(ctx: Any, x: Tensor, bound: BoundMesh, plan_: Plan, trace: ByteTrace | None,
+                reverse: Reverse) -> Tensor:
+        ctx.bound, ctx.plan, ctx.reverse = bound, plan_, reverse
         out = execute(plan_, x, bound, trace=trace)
         return x.view_as(x) if out is x else out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        back = backward_plan(ctx.plan, grad.dtype)
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        back = ctx.reverse(ctx.plan, grad.dtype)
         scale = grad_scale(ctx.plan)
-        out = reshard_autograd(grad, ctx.bound, back)
-        return (out * scale if scale != 1 else out), None, None, None
+        out = reshard_autograd(grad, ctx.bound, back, reverse=ctx.reverse)
+        return (out * scale if scale != 1 else out), None, None, None, None
 
 
-def reshard_autograd(x: Tensor, bound: BoundMesh, plan_: Plan,
-                     trace: ByteTrace | None = None) -> Tensor:
-    """`plan_` on this rank, recorded for autograd when `x` needs a gradient."""
+def reshard_autograd(x: Tensor, bound: BoundMesh, plan_: Plan, trace: ByteTrace | None = None,
+                     *, reverse: Reverse) -> Tensor:
+    """`plan_` on this rank, recorded for autograd when `x` needs a gradient; backward runs
+    `reverse(plan_, grad.dtype)` (the planner's `backward_plan`)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        out: Tensor = Reshard.apply(x, bound, plan_, trace)  # type: ignore[no-untyped-call]
+        out: Tensor = Reshard.apply(x, bound, plan_, trace, reverse)  # type: ignore[no-untyped-call]
         return out
     return execute(plan_, x, bound, trace=trace)

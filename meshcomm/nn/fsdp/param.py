@@ -141,12 +141,9 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
                                  f' {taken!r} ("{use}"); fix: shard it over another axis')
         full = p.to_local()
     else:
-        shape, use, full = tuple(p.shape), Layout(" ".join(names)), p.detach()
+        shape, use, full = tuple(p.shape), Layout.of_names(names), p.detach()
     use_shape = tuple(full.shape)
-    first = use.dims[0].factors
-    stored = Layout(" ".join(
-        ["(" + " ".join([f.name for f in first[:-1]] + [axis, first[-1].name]) + ")"]
-        + [str(d) for d in use.dims[1:]]))
+    stored = use.split(0, axis)
     n = mesh.axis_size(axis)
     rows = chunk_sizes(use_shape[0], n)
     mine = stored.local_shape(mesh, shape, bound.rank) if bound.in_mesh else None
