@@ -7,7 +7,7 @@ sum over ranks), the number of collectives and the peak memory (max over ranks),
 lower bound on received bytes from `meshcomm.planner.bounds`.
 
 How DTensor is measured. Each case runs on real gloo processes (4 or 8, via
-`meshcomm.executors.distributed.launch.run_ranks`), once with DTensor's default (greedy) planner and once under
+`meshcomm.runtime.launch.run_ranks`), once with DTensor's default (greedy) planner and once under
 `torch.distributed.tensor._redistribute.use_min_cost_redistribution_plan()` (its
 graph-based Dijkstra planner); non-default shard orders always use the graph planner. A
 `TorchDispatchMode` records every `_c10d_functional` op that `redistribute` issues
@@ -54,7 +54,7 @@ import meshcomm as mc
 from meshcomm import planner
 from meshcomm.core.reduce_ops import chunk_sizes
 from meshcomm.executors.sim import scatter
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime.launch import run_ranks
 
 PLANNERS = ("default", "min_cost")
 DEFAULT_JSON = Path(__file__).parent / "results" / "plan_vs_dtensor.json"

@@ -36,7 +36,7 @@ import plan_vs_dtensor as pvd  # noqa: E402  (the layout -> placements mapper)
 
 import meshcomm as mc  # noqa: E402
 from meshcomm.executors.distributed import wire
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime.launch import run_ranks
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "reshard_vs_dtensor.json"
 

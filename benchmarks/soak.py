@@ -36,7 +36,7 @@ import torch
 
 import meshcomm as mc
 from meshcomm.testing import random_layout
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime.launch import run_ranks
 
 DEFAULT_JSON = Path(__file__).parent / "results" / "soak.json"
 MESH = "dp=2 tp=2"

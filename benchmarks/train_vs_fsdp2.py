@@ -79,7 +79,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import llama
 
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime.launch import run_ranks
 
 REFERENCE = "1 process"
 

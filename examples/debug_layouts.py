@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_2d import CONFIG, Block, Transformer, init_params
 
 import meshcomm as mc
-from meshcomm.executors.distributed.launch import print_on_rank0
+from meshcomm.runtime.launch import print_on_rank0
 
 ACTIVATIONS = (          # (what, logical dims, global shape from CONFIG)
     ("tokens", "batch seq", ("batch", "seq")),

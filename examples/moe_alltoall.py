@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
+from meshcomm.runtime.launch import print_on_rank0, run_ranks
 
 MESH, RECIPE = "ep=4", "expert_parallel"
 BATCH, SEQ, EMBED, HIDDEN, EXPERTS = 8, 6, 16, 32, 8

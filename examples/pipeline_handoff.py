@@ -26,7 +26,7 @@ import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 from torch import Tensor
 
-from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
+from meshcomm.runtime.launch import print_on_rank0, run_ranks
 
 CONFIG = {"batch": 8, "inputs": 6, "hidden": 8, "outputs": 4, "steps": 3, "seed": 0}
 LR = 0.1

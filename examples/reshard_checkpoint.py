@@ -33,7 +33,7 @@ import meshcomm as mc  # isort: skip  (first: quiets torch's NumPy warning)
 import torch
 from torch import Tensor
 
-from meshcomm.executors.distributed.launch import launched_rank, print_on_rank0, run_ranks
+from meshcomm.runtime.launch import launched_rank, print_on_rank0, run_ranks
 
 SAVED_MESH = "dp=2 tp=2"
 LOADED_MESH = "tp=2"

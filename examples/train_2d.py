@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
+from meshcomm.runtime.launch import print_on_rank0, run_ranks
 
 CONFIG = {"layers": 2, "embed": 16, "heads": 2, "mlp": 32, "vocab": 64, "seq": 8, "batch": 4,
           "steps": 20, "lr": 1e-2, "seed": 0}

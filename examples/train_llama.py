@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import ModelArgs, Transformer, counting_batches, loss_fn
 
-from meshcomm.executors.distributed.launch import print_on_rank0, run_ranks
+from meshcomm.runtime.launch import print_on_rank0, run_ranks
 
 MESH = "dp=2 tp=2"
 PLAN = {   # module-name patterns -> tensor-parallel style (docs/fsdp.md)

@@ -32,8 +32,8 @@ _EXPORTS = {
     "errors": "meshcomm.errors", "nn": "meshcomm.nn", "sim": "meshcomm.sim",
     "Layout": "meshcomm.core.layout", "Mesh": "meshcomm.core.mesh",
     "show": "meshcomm.display", "show_plan": "meshcomm.display",
-    "BoundMesh": "meshcomm.executors.distributed", "ByteTrace": "meshcomm.executors.distributed",
-    "init_mesh": "meshcomm.executors.distributed",
+    "BoundMesh": "meshcomm.runtime", "ByteTrace": "meshcomm.executors.distributed",
+    "init_mesh": "meshcomm.runtime",
     "plan": "meshcomm.planner.plan",
     "CostModel": "meshcomm.planner.values", "Plan": "meshcomm.planner.values",
     "Step": "meshcomm.planner.values",
@@ -42,8 +42,8 @@ _EXPORTS = {
     "reshard": "meshcomm.sharded", "reshard_many": "meshcomm.sharded",
 }
 _NAMESPACES = frozenset({"collectives", "dryrun", "dtensor", "errors", "nn", "sim"})
-_SUBPACKAGES = frozenset({"core", "planner", "executors", "interop", "display", "recipes",
-                          "sharded", "testing", "cli"})
+_SUBPACKAGES = frozenset({"core", "planner", "executors", "runtime", "interop", "display",
+                          "recipes", "sharded", "testing", "cli"})
 
 if TYPE_CHECKING:
     from . import collectives, dryrun, dtensor, errors, nn
@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from .core.mesh import Mesh
     from .display import show, show_plan
     from . import sim
-    from .executors.distributed import BoundMesh, ByteTrace, init_mesh
+    from .executors.distributed import ByteTrace
+    from .runtime import BoundMesh, init_mesh
     from .planner.plan import plan
     from .planner.values import CostModel, Plan, Step
     from .recipes import Recipe, logical, recipe

@@ -178,7 +178,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     from . import display
     from .core.mesh import Mesh
     from .executors import sim
-    from .executors.distributed.launch import run_ranks
+    from .runtime.launch import run_ranks
     from .planner.plan import plan
 
     console = display.make_console(width=args.width)
@@ -213,7 +213,8 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _demo_rank(rank: int, world_size: int, mesh_spec: str, x: torch.Tensor,
                chain: list[tuple[str, str]]) -> list[tuple[torch.Tensor, int, int]]:
     """One process of the demo: each step's shard and the bytes it sent and received."""
-    from .executors.distributed import ByteTrace, init_mesh
+    from .executors.distributed import ByteTrace
+    from .runtime import init_mesh
     from .sharded import distribute, reshard
 
     bound = init_mesh(mesh_spec)

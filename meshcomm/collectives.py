@@ -5,7 +5,7 @@ collectives), checks what it can locally before communicating, and equals
 `mc.sim`'s collective of the same name bit for bit (docs/collectives.md).
 """
 
-from .executors.distributed.collectives import (
+from .runtime.collectives import (
                                                 all_gather,
                                                 all_reduce,
                                                 all_to_all,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .core.errors import MeshMismatchError
-from .executors.distributed.bind import GROUP_DESC
+from .runtime.bind import GROUP_DESC
 from .executors.local import storage_key
 from .executors.steps import Wire
 from .core.units import format_bytes

@@ -29,14 +29,14 @@ from .core.layout import Layout, Shape, as_layout, positional_names
 from .core.mesh import Mesh
 from .executors.distributed.autograd import reshard_autograd
 from .planner.plan import backward_plan, plan_untraced
-from .executors.distributed.bind import BoundMesh, require_bound
-from .executors.distributed.checks import (
+from .runtime.bind import BoundMesh, require_bound
+from .runtime.checks import (
     agree_many,
     agree_reshard,
     checking,
     raise_together,
 )
-from .executors.distributed.compiler import when_dynamo_loads
+from .runtime.compiler import when_dynamo_loads
 from .executors.distributed.cross import execute_cross
 from .executors.distributed.execute import ByteTrace, execute, execute_many
 from .executors.local import take

@@ -1,6 +1,6 @@
 """Helpers for tests and benchmarks: random layouts drawn alike on every rank.
 
-Processes are started by `meshcomm.executors.distributed.launch.run_ranks`.
+Processes are started by `meshcomm.runtime.launch.run_ranks`.
 """
 
 from __future__ import annotations

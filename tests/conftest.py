@@ -106,7 +106,7 @@ def run_scaled(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: f
                **kwargs: Any) -> list[Any]:
     """`run_ranks(fn, world_size, *args, **kwargs)` under `scaled(timeout_s)`, which also
     becomes the default process group's collective timeout on every rank."""
-    from meshcomm.executors.distributed.launch import run_ranks
+    from meshcomm.runtime.launch import run_ranks
 
     return run_ranks(fn, world_size, *args, timeout_s=scaled(timeout_s), **kwargs)
 

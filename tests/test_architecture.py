@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("meshcomm.core",)),
     ("planner", ("meshcomm.planner",)),
     ("executors", ("meshcomm.executors",)),
+    ("runtime", ("meshcomm.runtime",)),
     ("adapters", ("meshcomm.interop", "meshcomm.display", "meshcomm.recipes", "meshcomm.testing")),
     ("sharded", ("meshcomm.sharded",)),
     ("building blocks", ("meshcomm.nn", "meshcomm.dtensor", "meshcomm.collectives",
@@ -45,11 +46,13 @@ REQUIRED = (
     "meshcomm.planner.traffic", "meshcomm.planner.bounds", "meshcomm.planner.transfers",
     "meshcomm.planner.search", "meshcomm.planner.crossmesh", "meshcomm.planner.plan",
     "meshcomm.executors.steps", "meshcomm.executors.local", "meshcomm.executors.sim",
-    "meshcomm.executors.distributed", "meshcomm.executors.distributed.launch",
+    "meshcomm.executors.distributed", "meshcomm.runtime.launch",
     "meshcomm.interop.placements", "meshcomm.interop.runtime", "meshcomm.sharded",
     "meshcomm.recipes", "meshcomm.display", "meshcomm.nn", "meshcomm.dtensor",
     "meshcomm.collectives", "meshcomm.errors", "meshcomm.cli", "meshcomm.dryrun",
-    "meshcomm.sim", "meshcomm.executors.distributed.wire",
+    "meshcomm.sim", "meshcomm.executors.distributed.wire", "meshcomm.executors.distributed.groups",
+    "meshcomm.runtime.bind", "meshcomm.runtime.checks", "meshcomm.runtime.collectives",
+    "meshcomm.runtime.compiler",
 )
 # The one module that hands tensors to torch's functional collectives (and records them).
 WIRE = "meshcomm.executors.distributed.wire"
@@ -255,7 +258,7 @@ def test_no_folder_named_like_build_output() -> None:
 
 
 def test_the_launcher_is_not_a_testing_module() -> None:
-    assert "meshcomm.executors.distributed.launch" in GRAPH["meshcomm.cli"] or any(
+    assert "meshcomm.runtime.launch" in GRAPH["meshcomm.cli"] or any(
         "launch" in i for i in imports(PACKAGE / "cli.py"))
     assert not any(within(m, "meshcomm.testing") for m in GRAPH["meshcomm.cli"])
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import meshcomm as mc
-from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.runtime.bind import BoundMesh
 from meshcomm.core.errors import (LayoutSyntaxError, MeshAxisError, MeshcommError,
                                   MeshMismatchError, PlanError, ShapeError)
 

@@ -274,7 +274,7 @@ def test_pickle_copy_and_repr_round_trip(mesh):
 def test_torch_without_sort_ranks_takes_sorted_groups_and_refuses_others(monkeypatch) -> None:
     """Before torch 2.12 new_group sorts a group's ranks; a group whose mesh order is not
     sorted would then hold its blocks in the wrong order, so init_mesh refuses it first."""
-    from meshcomm.executors.distributed import bind
+    from meshcomm.runtime import bind
 
     monkeypatch.setattr(bind, "_SORT_RANKS", False)
     mesh = Mesh("dp=2 tp=2", ranks=[0, 2, 1, 3])

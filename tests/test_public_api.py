@@ -95,7 +95,7 @@ def test_every_cache_in_the_docs_table_exists_and_is_bounded() -> None:
     text = (ROOT / "docs" / "errors.md").read_text()
     table = text[text.index("| cache | what it keys |"):text.index("bounds each plan cache")]
     names = [n for n in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", table)
-             if not n.startswith("mc.") and n != "executors.distributed.checks"]
+             if not n.startswith("mc.") and n != "runtime.checks"]
     assert len(names) >= 25
     for name in names:
         module, _, attr = name.rpartition(".")

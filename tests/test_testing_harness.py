@@ -1,4 +1,4 @@
-"""meshcomm.executors.distributed.launch.run_ranks: results by rank, real collectives, errors,
+"""meshcomm.runtime.launch.run_ranks: results by rank, real collectives, errors,
 timeouts, cleanup; and the tests' one timeout factor (conftest.scaled)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from meshcomm.core.errors import MeshcommError, RankFailure
-from meshcomm.executors.distributed import launch
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime import launch
+from meshcomm.runtime.launch import run_ranks
 
 from conftest import TIMEOUT_FACTOR_ENV, run_scaled, scaled
 

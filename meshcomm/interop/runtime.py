@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core.errors import InteropError
 from ..core.layout import Shape
 from ..core.mesh import Mesh, device_axis_names
-from ..executors.distributed.bind import BoundMesh, check_default, create_groups
+from ..runtime.bind import BoundMesh, check_default, create_groups
 from .placements import Placements
 
 

@@ -26,8 +26,8 @@ from torch import Tensor
 from ..core.errors import ShapeError
 from ..core.layout import Layout
 from ..core.mesh import AxisName
-from ..executors.distributed.bind import BoundMesh
-from ..executors.distributed.collectives import all_to_all
+from ..runtime.bind import BoundMesh
+from ..runtime.collectives import all_to_all
 from ..core.units import format_bytes
 from ..recipes import RecipeLike
 from .comms import Comm, format_comms

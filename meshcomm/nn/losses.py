@@ -18,8 +18,8 @@ from torch.autograd.function import once_differentiable
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
 from ..core.layout import chunk_range
 from ..executors.distributed import wire
-from ..executors.distributed.bind import BoundMesh, require_bound
-from ..executors.distributed.collectives import all_reduce
+from ..runtime.bind import BoundMesh, require_bound
+from ..runtime.collectives import all_reduce
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_range"]
 

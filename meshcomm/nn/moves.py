@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ..core.layout import Layout, Shape, as_layout
-from ..executors.distributed.bind import BoundMesh
+from ..runtime.bind import BoundMesh
 from ..sharded import infer_shape, reshard
 
 Move = tuple[Layout | str, Layout | str]     # (source layout, destination layout)

@@ -40,7 +40,7 @@ from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, StyleErr
 from ..core.layout import Layout, positional_names
 from ..core.mesh import Mesh
 from ..core.reduce_ops import chunk_sizes
-from ..executors.distributed.bind import BoundMesh, require_bound
+from ..runtime.bind import BoundMesh, require_bound
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, wrap
 from ..sharded import reshard

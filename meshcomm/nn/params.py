@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..core.errors import MeshMismatchError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
-from ..executors.distributed.bind import BoundMesh, require_bound
+from ..runtime.bind import BoundMesh, require_bound
 from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
 from ..planner.values import Plan

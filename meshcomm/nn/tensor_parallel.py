@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.layout import Layout
-from ..executors.distributed.bind import BoundMesh
+from ..runtime.bind import BoundMesh
 from ..planner.plan import backward_plan, plan
 from ..recipes import RecipeLike
 from ..sharded import reshard

@@ -22,7 +22,7 @@ from torch import Tensor
 
 import meshcomm as mc
 from meshcomm.planner import backward_plan, grad_scale
-from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.runtime.bind import BoundMesh
 from meshcomm.core.errors import PlanError
 
 from conftest import ranks_fixture

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.executors.distributed.bind import check_default
-from meshcomm.executors.distributed.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text,
+from meshcomm.runtime.bind import check_default
+from meshcomm.runtime.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text,
                                                    checking, decode, encode, mismatch_message,
                                                    reshard_fields)
 

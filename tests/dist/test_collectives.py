@@ -22,8 +22,8 @@ from torch import Tensor
 import meshcomm as mc
 from meshcomm.core.reduce_ops import REDUCE_OPS
 from meshcomm.planner import Transfer
-from meshcomm.executors.distributed.bind import BoundMesh
-from meshcomm.executors.distributed.collectives import _group
+from meshcomm.runtime.bind import BoundMesh
+from meshcomm.runtime.collectives import _group
 from meshcomm.core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from meshcomm.core.mesh import Mesh
 from meshcomm.executors.sim import collectives as sim

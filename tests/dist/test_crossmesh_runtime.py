@@ -25,7 +25,7 @@ import torch
 
 import meshcomm as mc
 from meshcomm.sharded import infer_shape
-from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.runtime.bind import BoundMesh
 from meshcomm.executors.distributed.cross import execute_cross
 from meshcomm.executors.distributed.execute import ByteTrace
 from meshcomm.core.errors import MeshMismatchError, PlanError, ShapeError

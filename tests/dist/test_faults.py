@@ -27,7 +27,7 @@ import torch
 
 import meshcomm as mc
 from meshcomm.core.errors import RankFailure
-from meshcomm.executors.distributed import launch
+from meshcomm.runtime import launch
 
 from conftest import outcome, run_scaled, scaled, set_group_timeout
 
@@ -44,7 +44,7 @@ STEP_2 = ('step 2 of 2, all_gather over dp (group ranks [1, 3]), "(dp b) h" -> "
 
 def handlers() -> dict[str, Any]:
     """The executor's step handlers (`meshcomm.executors.distributed.execute` is shadowed by its function)."""
-    return importlib.import_module("meshcomm.executors.distributed.execute")._RUN  # type: ignore[no-any-return]
+    return importlib.import_module("meshcomm.executors.distributed.execute").HANDLERS  # type: ignore[no-any-return]
 
 
 def bind(rank: int, out_dir: str) -> mc.BoundMesh:

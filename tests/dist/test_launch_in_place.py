@@ -18,7 +18,7 @@ JOB = '''
 import sys
 import torch
 import meshcomm as mc
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime.launch import run_ranks
 
 
 def work(rank, world, scale):
@@ -118,7 +118,7 @@ def test_every_rank_prints_when_asked(tmp_path: Path) -> None:
 
 QUIET = '''
 import meshcomm as mc    # first: its filter is in place before torch loads
-from meshcomm.executors.distributed.launch import run_ranks
+from meshcomm.runtime.launch import run_ranks
 
 
 def work(rank, world):

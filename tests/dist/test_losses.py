@@ -26,7 +26,7 @@ import meshcomm as mc
 from meshcomm.core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from meshcomm.core.layout import Layout
 from meshcomm.core.mesh import Mesh
-from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.runtime.bind import BoundMesh
 from meshcomm.nn.losses import vocab_parallel_cross_entropy, vocab_range
 
 from conftest import ranks_fixture

@@ -26,7 +26,7 @@ import torch
 import meshcomm as mc
 from meshcomm import cli
 from meshcomm.sharded import infer_shape
-from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.runtime.bind import BoundMesh
 from meshcomm.executors.distributed.execute import ByteTrace, execute
 from meshcomm.core.errors import MeshMismatchError, ShapeError
 from meshcomm.executors.sim import execute as sim_execute

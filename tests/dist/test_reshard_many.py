@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 import meshcomm as mc
-from meshcomm.executors.distributed.bind import BoundMesh
+from meshcomm.runtime.bind import BoundMesh
 from meshcomm.executors.distributed.execute import ByteTrace, _buckets, signature
 
 from conftest import ints, ranks_fixture, scaled

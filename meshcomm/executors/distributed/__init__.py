@@ -1,13 +1,14 @@
-"""Run meshcomm over torch.distributed (NCCL on GPUs, gloo on CPU): one code path for both.
+"""Run a plan over torch.distributed (NCCL on GPUs, gloo on CPU): one code path for both.
 
-`bind` (init_mesh, BoundMesh), `execute` (plans on this rank, byte traces), `autograd`
-(differentiable reshard), `cross` (plans between meshes), `checks` (check mode),
-`collectives` (`mc.collectives`), `launch` (run a function on N local processes).
+`execute` (a plan on this rank, byte traces), `cross` (plans between meshes), `autograd`
+(differentiable reshard), `wire` (every functional-collective call, measured), `groups`
+(what an executor needs of a bound mesh). The bound mesh, check mode, the public
+collectives and the launcher are the runtime's (`meshcomm.runtime`).
 """
 
 from .autograd import Reshard
-from .bind import BoundMesh, default_backend, init_mesh
 from .execute import ByteTrace, Call, check_local, execute, execute_many, signature
+from .groups import Groups
 
-__all__ = ["BoundMesh", "ByteTrace", "Call", "Reshard", "check_local", "default_backend",
-           "execute", "execute_many", "init_mesh", "signature"]
+__all__ = ["ByteTrace", "Call", "Groups", "Reshard", "check_local", "execute", "execute_many",
+           "signature"]

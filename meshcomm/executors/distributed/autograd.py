@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ...planner.values import Plan, grad_scale
-from .bind import BoundMesh
+from .groups import Groups
 from .execute import ByteTrace, execute
 
 
@@ -36,7 +36,7 @@ class Reshard(torch.autograd.Function):
     """`execute(plan, x, bound)` with the backward of the module doc (double backward too)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, bound: BoundMesh, plan_: Plan, trace: ByteTrace | None,
+    def forward(ctx: Any, x: Tensor, bound: Groups, plan_: Plan, trace: ByteTrace | None,
                 reverse: Reverse) -> Tensor:
         ctx.bound, ctx.plan, ctx.reverse = bound, plan_, reverse
         out = execute(plan_, x, bound, trace=trace)
@@ -50,7 +50,7 @@ class Reshard(torch.autograd.Function):
         return (out * scale if scale != 1 else out), None, None, None, None
 
 
-def reshard_autograd(x: Tensor, bound: BoundMesh, plan_: Plan, trace: ByteTrace | None = None,
+def reshard_autograd(x: Tensor, bound: Groups, plan_: Plan, trace: ByteTrace | None = None,
                      *, reverse: Reverse) -> Tensor:
     """`plan_` on this rank, recorded for autograd when `x` needs a gradient; backward runs
     `reverse(plan_, grad.dtype)` (the planner's `backward_plan`)."""

@@ -20,11 +20,12 @@ from ...core.errors import MeshMismatchError, ShapeError
 from ...planner.values import Plan, Step
 from ..local import pack, rank_transfers, recv_splits, unpack
 from . import wire
-from .bind import BoundMesh, require_bound
-from .execute import _RUN, ByteTrace, _Run
+from .groups import Groups
+from .groups import require_bound
+from .execute import HANDLERS, ByteTrace, Run
 
 
-def check_cross(plan: Plan, local: Tensor | None, src: BoundMesh, dst: BoundMesh) -> None:
+def check_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups) -> None:
     """Raise before any communication if `local`, `src` or `dst` do not fit the plan here."""
     if plan.dst_mesh is None:
         raise MeshMismatchError(
@@ -59,7 +60,7 @@ def check_cross(plan: Plan, local: Tensor | None, src: BoundMesh, dst: BoundMesh
     plan.src.check_local(plan.mesh, plan.shape, rank, tuple(local.shape), "local tensor")
 
 
-def execute_cross(plan: Plan, local: Tensor | None, src: BoundMesh, dst: BoundMesh, *,
+def execute_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups, *,
                   trace: ByteTrace | None = None) -> Tensor | None:
     """This rank's output of a plan between meshes: its shard on the destination mesh, or
     None on a rank outside it (call it on every rank of the world).
@@ -84,11 +85,11 @@ def execute_cross(plan: Plan, local: Tensor | None, src: BoundMesh, dst: BoundMe
         bound = bounds[step.mesh or plan.mesh]
         if bound.in_mesh:
             assert x is not None, f"rank {rank} runs {step} without a tensor"
-            x = _RUN[step.kind](step, x, _Run(bound, plan.shape, trace))
+            x = HANDLERS[step.kind](step, x, Run(bound, plan.shape, trace))
     return x if dst.in_mesh else None
 
 
-def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: BoundMesh,
+def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
               trace: ByteTrace | None) -> Tensor | None:
     """The send_recv between meshes: one batch of isend/irecv, one message per pair."""
     ranks, rank = plan.ranks, dst.rank

@@ -33,7 +33,8 @@ from ...planner.values import Plan, Step
 from ..local import local_move, pack, rank_transfers, recv_splits, unpack
 from ..steps import Wire
 from . import wire
-from .bind import BoundMesh, require_bound
+from .groups import Groups
+from .groups import require_bound
 
 
 class Call(NamedTuple):
@@ -76,10 +77,10 @@ def group_of(mesh: Mesh, rank: int, axes: tuple[str, ...]) -> tuple[tuple[int, .
     return mesh.groups(*axes)[group_index], pos
 
 
-class _Run(NamedTuple):
+class Run(NamedTuple):
     """What every handler needs besides the step: the bound mesh, global shape, byte trace."""
 
-    bound: BoundMesh
+    bound: Groups
     shape: tuple[int, ...]
     trace: ByteTrace | None
     wait: bool = True      # False: collectives return tensors waited on at first use
@@ -99,7 +100,7 @@ class _Run(NamedTuple):
             self.trace.add(step.kind, step.axes, call.sent * itemsize, call.received * itemsize)
 
 
-def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
+def check_local(plan: Plan, local: Tensor, bound: Groups) -> None:
     """Raise before any communication if `local` or `bound` do not fit the plan on this rank."""
     require_bound(bound, "execute")
     if bound.mesh != plan.mesh:
@@ -124,7 +125,7 @@ def check_local(plan: Plan, local: Tensor, bound: BoundMesh) -> None:
     plan.src.check_local(plan.mesh, plan.shape, rank, tuple(local.shape), "local tensor")
 
 
-def execute(plan: Plan, local: Tensor, bound: BoundMesh, *, trace: ByteTrace | None = None,
+def execute(plan: Plan, local: Tensor, bound: Groups, *, trace: ByteTrace | None = None,
             wait: bool = True) -> Tensor:
     """This rank's output of `plan` for its input shard `local` (call it on every rank).
 
@@ -137,17 +138,17 @@ def execute(plan: Plan, local: Tensor, bound: BoundMesh, *, trace: ByteTrace | N
     >>> out = execute(mc.plan(bound.mesh, (8,), "(tp b)", "b"), x, bound)  # doctest: +SKIP
     """
     check_local(plan, local, bound)
-    run = _Run(bound, plan.shape, trace, wait)
+    run = Run(bound, plan.shape, trace, wait)
     for k, step in enumerate(plan.steps):
         try:
-            local = _RUN[step.kind](step, local, run)
+            local = HANDLERS[step.kind](step, local, run)
         except RuntimeError as err:
             raise_step_failure(err, plan, k, bound)
             raise
     return local
 
 
-def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: BoundMesh,
+def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: Groups,
                        items: list[int] | None = None) -> None:
     """Raise the meshcomm error for step `k` of `plan` failing with `err` on this rank: which
     step (index, kind, axes, layouts), its group's ranks, and the backend's own message.
@@ -176,14 +177,14 @@ def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: BoundMesh,
 # -- handlers: (step, this rank's tensor, run) -> this rank's next tensor ---------------
 # Each follows `step.wire` (decided by the planner) and records the buffers it hands to
 # the collective (`Wire`): the trace is measured, never recomputed from the plan.
-def _local(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _local(step: Step, x: Tensor, run: Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
     members, pos = group_of(mesh, rank, step.axes)
     return local_move(step, x, pos, len(members), step.after.local_shape(mesh, run.shape, rank),
                       rank, mesh, run.shape)
 
 
-def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _all_gather(step: Step, x: Tensor, run: Run) -> Tensor:
     if step.wire == "all_to_all":
         return _all_gather_v(step, x, run)
     y, call = wire.all_gather(x.unsqueeze(0).contiguous(), run.group(step), wait=run.wait)
@@ -191,7 +192,7 @@ def _all_gather(step: Step, x: Tensor, run: _Run) -> Tensor:
     return step.post.apply(y) if step.post else y
 
 
-def _all_gather_v(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _all_gather_v(step: Step, x: Tensor, run: Run) -> Tensor:
     """Blocks differ in size along `step.dim`: one all_to_all sending the block to everyone."""
     name, g, pos = run.group(step)
     mesh, d = run.bound.mesh, step.dim
@@ -202,7 +203,7 @@ def _all_gather_v(step: Step, x: Tensor, run: _Run) -> Tensor:
     return _a2a(step, run, buf, sizes, [sizes[pos]] * g).movedim(0, d)
 
 
-def _reduce_scatter(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _reduce_scatter(step: Step, x: Tensor, run: Run) -> Tensor:
     if step.wire == "all_to_all":
         return _reduce_scatter_v(step, x, run)
     group = run.group(step)
@@ -214,7 +215,7 @@ def _reduce_scatter(step: Step, x: Tensor, run: _Run) -> Tensor:
     return out / group.size if op == "avg" else out
 
 
-def _reduce_scatter_v(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _reduce_scatter_v(step: Step, x: Tensor, run: Run) -> Tensor:
     """torch.chunk-sized chunks along `step.dim`: an all_to_all, then the reduction in group
     order (`op_reduce`, as the simulator), so the result is bit-identical to it."""
     _, g, pos = run.group(step)
@@ -227,7 +228,7 @@ def _reduce_scatter_v(step: Step, x: Tensor, run: _Run) -> Tensor:
     return out.movedim(0, d)
 
 
-def _all_reduce(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _all_reduce(step: Step, x: Tensor, run: Run) -> Tensor:
     group = run.group(step)
     op = step.op or "sum"
     out, call = wire.all_reduce(x.contiguous(), _wire_op(op), group, wait=run.wait)
@@ -235,13 +236,13 @@ def _all_reduce(step: Step, x: Tensor, run: _Run) -> Tensor:
     return out / group.size if op == "avg" else out
 
 
-def _all_to_all(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _all_to_all(step: Step, x: Tensor, run: Run) -> Tensor:
     y = (step.pre.apply(x) if step.pre else x).contiguous()
     out = _a2a(step, run, y)
     return step.post.apply(out) if step.post else out
 
 
-def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _permute(step: Step, x: Tensor, run: Run) -> Tensor:
     """Pairs as one all_to_all: a position sends its whole tensor to each of its destinations;
     one that receives nothing gets zeros, as in the simulator."""
     _, g, pos = run.group(step)
@@ -259,7 +260,7 @@ def _permute(step: Step, x: Tensor, run: _Run) -> Tensor:
     return torch.zeros_like(x) if source is None else y.reshape(out_shape)
 
 
-def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
+def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
     transfers = rank_transfers(step, rank)
     members = run.members(step)
@@ -269,7 +270,7 @@ def _send_recv(step: Step, x: Tensor, run: _Run) -> Tensor:
     return unpack(transfers, members, rank, y, step.after.local_shape(mesh, run.shape, rank))
 
 
-def _a2a(step: Step, run: _Run, rows: Tensor, out_splits: list[int] | None = None,
+def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,
          in_splits: list[int] | None = None) -> Tensor:
     """all_to_all_single of `rows` along dim 0 over the step's group, recorded as measured."""
     y, call = wire.all_to_all(rows, run.group(step), out_splits, in_splits, wait=run.wait)
@@ -277,7 +278,7 @@ def _a2a(step: Step, run: _Run, rows: Tensor, out_splits: list[int] | None = Non
     return y
 
 
-_RUN: dict[str, Callable[[Step, Tensor, _Run], Tensor]] = {
+HANDLERS: dict[str, Callable[[Step, Tensor, Run], Tensor]] = {
     "local": _local,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
@@ -295,7 +296,7 @@ def _wire_op(op: str) -> str:
 
 # -- many plans at once: one collective per bucket of plans with the same shape ---------
 _BUCKETED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-Job = tuple[Tensor, BoundMesh, Plan]
+Job = tuple[Tensor, Groups, Plan]
 
 
 def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
@@ -312,7 +313,7 @@ def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
     outs = [x for x, _, _ in jobs]
     for bucket in _buckets(jobs, bucket_bytes):
         bound, first = jobs[bucket[0]][1], jobs[bucket[0]][2]
-        runs = [_Run(bound, jobs[i][2].shape, trace) for i in bucket]
+        runs = [Run(bound, jobs[i][2].shape, trace) for i in bucket]
         for k, step in enumerate(first.steps):
             steps = [jobs[i][2].steps[k] for i in bucket]
             xs = [outs[i] for i in bucket]
@@ -320,7 +321,7 @@ def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
                 if len(bucket) > 1 and step.kind in _BUCKETED and step.wire == step.kind:
                     ys = _RUN_MANY[step.kind](steps, xs, runs[0])
                 else:
-                    ys = [_RUN[s.kind](s, x, run) for s, x, run in zip(steps, xs, runs)]
+                    ys = [HANDLERS[s.kind](s, x, run) for s, x, run in zip(steps, xs, runs)]
             except RuntimeError as err:
                 raise_step_failure(err, first, k, bound, bucket)
                 raise
@@ -335,7 +336,7 @@ def step_shape(plan: Plan) -> tuple[tuple[object, ...], ...]:
     return tuple((s.kind, s.axes, s.op, s.action, s.wire) for s in plan.steps)
 
 
-def signature(plan: Plan, bound: BoundMesh) -> tuple[object, ...]:
+def signature(plan: Plan, bound: Groups) -> tuple[object, ...]:
     """What plans must share to run in one bucket: mesh, dtype and `step_shape`."""
     return (id(bound), plan.dtype, step_shape(plan))
 
@@ -370,7 +371,7 @@ def _unrows(buf: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
     return out
 
 
-def _all_gather_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
+def _all_gather_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tensor]:
     group = run.group(steps[0])
     flat = _rows(xs, 1)
     y, call = wire.all_gather(flat, group)
@@ -379,7 +380,7 @@ def _all_gather_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Ten
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
 
 
-def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
+def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tensor]:
     group = run.group(steps[0])
     g = group.size
     ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
@@ -393,7 +394,7 @@ def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list
     return [p / g for p in parts] if op == "avg" else parts
 
 
-def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
+def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tensor]:
     group = run.group(steps[0])
     g = group.size
     op = steps[0].op or "sum"
@@ -404,14 +405,14 @@ def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Ten
     return [p / g for p in parts] if op == "avg" else parts
 
 
-def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: _Run) -> list[Tensor]:
+def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tensor]:
     ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
     out = _a2a(steps[0], run, _rows(ys, run.group(steps[0]).size))
     parts = _unrows(out, [tuple(y.shape) for y in ys])
     return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
 
 
-_RUN_MANY: dict[str, Callable[[list[Step], list[Tensor], _Run], list[Tensor]]] = {
+_RUN_MANY: dict[str, Callable[[list[Step], list[Tensor], Run], list[Tensor]]] = {
     "all_gather": _all_gather_many,
     "reduce_scatter": _reduce_scatter_many,
     "all_reduce": _all_reduce_many,

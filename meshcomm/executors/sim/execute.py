@@ -60,7 +60,7 @@ def execute(plan: Plan, locals_: Sequence[Tensor], mesh: Mesh | None = None) -> 
 
 def run_step(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
     """One step on every rank of `mesh` (tensors in mesh order)."""
-    return _RUN[step.kind](step, mesh, xs, shape)
+    return HANDLERS[step.kind](step, mesh, xs, shape)
 
 
 def _groups(mesh: Mesh, step: Step) -> tuple[tuple[int, ...], ...]:
@@ -166,7 +166,7 @@ def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
     return SimResult(tuple(outputs), res.send_bytes, res.recv_bytes)
 
 
-_RUN: dict[str, Callable[[Step, Mesh, list[Tensor], tuple[int, ...]], SimResult]] = {
+HANDLERS: dict[str, Callable[[Step, Mesh, list[Tensor], tuple[int, ...]], SimResult]] = {
     "local": _local,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,

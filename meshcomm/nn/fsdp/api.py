@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from ...core.layout import Layout
-from ...executors.distributed.bind import BoundMesh, require_bound
+from ...runtime.bind import BoundMesh, require_bound
 from ...executors.local import run_slice
 from ...interop.placements import from_placements
 from ...interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of

@@ -14,7 +14,7 @@ from torch import nn
 from ...core.errors import MeshMismatchError, ShapeError
 from ...core.layout import Layout, positional_names
 from ...core.reduce_ops import chunk_sizes
-from ...executors.distributed.bind import BoundMesh
+from ...runtime.bind import BoundMesh
 from ...interop.placements import from_placements, to_placements
 from ...interop.runtime import global_shape, is_dtensor, placements_of, wrap
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...executors.distributed import wire
-from ...executors.distributed.bind import BoundMesh
+from ...runtime.bind import BoundMesh
 from ...executors.steps import Wire
 from ...interop.runtime import like
 from .param import MixedPrecision, Param

@@ -23,10 +23,10 @@ from torch import Tensor
 from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
-from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
-from ...core.mesh import AxisName, Mesh
-from ...core.reduce_ops import REDUCE_OPS, chunk_sizes, op_reduce
-from . import wire
+from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
+from ..core.mesh import AxisName, Mesh
+from ..core.reduce_ops import REDUCE_OPS, chunk_sizes, op_reduce
+from ..executors.distributed import wire
 from .bind import BoundMesh
 from .checks import agree_collective, checking
 

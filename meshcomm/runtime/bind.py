@@ -19,13 +19,15 @@ import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 
-from ...core.errors import MeshAxisError, MeshMismatchError
-from ...core.mesh import AxisName, Mesh
+from ..core.errors import MeshAxisError, MeshMismatchError
+from ..core.mesh import AxisName, Mesh
+from ..executors.distributed.groups import Groups
+from ..executors.distributed.groups import require_bound as require_groups
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -33,19 +35,12 @@ if TYPE_CHECKING:
 
 def require_bound(value: object, who: str, argument: str = "a mesh") -> BoundMesh:
     """`value`, which must be a BoundMesh; otherwise the one error every public call raises
-    for it: "reshard needs a mesh bound to torch.distributed, got the Mesh Mesh(dp=2); fix:
-    bound = mc.init_mesh('dp=2') on every rank, then pass bound"."""
-    if isinstance(value, BoundMesh):
-        return value
-    what = f"the Mesh {value!r}" if isinstance(value, Mesh) else f"a {type(value).__name__}"
-    spec = str(value) if isinstance(value, Mesh) or "=" in str(value) else "dp=2 tp=4"
-    raise MeshMismatchError(f"{who} needs {argument} bound to torch.distributed, got {what};"
-                            f" fix: bound = mc.init_mesh({spec!r}) on every rank, then pass"
-                            " bound")
+    for it (`executors.distributed.groups.require_bound`)."""
+    return cast(BoundMesh, require_groups(value, who, argument))
 
 
 @dataclass(frozen=True, eq=False)
-class BoundMesh:
+class BoundMesh(Groups):
     """A Mesh bound to live process groups on this rank.
 
     `group_name(axes)` is the name of this rank's group for a collective over

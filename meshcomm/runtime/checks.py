@@ -29,16 +29,16 @@ from typing import NamedTuple, NoReturn
 import torch
 from torch import Tensor
 
-from ...core.errors import (
+from ..core.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeout,
     MeshcommError,
 )
-from ...planner.values import Plan
-from . import wire
+from ..planner.values import Plan
+from ..executors.distributed import wire
 from .bind import BoundMesh, check_default
-from .execute import check_local
+from ..executors.distributed.execute import check_local
 
 FINGERPRINT_BYTES = 256
 HASH_BYTES = 16

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ...core.errors import RankFailure
+from ..core.errors import RankFailure
 
 _GRACE_S = 2.0      # how long a terminated child gets before it is killed
 _POLL_S = 0.1
