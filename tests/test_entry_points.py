@@ -85,7 +85,7 @@ def test_reshard_is_marked_for_dynamo_whenever_dynamo_loads(dynamo_first: bool) 
     import subprocess
     import sys
 
-    order = ["import torch._dynamo", "import meshcomm.sharded as s"]
+    order = ["import torch._dynamo", "import meshcomm.sharded.local as s"]
     code = "\n".join(order if dynamo_first else order[::-1]) + (
         "\nfrom torch._dynamo import trace_rules as t"
         "\nprint(id(s._reshard_traced) in t._nonstrict_trace_callable_ids,"

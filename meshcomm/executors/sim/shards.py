@@ -42,20 +42,20 @@ def scatter(global_tensor: Tensor, mesh: Mesh, layout: str | Layout) -> list[Ten
     [[0.0, 1.0], [2.0, 3.0]]
     """
     layout = as_layout(layout)
-    shape = tuple(global_tensor.shape)
-    out = []
-    for rank in mesh.ranks:
-        local = take(global_tensor, layout.indices(mesh, shape, rank))
-        op = layout.reduce_op
-        if op is not None:
-            owner = _partial_owner(mesh, layout, rank, local.numel(),
-                                   local.device).reshape(local.shape)
-            value = local
-            if op == "avg":
-                value = local * _group_size(mesh, layout)
-            local = torch.where(owner, value, identity_like(local, op))
-        out.append(local)
-    return out
+    return [shard_of(global_tensor, mesh, layout, rank) for rank in mesh.ranks]
+
+
+def shard_of(global_tensor: Tensor, mesh: Mesh, layout: str | Layout, rank: int) -> Tensor:
+    """The local tensor of `rank` alone (`scatter`'s entry for it; the work of one rank,
+    whatever the mesh's size)."""
+    layout = as_layout(layout)
+    local = take(global_tensor, layout.indices(mesh, tuple(global_tensor.shape), rank))
+    op = layout.reduce_op
+    if op is None:
+        return local
+    owner = _partial_owner(mesh, layout, rank, local.numel(), local.device).reshape(local.shape)
+    value = local * _group_size(mesh, layout) if op == "avg" else local
+    return torch.where(owner, value, identity_like(local, op))
 
 
 def _group_size(mesh: Mesh, layout: Layout) -> int:

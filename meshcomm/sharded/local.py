@@ -1,0 +1,189 @@
+"""`reshard` of a local shard: the plan from `mc.plan`, run by the executor.
+
+Thin: the arguments normalized, the cached plan made (outside any fake-tensor mode), then
+run on this rank, differentiably (`executors.distributed.autograd`), across two meshes
+(`executors.distributed.cross`), or under torch.compile as one opaque call. Nothing here
+communicates except through a plan, and nothing communicates to learn a shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.errors import MeshcommError, MeshMismatchError, PlanError, ShapeError
+from ..core.layout import Layout, Shape, as_layout
+from ..core.mesh import Mesh
+from ..executors.distributed.autograd import reshard_autograd
+from ..executors.distributed.cross import execute_cross
+from ..executors.distributed.execute import ByteTrace, execute
+from ..planner.plan import backward_plan, plan_untraced
+from ..planner.values import CostModel, Plan
+from ..runtime.bind import BoundMesh, require_bound
+from ..runtime.checks import agree_reshard, checking, raise_together
+from ..runtime.compiler import when_dynamo_loads
+
+
+def reshard_local(x_local: Tensor | None, mesh: Any, src: str | Layout, dst: str | Layout, *,
+                  dst_mesh: BoundMesh | None = None, shape: Sequence[int] | None = None,
+                  dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
+                  trace: ByteTrace | None = None, check: bool | None = None,
+                  async_op: bool = False) -> Tensor | None:
+    """`mc.reshard` of a local tensor `x_local` (see `meshcomm.sharded.reshard`)."""
+    if dst_mesh is not None and not (isinstance(mesh, BoundMesh) and
+                                     isinstance(dst_mesh, BoundMesh) and
+                                     dst_mesh.mesh == mesh.mesh):
+        return _reshard_cross(x_local, mesh, src, dst, dst_mesh, shape, dtype, cost_model, trace)
+    if torch.compiler.is_compiling():
+        if trace is not None:
+            raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
+                             " leave it out (the plan's send_bytes/recv_bytes are the same)")
+        return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
+    if async_op and torch.is_grad_enabled() and getattr(x_local, "requires_grad", False):
+        raise ShapeError("reshard(async_op=True) returns before its collectives finish and"
+                         " records no gradient; fix: pass x.detach(), or leave async_op out")
+    if not checking(mesh, check):
+        p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+    else:
+        try:   # check mode: the ranks agree on the call first, a rank that fails here too
+            p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+        except MeshcommError as err:
+            raise_together(mesh, err, "reshard")
+        agree_reshard(x_local, mesh, p)
+    if async_op:
+        return execute(p, x_local, mesh, trace=trace, wait=False)
+    return reshard_autograd(x_local, mesh, p, trace, reverse=backward_plan)
+
+
+def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+                   dst_bound: BoundMesh, shape: Sequence[int] | None, dtype: torch.dtype | None,
+                   cost_model: CostModel | None, trace: ByteTrace | None) -> Tensor | None:
+    """`reshard` onto another mesh (see `meshcomm.executors.distributed.cross`)."""
+    for name, b in (("mesh", bound), ("dst_mesh", dst_bound)):
+        require_bound(b, "reshard(..., dst_mesh=...)", name)
+    rank = bound.rank
+    if not bound.in_mesh and not dst_bound.in_mesh:
+        return None
+    if bound.in_mesh:
+        p = _plan_for(x, bound, src, dst, shape, dtype, cost_model, dst_bound.mesh)
+    elif shape is None or dtype is None:
+        raise ShapeError(
+            f"rank {rank} is only in the destination mesh {dst_bound.mesh!r}: it has no shard"
+            " to read the global shape and dtype from. fix: pass shape=(...) and dtype=..."
+            " (those of the source) on every rank")
+    else:
+        p = plan_untraced(bound.mesh, tuple(shape), as_layout(src, "src"), as_layout(dst, "dst"),
+                          dtype=dtype, cost_model=cost_model, dst_mesh=dst_bound.mesh)
+    if x is not None and torch.is_grad_enabled() and x.requires_grad:
+        raise PlanError(
+            "reshard(..., dst_mesh=...) is not differentiable: ranks outside the destination"
+            " mesh get no output to call backward on. fix: pass x.detach(), and send the"
+            " gradient back with mc.reshard(grad, dst_mesh, dst, src, dst_mesh=mesh)")
+    return execute_cross(p, x, bound, dst_bound, trace=trace)
+
+
+# Under torch.compile, Dynamo never traces the planner: `_static_args` only reads plain values
+# (strings, ints, tuples) off the bound mesh, and `_reshard_traced` is one opaque call for
+# Dynamo that AOTAutograd traces down to the functional collectives it makes, planning with
+# real Python on the way (outside the fake-tensor mode; see `plan_untraced`).
+def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
+                 shape: Sequence[int] | None, dtype: torch.dtype | None,
+                 cost_model: CostModel | None) -> tuple[Any, ...]:
+    """Everything `_reshard_traced` needs besides the tensor, as plain values."""
+    if not isinstance(bound, BoundMesh):
+        _plan_for(torch.empty(0), bound, src, dst, shape, dtype, cost_model)  # raises
+    mesh = bound.mesh
+    names = tuple((axes, bound.group_name(axes)) for k in range(1, len(mesh.axis_names) + 1)
+                  for axes in itertools.combinations(mesh.axis_names, k))
+    # None is no graph input: an absent shape, dtype or cost model is an empty tuple.
+    cost = () if cost_model is None else tuple(
+        (f.name, getattr(cost_model, f.name)) for f in dataclasses.fields(cost_model) if f.init)
+    return (mesh.axis_names, mesh.shape, mesh.ranks, bound.backend, str(bound.device), bound.rank,
+            names, str(src), str(dst), () if shape is None else (tuple(int(s) for s in shape),),
+            () if dtype is None else (dtype,), cost)
+
+
+def _concrete(value: Any) -> Any:
+    """`value` with every SymInt made an int (a guard on its value). After a recompile
+    Dynamo makes the ints a call passes dynamic; a plan is made for one shape."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_concrete(v) for v in value)
+    return int(value) if isinstance(value, torch.SymInt) else value
+
+
+def _reshard_opaque(x: Tensor, static: tuple[Any, ...]) -> Tensor:
+    static = _concrete(static)
+    axes, sizes, ranks, backend, device, rank, names, src, dst, shape, dtype, cost = static
+    bound = BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
+                      torch.device(device), rank, dict(names))
+    cost_model = CostModel(**dict(cost)) if cost else None
+    p = _plan_for(x, bound, src, dst, shape[0] if shape else None, dtype[0] if dtype else None,
+                  cost_model)
+    return reshard_autograd(x, bound, p, reverse=backward_plan)
+
+
+# What `reshard` calls under torch.compile: `_reshard_opaque` marked nonstrict_trace, marked
+# when torch._dynamo loads (importing it here would double `import meshcomm`'s time).
+_reshard_traced = _reshard_opaque
+
+
+def _mark_for_dynamo() -> None:
+    global _reshard_traced
+    _reshard_traced = torch._dynamo.nonstrict_trace(_reshard_opaque)
+
+
+when_dynamo_loads(_mark_for_dynamo)
+
+
+def _plan_for(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+              shape: Sequence[int] | None, dtype: torch.dtype | None,
+              cost_model: CostModel | None, dst_mesh: Mesh | None = None) -> Plan:
+    require_bound(bound, "reshard")
+    if not bound.in_mesh:
+        raise MeshMismatchError(
+            f"reshard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
+            f" {list(bound.mesh.ranks)}), so it holds no shard of a tensor on it."
+            " fix: call reshard on the mesh's ranks only (if mesh.in_mesh: ...)")
+    if not isinstance(x, Tensor):
+        sharded = hasattr(x, "local") and hasattr(x, "layout")     # a Sharded
+        hint = "; fix: s.reshard(dst) for a Sharded s" if sharded else ""
+        raise ShapeError(f"reshard needs a local torch.Tensor, got {type(x).__name__}{hint}")
+    src_layout = as_layout(src, "src")
+    if shape is None:
+        shape = infer_shape(bound.mesh, src_layout, tuple(x.shape), bound.rank)
+    return plan_untraced(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
+                         dtype=x.dtype if dtype is None else dtype, cost_model=cost_model,
+                         dst_mesh=dst_mesh)
+
+
+def infer_shape(mesh: Mesh, layout: Layout, local_shape: Shape, rank: int) -> Shape:
+    """The global shape of even shards: each local size times the sizes of its dim's axes.
+
+    Local only (never communicates). Raises where this rank's shard shows the layout is
+    uneven (an empty shard of a sharded dim), asking for `shape=`.
+
+    >>> infer_shape(Mesh("dp=2 tp=2"), Layout("(dp b) s | sum(tp)"), (4, 6), 0)
+    (8, 6)
+    """
+    if len(local_shape) != layout.ndim:
+        raise ShapeError(f'local tensor on rank {rank} has {len(local_shape)} dims but layout'
+                         f' "{layout}" has {layout.ndim}; fix: pass a tensor with one dim per'
+                         " layout dim")
+    axes = set(mesh.axis_names)
+    shape = []
+    for i, (dim, n) in enumerate(zip(layout.dims, local_shape)):
+        sizes = [mesh.axis_size(f.name) for f in dim.factors if f.name in axes]
+        if sizes and n == 0:
+            raise ShapeError(
+                f'cannot infer the global shape of layout "{layout}" on {mesh!r}: rank {rank}'
+                f" holds 0 elements of dim {i}, so its shards are uneven."
+                f" fix: pass shape=(...) (the global shape) on every rank")
+        shape.append(n * math.prod(sizes))
+    layout.check_local(mesh, tuple(shape), rank, local_shape, "local tensor")
+    return tuple(shape)
