@@ -46,16 +46,15 @@ _SUBPACKAGES = frozenset({"core", "planner", "executors", "runtime", "interop", 
                           "recipes", "sharded", "testing", "cli"})
 
 if TYPE_CHECKING:
-    from . import collectives, dryrun, dtensor, errors, nn
+    from . import collectives, dryrun, dtensor, errors, nn, sim
     from .core.layout import Layout
     from .core.mesh import Mesh
     from .display import show, show_plan
-    from . import sim
     from .executors.distributed import ByteTrace
-    from .runtime import BoundMesh, init_mesh
     from .planner.plan import plan
     from .planner.values import CostModel, Plan, Step
     from .recipes import Recipe, logical, recipe
+    from .runtime import BoundMesh, init_mesh
     from .sharded import Sharded, distribute, reshard, reshard_many
 
 __all__ = [

@@ -178,8 +178,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     from . import display
     from .core.mesh import Mesh
     from .executors import sim
-    from .runtime.launch import run_ranks
     from .planner.plan import plan
+    from .runtime.launch import run_ranks
 
     console = display.make_console(width=args.width)
     mesh = Mesh(DEMO_MESH)
@@ -298,7 +298,8 @@ def launch(nproc: int, script: str, script_args: Sequence[str] = ()) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     streams = sys.stdout, sys.stderr
     # torchrun's tee writes each rank's lines to sys.stdout/sys.stderr as it finds them.
-    sys.stdout, sys.stderr = cast(TextIO, OnePrefix(sys.stdout)), cast(TextIO, OnePrefix(sys.stderr))
+    sys.stdout, sys.stderr = (cast(TextIO, OnePrefix(sys.stdout)),
+                              cast(TextIO, OnePrefix(sys.stderr)))
     try:
         torchrun.main(["--standalone", f"--nproc-per-node={nproc}", "--tee", "3",
                        "--role", "rank", script, *script_args])

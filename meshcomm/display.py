@@ -31,7 +31,7 @@ __all__ = ["BlockGrid", "Console", "ShardRow", "block_grid", "dim_names", "expor
 EMPTY = "∅"
 MAX_BLOCKS = 16
 MAX_LISTED_OWNERS = 4
-MAX_PICTURE_WIDTH = 100     # a wider console leaves the block picture at this (labels may need more)
+MAX_PICTURE_WIDTH = 100  # a wider console leaves the block picture at this (labels may need more)
 PARTIAL_MARK = {"sum": "+", "avg": "avg", "max": "max", "min": "min"}
 _PALETTE = ("#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99", "#8dd3c7",
             "#bebada", "#80b1d3", "#fccde5", "#d9d9d9", "#ccebc5")

@@ -39,10 +39,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .core.errors import MeshMismatchError
-from .runtime.bind import GROUP_DESC
+from .core.units import format_bytes
+from .executors.distributed import wire
 from .executors.local import storage_key
 from .executors.steps import Wire
-from .core.units import format_bytes
+from .runtime.bind import GROUP_DESC
 
 __all__ = ["Collective", "Report", "Step", "active", "run", "start"]
 
@@ -154,7 +155,7 @@ _PASS_THROUGH = frozenset({"wait_tensor", "_wrap_tensor_autograd"})
 
 
 @dataclass
-class _Recorder(TorchDispatchMode):
+class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Records collectives and live tensor bytes of everything dispatched under it."""
 
     steps: list[Step] = field(default_factory=list)
@@ -167,7 +168,7 @@ class _Recorder(TorchDispatchMode):
     t0: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -239,9 +240,7 @@ def _collective(kind: str, args: Any, out: Any) -> Collective:
 def _group(name: str) -> tuple[int, str]:
     """(size, what to call it) of a process group by name: the mesh axes meshcomm made it
     for (its group_desc), "world", or its size."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    pg = _resolve_process_group(name)
+    pg = wire.resolve_group(name)
     size = pg.size()
     desc = getattr(pg, "group_desc", "") or ""
     if desc.startswith(GROUP_DESC):
@@ -250,6 +249,4 @@ def _group(name: str) -> tuple[int, str]:
 
 
 def _position(name: str) -> int:
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return int(_resolve_process_group(name).rank())
+    return int(wire.resolve_group(name).rank())

@@ -22,7 +22,7 @@ from .core.errors import (
                           StyleError,
 )
 
-__all__ = ["CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout", "InteropError",
-           "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
+__all__ = ["CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
+           "InteropError", "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
            "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ShapeError",
            "StyleError"]

@@ -148,7 +148,8 @@ def _parse_dims(text: str, body: str) -> tuple[Dim, ...]:
             dims.append(Dim(tuple(group)))
             group = None
         else:
-            why = "unexpected character" + (" (a size needs a name: x=2)" if punct.isdigit() else "")
+            why = "unexpected character" + (" (a size needs a name: x=2)"
+                                            if punct.isdigit() else "")
             raise _fail(text, start, end, why, "dims are names or (groups of names)")
     if group is not None:
         raise _fail(text, open_at, len(body.rstrip()), "this group is never closed",

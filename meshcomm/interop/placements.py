@@ -124,7 +124,8 @@ def from_placements(mesh: Mesh, shape: Sequence[int], placements: Sequence[Any],
     """The layout whose shards are those of DTensor `placements` (one per mesh axis).
 
     >>> from torch.distributed.tensor import Shard, Partial
-    >>> mc.dtensor.from_placements(mc.Mesh("dp=2 tp=2"), (8, 6), [Shard(1), Partial("max")], names="b h")
+    >>> mc.dtensor.from_placements(mc.Mesh("dp=2 tp=2"), (8, 6), [Shard(1), Partial("max")],
+    ...                            names="b h")
     Layout('b (dp h) | max(tp)')
 
     `names` names the dims (default d0, d1, ..., or dim0, dim1, ... on an unnamed mesh,

@@ -10,7 +10,7 @@ import itertools
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -30,6 +30,16 @@ def global_shape(dt: Any) -> Shape:
     return tuple(int(n) for n in (meta.shape if meta is not None else dt.shape))
 
 
+def local_of(dt: Any) -> Tensor:
+    """A DTensor's local tensor (`dt.to_local()`)."""
+    return cast(Tensor, dt.to_local())
+
+
+def device_mesh_of(dt: Any) -> Any:
+    """A DTensor's DeviceMesh (`dt.device_mesh`)."""
+    return dt.device_mesh
+
+
 def is_dtensor(x: object) -> bool:
     """True for a torch DTensor (imports nothing: no DTensor exists before its module loads)."""
     module = sys.modules.get("torch.distributed.tensor")
@@ -40,7 +50,8 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
                      flatten: bool = False) -> BoundMesh:
     """A BoundMesh over a DeviceMesh's process groups (sends nothing unless `flatten`).
 
-    >>> bound = mc.dtensor.bind_device_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))  # doctest: +SKIP
+    >>> bound = mc.dtensor.bind_device_mesh(  # doctest: +SKIP
+    ...     init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
 
     Each axis uses the DeviceMesh's own group. A group over several axes (which plans
     use for some collectives) is, first, one meshcomm made for this mesh (`mc.reshard`
@@ -67,8 +78,8 @@ def bind_device_mesh(device_mesh: Any, *, check: bool | None = None,
                             rank, {}, check_default(check))
         vars(outside)["device_mesh"] = device_mesh   # DTensors on it are still made there
         return outside
-    names = {(axis,): device_mesh.get_group(i).group_name
-             for i, axis in enumerate(mesh.axis_names)}
+    names: dict[tuple[str, ...], str] = {(axis,): device_mesh.get_group(i).group_name
+                                         for i, axis in enumerate(mesh.axis_names)}
     existing = _groups_by_ranks()
     made = _MADE.get(mesh, {})
     for k in range(2, len(mesh.axis_names) + 1):
@@ -121,10 +132,10 @@ def _root_grids(device_mesh: Any) -> Tensor:
     own = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
     root_names = tuple(getattr(root, "mesh_dim_names", None) or ())
     if root is device_mesh or not own or not set(own) <= set(root_names):
-        return device_mesh.mesh.unsqueeze(0)
+        return cast(Tensor, device_mesh.mesh.unsqueeze(0))
     dims = [root_names.index(n) for n in own]
     rest = [i for i in range(len(root_names)) if i not in dims]
-    return root.mesh.permute(*rest, *dims)
+    return cast(Tensor, root.mesh.permute(*rest, *dims))
 
 
 # Flattened groups meshcomm made for DeviceMeshes. _DONE: per set of slice meshes (the
@@ -190,7 +201,7 @@ def like(local: Tensor, dt: Any) -> Any:
     its gradients so too); `from_local` costs tens of microseconds a call."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor(local, dt._spec, requires_grad=False)
+    return DTensor(local, dt._spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 def wrap(local: Tensor, dm: Any, placements: Placements, shape: Shape) -> Any:

@@ -32,7 +32,8 @@ def steps_text(plan: Plan) -> str:
     parts = []
     for step in plan.collectives:
         op = f" {step.op}" if step.op else ""
-        parts.append(f"{step.kind}{op}({', '.join(step.axes)}) {format_bytes(max(step.recv_bytes))}")
+        parts.append(f"{step.kind}{op}({', '.join(step.axes)})"
+                     f" {format_bytes(max(step.recv_bytes))}")
     return ", ".join(parts) if parts else "no communication"
 
 
@@ -50,7 +51,8 @@ def format_comms(title: str, comms: Sequence[Comm], *, full: bool = False,
                  notes: Sequence[str] = ()) -> str:
     """A title, one line per comm (forward ones first, in running order), then notes; with
     `full`, each plan that communicates as `plan.explain()` prints it."""
-    ordered = [c for c in comms if c.phase == "forward"] + [c for c in comms if c.phase != "forward"]
+    ordered = ([c for c in comms if c.phase == "forward"]
+               + [c for c in comms if c.phase != "forward"])
     lines = [title, *("  " + comm_line(c) for c in ordered), *("  " + n for n in notes)]
     if full:
         for c in ordered:

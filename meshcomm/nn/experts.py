@@ -26,10 +26,10 @@ from torch import Tensor
 from ..core.errors import ShapeError
 from ..core.layout import Layout
 from ..core.mesh import AxisName
-from ..runtime.bind import BoundMesh
-from ..runtime.collectives import all_to_all
 from ..core.units import format_bytes
 from ..recipes import RecipeLike
+from ..runtime.bind import BoundMesh
+from ..runtime.collectives import all_to_all
 from .comms import Comm, format_comms
 from .params import ShardedModule
 
@@ -70,7 +70,8 @@ def dispatch(x: Tensor, expert: Tensor, bound: BoundMesh, experts: Layout,
              n_experts: int) -> tuple[Tensor, Routing]:
     """The tokens this rank's experts get from every rank, and the routing to send them back.
 
-    >>> got, routing = dispatch(tokens, expert_of_token, bound, Layout("(ep experts)"), 8)  # doctest: +SKIP
+    >>> got, routing = dispatch(tokens, expert_of_token, bound,  # doctest: +SKIP
+    ...                         Layout("(ep experts)"), 8)
 
     `x` is (tokens, features), `expert` the chosen expert of each token (top-1). Received
     rows come grouped by source position, then by local expert. Every rank calls it.
@@ -161,7 +162,8 @@ class MoE(ShardedModule):
                  f" input_splits={send}, output_splits={recv}, {format_bytes(row)} per token"),
             Comm("forward", "combine", note=f"all_to_all({axes}) uneven, the splits swapped"),
             Comm("backward", "combine grad", note=f"all_to_all({axes}) uneven, inverse of combine"),
-            Comm("backward", "dispatch grad", note=f"all_to_all({axes}) uneven, inverse of dispatch"),
+            Comm("backward", "dispatch grad",
+                 note=f"all_to_all({axes}) uneven, inverse of dispatch"),
         ]
 
     def explain(self, shape: Sequence[int] | None = None, *, full: bool = False,

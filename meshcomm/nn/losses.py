@@ -98,8 +98,8 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, mesh: BoundMesh
     """
     n, pos, vocab, checked = _check_args(logits, target, mesh, axis, ignore_index, reduction,
                                          vocab_size)
-    out: Tensor = _VocabParallelCE.apply(logits, target, mesh, axis, n, pos, vocab, checked,
-                                         ignore_index, reduction)
+    out: Tensor = _VocabParallelCE.apply(  # type: ignore[no-untyped-call]
+        logits, target, mesh, axis, n, pos, vocab, checked, ignore_index, reduction)
     return out
 
 
@@ -113,7 +113,8 @@ def _check_args(logits: object, target: object, mesh: object, axis: object,
                 ignore_index: object, reduction: object,
                 vocab_size: object) -> tuple[int, int, int | None, bool]:
     """(axis size, this rank's position, global V or None, whether the targets are checked)."""
-    m = require_bound(mesh, _FN).mesh
+    bound = require_bound(mesh, _FN)
+    m = bound.mesh
     if not isinstance(axis, str):
         raise MeshAxisError(f"{_FN}: axis={axis!r} must name one mesh axis of {m!r}, e.g."
                             f' "{m.axis_names[-1]}"; the vocabulary is split over one axis')
@@ -121,8 +122,8 @@ def _check_args(logits: object, target: object, mesh: object, axis: object,
         hint = did_you_mean(axis, m.axis_names)
         raise MeshAxisError(f'{_FN}: axis="{axis}" is not an axis of {m!r}; axes are'
                             f" {', '.join(m.axis_names)}" + (f"\n  fix: {hint}" if hint else ""))
-    if not mesh.in_mesh:
-        raise MeshMismatchError(f"{_FN}: rank {mesh.rank} is not in {m!r}; only its ranks"
+    if not bound.in_mesh:
+        raise MeshMismatchError(f"{_FN}: rank {bound.rank} is not in {m!r}; only its ranks"
                                 f" {list(m.ranks)} call it")
     if not isinstance(logits, Tensor):
         raise ShapeError(f"{_FN}: logits must be a torch.Tensor, got {type(logits).__name__}")
@@ -152,7 +153,7 @@ def _check_args(logits: object, target: object, mesh: object, axis: object,
         hint = did_you_mean(str(reduction), REDUCTIONS)
         raise ShapeError(f"{_FN}: reduction={reduction!r}; expected one of"
                          f" {', '.join(REDUCTIONS)}" + (f"\n  fix: {hint}" if hint else ""))
-    n, pos = m.axis_size(axis), mesh.coords[axis]
+    n, pos = m.axis_size(axis), bound.mesh.coords(bound.rank)[axis]
     local = logits.shape[-1]
     if vocab_size is None:
         return n, pos, None, False
@@ -163,7 +164,7 @@ def _check_args(logits: object, target: object, mesh: object, axis: object,
     start, end = vocab_range(vocab, n, pos)
     if local != end - start:
         raise ShapeError(
-            f'{_FN}: logits on rank {mesh.rank} (position {pos} of {n} along "{axis}") has'
+            f'{_FN}: logits on rank {bound.rank} (position {pos} of {n} along "{axis}") has'
             f" {local} classes in its last dim, but vocab_size={vocab} split over {n} gives it"
             f" classes [{start}, {end}) ({end - start}). fix: pass this rank's shard"
             f" full_logits[..., {start}:{end}], or the global vocab_size")

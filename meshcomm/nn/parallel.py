@@ -6,12 +6,14 @@ splits the weights of the named `nn.Linear` / `nn.Embedding` modules over mesh a
 further over "dp") and wraps each module's forward with the activation moves its style
 needs. Every move is a meshcomm plan on layouts (`d0 d1 ...` are the activation's dims):
 
-| style            | weight            | input                        | output                    |
-|------------------|-------------------|------------------------------|---------------------------|
-| `colwise`        | `(tp d0) d1`      | replicated; backward: all_reduce of its gradient | last dim split `(tp dk)` |
-| `colwise_gather` | `(tp d0) d1`      | as colwise                   | all_gather to replicated  |
-| `rowwise`        | `d0 (tp d1)`      | last dim split (a colwise output) | `... | sum(tp)` -> all_reduce; bias added after |
-| `embedding`      | `(tp d0) d1` (vocab rows) | replicated token ids  | `... | sum(tp)` -> all_reduce |
+| style            | weight       | input                         | output                        |
+|------------------|--------------|-------------------------------|-------------------------------|
+| `colwise`        | `(tp d0) d1` | replicated; grad all_reduced  | last dim split `(tp dk)`      |
+| `colwise_gather` | `(tp d0) d1` | as colwise                    | all_gather to replicated      |
+| `rowwise`        | `d0 (tp d1)` | last dim split (from colwise) | `... | sum(tp)` -> all_reduce |
+| `embedding`      | `(tp d0) d1` | replicated token ids          | `... | sum(tp)` -> all_reduce |
+
+An `embedding` weight's d0 is its vocab rows; `rowwise` adds its bias after the all_reduce.
 
 Sequence parallelism (`*_sp` styles, `sp_input`, `sp_params`) keeps the activations between
 blocks split over the sequence (dim 1): `embedding_sp` and `rowwise_sp` reduce_scatter
@@ -31,7 +33,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -40,9 +42,9 @@ from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, StyleErr
 from ..core.layout import Layout, positional_names
 from ..core.mesh import Mesh
 from ..core.reduce_ops import chunk_sizes
-from ..runtime.bind import BoundMesh, require_bound
 from ..interop.placements import to_placements
-from ..interop.runtime import is_dtensor, wrap
+from ..interop.runtime import is_dtensor, local_of, wrap
+from ..runtime.bind import BoundMesh, require_bound
 from ..sharded import reshard
 from .moves import move
 
@@ -116,7 +118,7 @@ def _kind_fits(module: nn.Module, kind: type) -> bool:
 
 def _out_features(module: nn.Module) -> int:
     """A Linear's or Conv1D's output width (0 for other modules)."""
-    return int(module.nf if _is_conv1d(module) else getattr(module, "out_features", 0))
+    return int(getattr(module, "nf") if _is_conv1d(module) else getattr(module, "out_features", 0))
 
 
 class _TP:
@@ -140,7 +142,7 @@ class _TP:
         self.out_features = _out_features(module)
         self.zero_bias: Tensor | None = None  # a Conv1D's addmm needs a bias: zeros
         if self.spec.inputs == "tokens":     # (first row, rows) of this rank's vocabulary
-            sizes = chunk_sizes(module.num_embeddings, self.n)
+            sizes = chunk_sizes(int(getattr(module, "num_embeddings")), self.n)
             self.vocab_rows = (sum(sizes[:self.pos]), sizes[self.pos])
 
     def grad_sum(self, x: Tensor) -> Tensor:
@@ -153,17 +155,18 @@ class _TP:
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         spec, grad = self.spec, torch.is_grad_enabled()
-        for attr, p in list(module._parameters.items()):
+        params: dict[str, Any] = module._parameters   # holds shards and moved tensors here
+        for attr, p in list(params.items()):
             if p is not None and is_dtensor(p):     # not gathered by fully_shard: use the shard
                 self.swapped[attr] = p
-                module._parameters[attr] = p.to_local()   # type: ignore[assignment]
+                params[attr] = local_of(p)
         if self.conv1d:    # its forward shapes the output by `nf`: this rank's columns
-            module.nf = module._parameters["weight"].shape[1]
+            setattr(module, "nf", params["weight"].shape[1])
         if spec.grad_sum and grad:
-            for attr, p in list(module._parameters.items()):
+            for attr, p in list(params.items()):
                 if p is not None:
                     self.swapped.setdefault(attr, p)
-                    module._parameters[attr] = self.grad_sum(p)
+                    params[attr] = self.grad_sum(p)
         # the input: the first positional argument, or the first tensor passed by keyword
         # (Hugging Face calls its attention and MLP blocks as block(hidden_states=...))
         key = None if args else next(
@@ -171,7 +174,7 @@ class _TP:
         if not args and key is None:
             raise ShapeError(f"parallelize: {self.name} ({self.style}) was called without a"
                              " tensor argument; its style acts on the first tensor it gets")
-        x = args[0] if args else kwargs[key]
+        x = args[0] if args else kwargs[cast(str, key)]
         if spec.inputs == "replicated" and grad:
             x = self.grad_sum(x)
         elif spec.inputs == "sequence":     # backward: the partial gradient reduce_scattered
@@ -184,15 +187,15 @@ class _TP:
             self.mask = (local >= 0) & (local < rows)
             x = local.clamp(0, max(rows - 1, 0))
             # padding_idx is a global row: this shard's own index of it, or none here
-            self.padding_idx = module.padding_idx
+            self.padding_idx = getattr(module, "padding_idx")
             if self.padding_idx is not None:
                 mine = self.padding_idx - start
-                module.padding_idx = mine if 0 <= mine < rows else None
+                setattr(module, "padding_idx", mine if 0 <= mine < rows else None)
         if spec.outputs in ("sum", "sequence") and spec.weight is not None:
-            self.bias = module._parameters.get("bias")   # added once, after the sum
+            self.bias = params.get("bias")   # added once, after the sum
             if self.bias is not None:
                 self.swapped.setdefault("bias", self.bias)
-                module._parameters["bias"] = self._no_bias(self.bias)
+                params["bias"] = self._no_bias(self.bias)
                 if spec.outputs == "sequence" and grad:   # used on this rank's rows only
                     self.bias = self.grad_sum(self.bias)
         if key is not None:
@@ -210,13 +213,14 @@ class _TP:
         return z
 
     def post(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
+        params: dict[str, Any] = module._parameters
         for attr, p in self.swapped.items():
-            module._parameters[attr] = p
+            params[attr] = p
         self.swapped = {}
         if self.conv1d:
-            module.nf = self.out_features
+            setattr(module, "nf", self.out_features)
         if self.spec.inputs == "tokens":
-            module.padding_idx = self.padding_idx
+            setattr(module, "padding_idx", self.padding_idx)
         spec = self.spec
         if spec.outputs == "as is":
             return out
@@ -311,10 +315,10 @@ def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: 
         if len(held) < 2:
             continue
         layouts = []
-        for qual, p in held:
+        for qual, t in held:
             owner, _, attr = qual.rpartition(".")
             layouts.append(_param_layout(targets.get(owner), module.get_submodule(owner), attr,
-                                         p.dim(), axis, mesh))
+                                         t.dim(), axis, mesh))
         if len(set(layouts)) > 1:
             where = ", ".join(f'{q} ("{lay}")' if lay is not None else f"{q} (not split)"
                               for (q, _), lay in zip(held, layouts))

@@ -28,11 +28,11 @@ from torch import Tensor, nn
 from ..core.errors import MeshMismatchError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
-from ..runtime.bind import BoundMesh, require_bound
 from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
 from ..planner.values import Plan
 from ..recipes import RecipeLike, logical
+from ..runtime.bind import BoundMesh, require_bound
 from ..sharded import distribute, reshard, reshard_many
 from .comms import Comm, format_comms
 from .fsdp.regather import Regather
@@ -359,7 +359,8 @@ class FullyShard(nn.Module):
         """(gather collectives, reduce collectives) per forward and backward, bucketed:
         one per collective shape and step (assuming each bucket fits `bucket_bytes`)."""
         specs = [m.specs[a] for _, m, a in self.entries()]
-        return _bucketed([s.gather_plan() for s in specs]), _bucketed([s.reduce_plan() for s in specs])
+        return (_bucketed([s.gather_plan() for s in specs]),
+                _bucketed([s.reduce_plan() for s in specs]))
 
     def explain(self, *, full: bool = False) -> str:
         """The unit's parameters, one row each (stored -> use, what forward and backward run),
@@ -385,7 +386,8 @@ class FullyShard(nn.Module):
             back.append(_kinds(spec.reduce_plan()) + scale)
             rows.append((name, str(spec.shape), f'"{spec.stored}" -> "{spec.use}"',
                          _kinds(gather), ", ".join(back)))
-        return "\n".join([title, *("  " + line for line in _columns(rows)), *("  " + n for n in notes)])
+        return "\n".join([title, *("  " + line for line in _columns(rows)),
+                          *("  " + n for n in notes)])
 
 
 def _kinds(p: Plan) -> str:

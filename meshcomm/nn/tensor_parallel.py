@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.layout import Layout
-from ..runtime.bind import BoundMesh
 from ..planner.plan import backward_plan, plan
 from ..recipes import RecipeLike
+from ..runtime.bind import BoundMesh
 from ..sharded import reshard
 from .comms import Comm
 from .moves import move

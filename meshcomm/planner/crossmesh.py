@@ -30,8 +30,8 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from ..core.notation import Dim, Factor, Pattern
 from . import search
-from .states import from_layout, local_numels
 from .pairs import cross_traffic, lazy_cross
+from .states import from_layout, local_numels
 from .transfers import assign, cross_blocks, cross_blocks_of
 from .values import CostModel, Plan, Step, Transfer
 

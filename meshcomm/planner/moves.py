@@ -195,7 +195,8 @@ def _same_place(state: State, dst: State, d: int, axis: AxisName) -> bool:
     a, b = state.dims[d], dst.dims[d]
     if a.chunks or b.chunks:
         ca, cb = as_chunks(a), as_chunks(b)
-        return ca is not None and cb is not None and axis in ca and ca[:ca.index(axis) + 1] == cb[:ca.index(axis) + 1]
+        return (ca is not None and cb is not None and axis in ca
+                and ca[:ca.index(axis) + 1] == cb[:ca.index(axis) + 1])
     return any(s[2] == axis for s in b.shards) and _shard_of(a, axis) == _shard_of(b, axis)
 
 
@@ -245,7 +246,8 @@ def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         target = _even_target(dst, axis)
         if target and _fits(state.dims[target[0]], target[1]):
             d, shard = target
-            after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
+            after = _set_dim(state, d, even_dim(state.dims[d].size,
+                                                state.dims[d].shards + (shard,)))
             pre = _rearrange(state, after, (), (shard,), {axis: d})
             yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
             if _fits(after_all.dims[d], shard):
@@ -306,8 +308,8 @@ def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             if not _fits(state.dims[d2], shard2):
                 continue
             tag = "\0" + axis
-            mid = _set_dim(state, d2, even_dim(state.dims[d2].size,
-                                               state.dims[d2].shards + ((shard2[0], shard2[1], tag),)))
+            mid = _set_dim(state, d2, even_dim(
+                state.dims[d2].size, state.dims[d2].shards + ((shard2[0], shard2[1], tag),)))
             removed = _set_dim(state, d1, _without(state.dims[d1], axis, mesh))
             after = _set_dim(removed, d2, even_dim(removed.dims[d2].size,
                                                    removed.dims[d2].shards + (shard2,)))
@@ -320,7 +322,8 @@ def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
 
 
 def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
-    """collective_permute swapping the factors of two equal axes (or handing one to a replicated axis)."""
+    """collective_permute swapping the factors of two equal axes (or handing one to a replicated
+    axis)."""
     sizes = local_numels(state, mesh)
     placed = [(d, s) for d, dim in enumerate(state.dims) for s in dim.shards]
     free = [a for a in mesh.axis_names if a not in state.used_axes() and mesh.axis_size(a) > 1]
@@ -347,7 +350,8 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
 
 
-def _drop_partial(state: State, axes: tuple[AxisName, ...]) -> tuple[tuple[AxisName, ...], str | None]:
+def _drop_partial(state: State,
+                  axes: tuple[AxisName, ...]) -> tuple[tuple[AxisName, ...], str | None]:
     left = tuple(a for a in state.partial if a not in axes)
     return left, state.op if left else None
 
@@ -509,7 +513,8 @@ def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...],
     return layout.indices(mesh, shape, rank)
 
 
-GENERATORS = (gathers, slices, replica_slices, all_to_alls, permutes, reductions, partial_marks, block_permutes)
+GENERATORS = (gathers, slices, replica_slices, all_to_alls, permutes, reductions, partial_marks,
+              block_permutes)
 
 
 def expand(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:

@@ -56,7 +56,8 @@ def _as_shape(shape: object) -> Shape:
     try:
         return tuple(shape)  # type: ignore[arg-type, call-overload, no-any-return, unused-ignore]
     except TypeError:
-        raise PlanError(f"shape must be a sequence of ints such as (8, 16), got {shape!r}") from None
+        raise PlanError(
+            f"shape must be a sequence of ints such as (8, 16), got {shape!r}") from None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -112,8 +113,9 @@ def set_plan_cache_size(size: int) -> None:
 def plan_cache_info() -> dict[str, int]:
     """The plan caches' bound and fill, as plain data.
 
-    `maxsize` bounds each cache; `plans` counts distinct plans held (`search.single_plan`), `calls` the
-    distinct argument spellings (`_plan_args`); `hits` and `misses` count `plan()` calls.
+    `maxsize` bounds each cache; `plans` counts distinct plans held (`search.single_plan`),
+    `calls` the distinct argument spellings (`_plan_args`); `hits` and `misses` count `plan()`
+    calls.
 
     >>> sorted(plan_cache_info())
     ['calls', 'hits', 'maxsize', 'misses', 'plans']

@@ -41,7 +41,8 @@ class Rearrange:
     @property
     def is_identity(self) -> bool:
         flat_dims = len(self.split) == len(self.merge)
-        plain = all(s is None or len(s) == 1 for s in self.split) and all(m == 1 for m in self.merge)
+        plain = (all(s is None or len(s) == 1 for s in self.split)
+                 and all(m == 1 for m in self.merge))
         return flat_dims and plain and self.perm == tuple(range(len(self.perm)))
 
     def apply(self, x: Tensor) -> Tensor:

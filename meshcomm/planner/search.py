@@ -89,10 +89,11 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
     On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
     than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
     the queue then orders paths by time so far plus a lower bound of the time still
-    needed (the lower bound on bytes from the state to the goal over the fastest link). The bound holds for every correct plan, so the first path to reach the
-    goal is the least one in all four criteria either way (peak, steps and index-list
-    steps only grow along a path); A* expands far fewer states on large searches, and
-    small ones skip the cost of bounding every state.
+    needed (the lower bound on bytes from the state to the goal over the fastest link). The
+    bound holds for every correct plan, so the first path to reach the goal is the least
+    one in all four criteria either way (peak, steps and index-list steps only grow along
+    a path); A* expands far fewer states on large searches, and small ones skip the cost
+    of bounding every state.
     """
     if mesh.size <= _UNGUIDED_RANKS:
         try:
@@ -160,7 +161,8 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
             raise _TooLong
         for move in _moves(state, goal, mesh, cost_model.native):
             relax(key, state, move, path)
-    raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug, please report it")
+    raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug,"
+                    " please report it")
 
 
 Key = tuple[float, int, int, int]
@@ -174,7 +176,8 @@ def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> It
 
 def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     yield from expand(state, goal, mesh)
-    moves = [send_recv_move(state, t, mesh, exact=False) for t in send_recv_targets(state, goal, mesh)]
+    moves = [send_recv_move(state, t, mesh, exact=False)
+             for t in send_recv_targets(state, goal, mesh)]
     moves.append(reindex_move(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 

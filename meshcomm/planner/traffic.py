@@ -63,7 +63,8 @@ def all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
     total = on_mesh(mesh, sizes)
     pos = group_positions(mesh, axes)
     step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`
-    c = torch.clamp(torch.minimum((pos + 1) * step, total) - torch.minimum(pos * step, total), min=0)
+    c = torch.clamp(torch.minimum((pos + 1) * step, total) - torch.minimum(pos * step, total),
+                    min=0)
     out = tuple(((total - c) + (g - 1) * c).reshape(-1).tolist())
     return out, out
 

@@ -6,7 +6,8 @@ rank's received bytes equal the lower bound), each from one holder, spreading
 the sending over the ranks that hold replicas. Executors run the step as one
 all_to_all with uneven splits, using `meshcomm.executors.local.pack` and
 `unpack`, so that the simulated and the real executor move the same bytes in the
-same order. `blocks_of` gives a step the function that lists one rank's blocks when it runs (`Step.rank_transfers`).
+same order. `blocks_of` gives a step the function that lists one rank's blocks when it runs
+(`Step.rank_transfers`).
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ def wire_of(kind: str, dim: int | None = None, between_meshes: bool = False) -> 
     return WIRES[kind][0]
 
 
-def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]) -> tuple[tuple[str, float], ...]:
+def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]
+           ) -> tuple[tuple[str, float], ...]:
     if isinstance(value, Mapping):
         return tuple(sorted((str(k), float(v)) for k, v in value.items()))
     if isinstance(value, tuple):
@@ -297,8 +298,8 @@ class Plan:
         """One line (a REPL shows it): the move, the shape, the mesh and the steps;
         `print(plan)` gives the table.
 
-        >>> mc.plan(mc.Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
-        Plan("(dp b) s (tp h)" -> "b (dp s) (tp h)", shape=(8, 16, 32), float32, Mesh(dp=2, tp=4), steps=[all_to_all(dp)])
+        >>> mc.plan(mc.Mesh("dp=2"), (8, 6), "(dp b) h", "b h")
+        Plan("(dp b) h" -> "b h", shape=(8, 6), float32, Mesh(dp=2), steps=[all_gather(dp)])
         """
         steps = ", ".join(s.action if s.kind == "local" else
                           f"{s.kind}({', '.join(s.axes)})" if s.axes else s.kind

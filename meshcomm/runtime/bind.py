@@ -17,7 +17,7 @@ import gc
 import inspect
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..core.errors import MeshAxisError, MeshMismatchError
 from ..core.mesh import AxisName, Mesh
+from ..executors.distributed import wire
 from ..executors.distributed.groups import Groups
 from ..executors.distributed.groups import require_bound as require_groups
 
@@ -128,12 +129,11 @@ class BoundMesh(Groups):
         DTensor sees no flattened (multi-axis) group on it.
         """
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.distributed_c10d import _resolve_process_group
 
         if not self.in_mesh:
             raise MeshMismatchError(f"rank {self.rank} is not in {self.mesh!r}, so it has no"
                                     " DeviceMesh over it")
-        groups = [_resolve_process_group(self.group_name(a)) for a in self.mesh.axis_names]
+        groups = [wire.resolve_group(self.group_name(a)) for a in self.mesh.axis_names]
         grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
         return DeviceMesh.from_group(groups, self.device.type, mesh=grid,
                                      mesh_dim_names=self.mesh.axis_names)
@@ -150,14 +150,15 @@ def default_backend() -> str:
 def _ensure_world(backend: str, timeout_s: float | None) -> None:
     if dist.is_initialized():
         return
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
     if missing:
         raise MeshMismatchError(
             f"torch.distributed is not initialized and {', '.join(missing)} not set;"
             " fix: run under `meshcomm launch -n N script.py` or torchrun, or call"
             " torch.distributed.init_process_group first")
-    kwargs = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group(backend, **kwargs)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, timeout=timeout)
     # We opened the default group, so we close it: a gloo group left open at interpreter
     # exit can abort the process ("terminate called without an active exception").
     atexit.register(_close_world)
@@ -233,16 +234,17 @@ def create_groups(mesh: Mesh, subsets: Sequence[tuple[AxisName, ...]], *,
     names: dict[tuple[AxisName, ...], str] = {}
     made = [(subset, group, _unsorted(mesh, subset, group))       # refusals first
             for subset in subsets for group in mesh.groups(*subset)]
+    new_group: Callable[..., dist.ProcessGroup | None] = dist.new_group   # order: by version
     for subset, group, order in made:
         if list(group) == list(range(world)):
             pg = dist.group.WORLD
             if timeout is not None:  # the reused default group gets our timeout too
                 dist.distributed_c10d._set_pg_timeout(timeout, pg)
         else:
-            pg = dist.new_group(list(group), timeout=timeout, backend=backend,
-                                group_desc=GROUP_DESC + ",".join(subset),
-                                **order)
+            pg = new_group(list(group), timeout=timeout, backend=backend,
+                           group_desc=GROUP_DESC + ",".join(subset), **order)
         if rank in group:
+            assert pg is not None, f"rank {rank} is in group {group}, so it has a handle"
             names[subset] = pg.group_name
     return names
 

@@ -35,10 +35,10 @@ from ..core.errors import (
     CollectiveTimeout,
     MeshcommError,
 )
-from ..planner.values import Plan
 from ..executors.distributed import wire
-from .bind import BoundMesh, check_default
 from ..executors.distributed.execute import check_local
+from ..planner.values import Plan
+from .bind import BoundMesh, check_default
 
 FINGERPRINT_BYTES = 256
 HASH_BYTES = 16

@@ -111,7 +111,8 @@ def _bound_checks(fn: str, bound: BoundMesh, axes: object) -> tuple[AxisName, ..
         if a not in mesh.axis_names:
             hint = did_you_mean(a, mesh.axis_names)
             raise MeshAxisError(f'{fn}: "{a}" is not an axis of {mesh!r}; axes are'
-                                f' {", ".join(mesh.axis_names)}' + (f"\n  fix: {hint}" if hint else ""))
+                                f' {", ".join(mesh.axis_names)}'
+                                + (f"\n  fix: {hint}" if hint else ""))
     if len(set(key)) != len(key):
         raise MeshAxisError(f"{fn}: axes {list(key)} name an axis twice; fix: name each once")
     if not bound.in_mesh:
@@ -273,7 +274,9 @@ def all_gather(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim: int
                sizes: Sequence[int] | None = None, check: bool | None = None) -> Tensor:
     """Every member's `x` concatenated along `dim` in group order.
 
-    >>> y = mc.collectives.all_gather(x, bound, "tp", dim=0)     # doctest: +SKIP  (x: (2, 3) -> y: (8, 3))
+    For example (x: (2, 3) -> y: (8, 3)):
+
+    >>> y = mc.collectives.all_gather(x, bound, "tp", dim=0)     # doctest: +SKIP
 
     `sizes` (one size along `dim` per group position) gives the uneven form: it runs as one
     all_to_all with uneven splits, so no padding goes on the wire. Without it every member
@@ -309,7 +312,9 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
                    check: bool | None = None) -> Tensor:
     """Chunk p (along `dim`) of the reduction of every member's `x`, at group position p.
 
-    >>> y = mc.collectives.reduce_scatter(x, bound, "tp", dim=0, op="sum")  # doctest: +SKIP  (8 -> 2 rows)
+    For example (8 -> 2 rows):
+
+    >>> y = mc.collectives.reduce_scatter(x, bound, "tp", dim=0, op="sum")  # doctest: +SKIP
 
     Chunks follow torch.chunk boundaries unless `splits` gives one size per position. Even
     chunks run as a native reduce_scatter; uneven ones as one all_to_all with uneven splits and
@@ -383,7 +388,8 @@ def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_di
     if (input_splits is None) != (output_splits is None):
         raise ShapeError(f"{fn} {_where(g)}: give input_splits and output_splits together (the"
                          " sizes this rank receives cannot be derived locally); fix: exchange"
-                         " the counts first, output_splits = mc.collectives.all_to_all(torch.tensor("
+                         " the counts first, output_splits ="
+                         " mc.collectives.all_to_all(torch.tensor("
                          "input_splits), ...).tolist(), or give neither for equal blocks")
     if input_splits is None:
         if n % g.size:
@@ -440,7 +446,9 @@ def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
                        shift: int | None = None, check: bool | None = None) -> Tensor:
     """The `x` of the position that sends here, per (src, dst) in `pairs`, or zeros.
 
-    >>> y = mc.collectives.collective_permute(x, bound, "pp", shift=1)   # doctest: +SKIP  (p gets p-1's)
+    For example (p gets p-1's):
+
+    >>> y = mc.collectives.collective_permute(x, bound, "pp", shift=1)   # doctest: +SKIP
 
     `shift=k` means pairs (p, (p + k) % size). A position that receives nothing gets
     `zeros_like(x)` (as jax.lax.ppermute); every member passes the same shape and dtype.
@@ -549,7 +557,7 @@ def _exchange(x: Tensor | None, like: Tensor | None, g: _Group, dst: int | None,
     if src is None and like is not None:
         token = out[0].to(like.dtype).reshape(-1)
         return torch.cat([token, like.new_zeros(like.numel())]).view(like.shape)
-    return cast(Tensor, out[-1])
+    return out[-1]
 
 
 class _SendRecv(torch.autograd.Function):
@@ -577,7 +585,9 @@ def _p2p_checks(fn: str, g: _Group, dst: object, src: object) -> None:
 def send(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dst: int) -> Tensor:
     """Send `x` to group position `dst`; returns a 0-element token, waited on at first use.
 
-    >>> token = mc.collectives.send(x, bound, "pp", dst=1)   # doctest: +SKIP  (position 1 calls mc.collectives.recv)
+    For example (position 1 calls mc.collectives.recv):
+
+    >>> token = mc.collectives.send(x, bound, "pp", dst=1)   # doctest: +SKIP
 
     Not differentiable: use `sendrecv` or `collective_permute` for gradients.
     """
@@ -606,7 +616,8 @@ def sendrecv(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dst: int |
              src: int | None, like: Tensor | None = None) -> Tensor:
     """Send `x` to position `dst` and return what position `src` sends here, in one exchange.
 
-    >>> y = mc.collectives.sendrecv(x, bound, "pp", dst=(p + 1) % 4, src=(p - 1) % 4)  # doctest: +SKIP
+    >>> y = mc.collectives.sendrecv(x, bound, "pp",  # doctest: +SKIP
+    ...                             dst=(p + 1) % 4, src=(p - 1) % 4)
 
     Both sides post their send and receive together, so rings and chains cannot deadlock.
     `dst=None` only receives; `src=None` only sends and returns `zeros_like(like)`. The

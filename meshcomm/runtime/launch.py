@@ -253,15 +253,16 @@ def _init_in_place(backend: str, rank: int, world: int, timeout_s: float) -> Non
     timeout = datetime.timedelta(seconds=timeout_s)
     host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
     if rank == 0 and not agent:      # this process hosts the store: once, kept for later calls
         if not _MASTER_STORE:
-            _MASTER_STORE.append(dist.TCPStore(host, port, world, is_master=True,
-                                               timeout=timeout))
+            _MASTER_STORE.append(TCPStore(host, port, world, is_master=True, timeout=timeout))
         base = _MASTER_STORE[0]
     else:                            # a client, owned by the group and released with it
-        base = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+        base = TCPStore(host, port, world, is_master=False, timeout=timeout)
     _IN_PLACE_RUNS[0] += 1       # the same count on every rank: they run the same program
-    store = dist.PrefixStore(f"meshcomm/run_ranks/{_IN_PLACE_RUNS[0]}", base)
+    store = PrefixStore(f"meshcomm/run_ranks/{_IN_PLACE_RUNS[0]}", base)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 

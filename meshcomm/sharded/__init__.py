@@ -84,8 +84,10 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
         if (src, dst, dst_mesh, shape, dtype) != (None,) * 5:
             raise ShapeError("mc.reshard(dtensor, dst) takes the destination only (a layout or"
                              " placements): the DTensor carries its mesh, layout and shape")
-        return reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace, check=check,
-                               forward_dtype=forward_dtype, backward_dtype=backward_dtype)
+        out: Tensor = reshard_dtensor(x_local, mesh, cost_model=cost_model, trace=trace,
+                                      check=check, forward_dtype=forward_dtype,
+                                      backward_dtype=backward_dtype)
+        return out
     if forward_dtype is not None or backward_dtype is not None:
         raise ShapeError("reshard(forward_dtype=, backward_dtype=) go with a DTensor,"
                          " mc.reshard(dtensor, dst, forward_dtype=...); for a local tensor"

@@ -115,12 +115,13 @@ def reshard_dtensor(dt: Any, dst: str | Layout | Sequence[Any], *,
 
     def run(local: Tensor) -> Any:
         x = local if forward_dtype is None else local.to(forward_dtype)
-        out = reshard_local(x, src.mesh, src.layout, layout, shape=shape, cost_model=cost_model,
-                      trace=trace, check=check)
+        out = reshard_local(x, src.mesh, src.layout, layout, shape=shape,
+                            cost_model=cost_model, trace=trace, check=check)
+        assert out is not None, "a reshard on one mesh gives every rank of it a tensor"
         return wrap(out, dt.device_mesh, placements, shape)
 
     if torch.is_grad_enabled() and dt.requires_grad:
-        return _DTensorReshard.apply(dt, run, backward_dtype)
+        return _DTensorReshard.apply(dt, run, backward_dtype)  # type: ignore[no-untyped-call]
     return run(src.local)
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -40,25 +40,26 @@ def reshard_local(x_local: Tensor | None, mesh: Any, src: str | Layout, dst: str
                                      isinstance(dst_mesh, BoundMesh) and
                                      dst_mesh.mesh == mesh.mesh):
         return _reshard_cross(x_local, mesh, src, dst, dst_mesh, shape, dtype, cost_model, trace)
+    x = cast(Tensor, x_local)   # on one mesh: `_plan_for` refuses anything but a tensor
     if torch.compiler.is_compiling():
         if trace is not None:
             raise ShapeError("reshard(trace=...) records eager calls only; under torch.compile"
                              " leave it out (the plan's send_bytes/recv_bytes are the same)")
-        return _reshard_traced(x_local, _static_args(mesh, src, dst, shape, dtype, cost_model))
-    if async_op and torch.is_grad_enabled() and getattr(x_local, "requires_grad", False):
+        return _reshard_traced(x, _static_args(mesh, src, dst, shape, dtype, cost_model))
+    if async_op and torch.is_grad_enabled() and getattr(x, "requires_grad", False):
         raise ShapeError("reshard(async_op=True) returns before its collectives finish and"
                          " records no gradient; fix: pass x.detach(), or leave async_op out")
     if not checking(mesh, check):
-        p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+        p = _plan_for(x, mesh, src, dst, shape, dtype, cost_model)
     else:
         try:   # check mode: the ranks agree on the call first, a rank that fails here too
-            p = _plan_for(x_local, mesh, src, dst, shape, dtype, cost_model)
+            p = _plan_for(x, mesh, src, dst, shape, dtype, cost_model)
         except MeshcommError as err:
             raise_together(mesh, err, "reshard")
-        agree_reshard(x_local, mesh, p)
+        agree_reshard(x, mesh, p)
     if async_op:
-        return execute(p, x_local, mesh, trace=trace, wait=False)
-    return reshard_autograd(x_local, mesh, p, trace, reverse=backward_plan)
+        return execute(p, x, mesh, trace=trace, wait=False)
+    return reshard_autograd(x, mesh, p, trace, reverse=backward_plan)
 
 
 def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,

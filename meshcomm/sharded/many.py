@@ -19,7 +19,6 @@ from ..runtime.checks import agree_many, checking, raise_together
 from .local import _plan_for
 from .value import Sharded
 
-
 Item = Union[tuple[Sharded, Union[str, Layout]],
              tuple[Tensor, BoundMesh, Union[str, Layout], Union[str, Layout], Sequence[int]]]
 

@@ -25,9 +25,8 @@ import torch
 from torch import Tensor
 
 from ...planner.values import Plan, grad_scale
-from .groups import Groups
 from .execute import ByteTrace, execute
-
+from .groups import Groups
 
 Reverse = Callable[[Plan, torch.dtype], Plan]    # (forward plan, gradient dtype) -> plan
 

@@ -1,8 +1,8 @@
 """Run a plan between two meshes on this rank (see `meshcomm.planner.crossmesh`).
 
-Executor layer. It mirrors `meshcomm.executors.sim.execute.execute_cross` step for step. A step on one mesh
-runs with the handlers of `meshcomm.executors.distributed.execute` on that mesh's ranks (the others
-skip it). The transfer step runs on every rank of either mesh as one
+Executor layer. It mirrors `meshcomm.executors.sim.execute.execute_cross` step for step. A step
+on one mesh runs with the handlers of `meshcomm.executors.distributed.execute` on that mesh's
+ranks (the others skip it). The transfer step runs on every rank of either mesh as one
 `batch_isend_irecv`: one message per (sender, receiver) pair, so all transfers
 overlap. A sender packs with `pack` (blocks in transfer order, grouped by
 receiver) and sends each receiver its slice; a receiver receives each sender's
@@ -20,9 +20,8 @@ from ...core.errors import MeshMismatchError, ShapeError
 from ...planner.values import Plan, Step
 from ..local import pack, rank_transfers, recv_splits, unpack
 from . import wire
-from .groups import Groups
-from .groups import require_bound
 from .execute import HANDLERS, ByteTrace, Run
+from .groups import Groups, require_bound
 
 
 def check_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups) -> None:
@@ -30,7 +29,8 @@ def check_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups) -> N
     if plan.dst_mesh is None:
         raise MeshMismatchError(
             f"execute_cross runs plans between two meshes, but this plan stays on"
-            f" {plan.mesh!r}. fix: run it with mc.executors.distributed.execute(plan, local, bound)")
+            f" {plan.mesh!r}. fix: run it with"
+            " mc.executors.distributed.execute(plan, local, bound)")
     for word, bound, mesh in (("source", src, plan.mesh), ("destination", dst, plan.dst_mesh)):
         require_bound(bound, "execute_cross", f"the {word} mesh")
         if bound.mesh != mesh:
@@ -99,7 +99,8 @@ def _transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
     flat, send_splits = pack(mine, ranks, rank, held)
     wanted = recv_splits(mine, ranks, rank)
     out = flat.new_empty(sum(wanted))
-    sends, recvs = flat.split(send_splits), out.split(wanted)
+    sends = torch.split(flat, send_splits)
+    recvs = torch.split(out, wanted)
     to = [(sends[j], peer) for j, peer in enumerate(ranks) if j != me and send_splits[j]]
     back = [(recvs[j], peer) for j, peer in enumerate(ranks) if j != me and wanted[j]]
     works = wire.post_p2p(to, back)

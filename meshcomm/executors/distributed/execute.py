@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -33,8 +33,7 @@ from ...planner.values import Plan, Step
 from ..local import local_move, pack, rank_transfers, recv_splits, unpack
 from ..steps import Wire
 from . import wire
-from .groups import Groups
-from .groups import require_bound
+from .groups import Groups, require_bound
 
 
 class Call(NamedTuple):
@@ -299,7 +298,7 @@ _BUCKETED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 Job = tuple[Tensor, Groups, Plan]
 
 
-def execute_many(jobs: list[Job], *, bucket_bytes: int = 25 * 2**20,
+def execute_many(jobs: Sequence[Job], *, bucket_bytes: int = 25 * 2**20,
                  trace: ByteTrace | None = None) -> list[Tensor]:
     """Each job's output, running plans with the same collective shape (`signature`) in
     buckets: each even all_gather, reduce_scatter, all_reduce or all_to_all step is one
@@ -341,7 +340,7 @@ def signature(plan: Plan, bound: Groups) -> tuple[object, ...]:
     return (id(bound), plan.dtype, step_shape(plan))
 
 
-def _buckets(jobs: list[Job], bucket_bytes: int) -> list[list[int]]:
+def _buckets(jobs: Sequence[Job], bucket_bytes: int) -> list[list[int]]:
     """Job indices per bucket; the same on every rank (plans and their peaks are)."""
     open_: dict[tuple[object, ...], tuple[list[int], int]] = {}
     done: list[list[int]] = []

@@ -99,7 +99,7 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
     if out_splits is not None and torch.compiler.is_compiling():
         # traced, uneven splits give the output an unknown length; it is their sum, and
         # saying so lets the compiler slice it without guarding on data
-        torch._check(y.shape[0] == sum(out_splits))
+        torch._check(y.shape[0] == sum(out_splits))  # type: ignore[no-untyped-call]
     row = math.prod(rows.shape[1:])
     return y, _heard(Wire("all_to_all", group.size, group.pos, rows.numel(), y.numel(),
                           tuple(s * row for s in in_splits or ()),
@@ -109,15 +109,26 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
 # -- torch's names across versions --------------------------------------------------------------
 
 
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group named `name` (functional collectives address groups by name)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    resolve: Callable[[c10d.GroupName], dist.ProcessGroup] = getattr(
+        c10d, "_resolve_process_group")
+    return resolve(c10d.GroupName(name))
+
+
 def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
     """funcol's all_gather of `x` along `dim` (looked up per call, as tests wrap funcol)."""
-    fn = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+    fn: Callable[..., Tensor] = (getattr(funcol, "all_gather_single", None)
+                                 or funcol.all_gather_tensor)
     return fn(x, dim, group)
 
 
 def reduce_scatter_single(x: Tensor, op: str, dim: int, group: str) -> Tensor:
     """funcol's reduce_scatter of `x` along `dim` with `op` (looked up per call)."""
-    fn = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+    fn: Callable[..., Tensor] = (getattr(funcol, "reduce_scatter_single", None)
+                                 or funcol.reduce_scatter_tensor)
     return fn(x, op, dim, group)
 
 
@@ -126,12 +137,10 @@ def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
     """Sends ("isend") and receives ("irecv", filling the tensor given) with group-rank
     `peers` over group `name`, posted together; per op, an empty token for a send and the
     filled tensor for a receive."""
-    if hasattr(funcol, "batch_p2p_ops_inplace"):
-        return list(funcol.batch_p2p_ops_inplace(list(kinds), list(peers), [0] * len(kinds),
-                                                 tensors, name))
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    group = _resolve_process_group(name)
+    p2p: Callable[..., Sequence[Tensor]] | None = getattr(funcol, "batch_p2p_ops_inplace", None)
+    if p2p is not None:
+        return list(p2p(list(kinds), list(peers), [0] * len(kinds), tensors, name))
+    group = resolve_group(name)
     ops = [(t, dist.get_global_rank(group, peer)) for peer, t in zip(peers, tensors)]
     for work in post_p2p([o for o, k in zip(ops, kinds) if k == "isend"],
                          [o for o, k in zip(ops, kinds) if k == "irecv"], group):

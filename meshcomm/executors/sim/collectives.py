@@ -199,7 +199,8 @@ def reduce_scatter(xs: Sequence[Tensor], groups: Groups, dim: int = 0, op: str =
         plans.append((d, tuple(sizes)))
     rows = []
     for group, (d, sizes) in zip(groups, plans):
-        total, grows = _nbytes(xs[group[0]]), []
+        total = _nbytes(xs[group[0]])
+        grows: list[tuple[Tensor, int, int]] = []
         for start, size in zip(accumulate(sizes, initial=0), sizes):
             out = op_reduce([xs[m].narrow(d, start, size) for m in group], op)
             w = Wire("reduce_scatter", len(group), len(grows), total, _nbytes(out))

@@ -24,14 +24,14 @@ def check_locals(plan: Plan, locals_: Sequence[Tensor]) -> None:
     """Raise before any step if `locals_` do not match the plan's source layout."""
     mesh = plan.mesh
     if len(locals_) != mesh.size:
-        raise ShapeError(f"execute got {len(locals_)} local tensors for {mesh!r} of {mesh.size} ranks;"
-                         " fix: pass one tensor per rank, in mesh order")
+        raise ShapeError(f"execute got {len(locals_)} local tensors for {mesh!r} of {mesh.size}"
+                         " ranks; fix: pass one tensor per rank, in mesh order")
     for rank, x in zip(mesh.ranks, locals_):
         if not isinstance(x, Tensor):
             raise ShapeError(f"local tensor of rank {rank} is a {type(x).__name__}, not a Tensor")
         if x.dtype != plan.dtype:
-            raise ShapeError(f"local tensor of rank {rank} has dtype {x.dtype} but the plan was made"
-                             f" for {plan.dtype}; fix: mc.plan(..., dtype={x.dtype})")
+            raise ShapeError(f"local tensor of rank {rank} has dtype {x.dtype} but the plan was"
+                             f" made for {plan.dtype}; fix: mc.plan(..., dtype={x.dtype})")
         plan.src.check_local(mesh, plan.shape, rank, tuple(x.shape), "local tensor")
 
 
@@ -205,7 +205,8 @@ def _spread(mesh: Mesh, ranks: tuple[int, ...], values: tuple[int, ...]) -> tupl
     return tuple(where.get(r, 0) for r in ranks)
 
 
-def _transfer(step: Step, plan: Plan, held: dict[int, Tensor]) -> tuple[dict[int, Tensor], SimResult]:
+def _transfer(step: Step, plan: Plan,
+              held: dict[int, Tensor]) -> tuple[dict[int, Tensor], SimResult]:
     """The send_recv between meshes, simulated as one uneven all_to_all over both meshes."""
     ranks = plan.ranks
     empty = torch.empty(0, dtype=plan.dtype)

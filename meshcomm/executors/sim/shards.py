@@ -75,7 +75,8 @@ def gather(locals_: Sequence[Tensor], mesh: Mesh, layout: str | Layout, shape: S
     layout = as_layout(layout)
     shape = tuple(shape)
     if len(locals_) != mesh.size:
-        raise ShapeError(f"gather got {len(locals_)} local tensors for {mesh!r} of {mesh.size} ranks")
+        raise ShapeError(f"gather got {len(locals_)} local tensors for {mesh!r} of {mesh.size}"
+                         " ranks")
     for rank, local in zip(mesh.ranks, locals_):
         layout.check_local(mesh, shape, rank, tuple(local.shape), "locals_")
     values = list(locals_)
@@ -104,6 +105,7 @@ def gather(locals_: Sequence[Tensor], mesh: Mesh, layout: str | Layout, shape: S
 
 def _reduce_partials(values: list[Tensor], mesh: Mesh, layout: Layout) -> list[Tensor]:
     op = layout.reduce_op
+    assert op is not None, f'"{layout}" has a pending reduction to reduce'
     axes = [a for a in mesh.axis_names if a in layout.partial_axes]
     out = list(values)
     for group in mesh.groups(*axes):

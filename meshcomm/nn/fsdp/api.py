@@ -11,10 +11,17 @@ from torch import Tensor, nn
 
 from ...core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from ...core.layout import Layout
-from ...runtime.bind import BoundMesh, require_bound
 from ...executors.local import run_slice
 from ...interop.placements import from_placements
-from ...interop.runtime import bind_device_mesh, global_shape, is_dtensor, placements_of
+from ...interop.runtime import (
+    bind_device_mesh,
+    device_mesh_of,
+    global_shape,
+    is_dtensor,
+    local_of,
+    placements_of,
+)
+from ...runtime.bind import BoundMesh, require_bound
 from .param import UNIT_ATTR, MixedPrecision, owned_params, shard_param
 from .schedule import Schedule
 from .state import post_forward, pre_forward
@@ -68,7 +75,7 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
                 reshard_after_forward, prefetch, Schedule(), replicate)
     setattr(module, UNIT_ATTR, unit)
     if has_units:   # the units below and this one: one model, one recorded order
-        shared = Schedule()
+        shared: Schedule[Unit] = Schedule()
         for m in module.modules():
             if hasattr(m, UNIT_ATTR):
                 getattr(m, UNIT_ATTR).schedule = shared
@@ -84,7 +91,8 @@ def _eager_hooks() -> tuple[Any, Any]:
     compiles its own forward, and the hooks' per-unit state (which unit, the recorded order)
     is never a guard that recompiles it for each unit. Made on first use: importing
     torch._dynamo costs seconds, and only fully_shard needs it."""
-    return torch.compiler.disable(pre_forward), torch.compiler.disable(post_forward)
+    disable: Any = torch.compiler.disable
+    return disable(pre_forward), disable(post_forward)
 
 
 def _bound(mesh: Any) -> BoundMesh:
@@ -134,17 +142,18 @@ def init_shards(module: nn.Module, fn: Callable[[str, tuple[int, ...], tuple[sli
     `index` is this rank's block of the global tensor as one slice per dim: the function
     computes only this rank's values (a model built on the meta device never exists whole).
 
-    >>> mc.nn.init_shards(model, lambda name, shape, index: torch.zeros(shape)[index])  # doctest: +SKIP
+    >>> mc.nn.init_shards(  # doctest: +SKIP
+    ...     model, lambda name, shape, index: torch.zeros(shape)[index])
 
     Call it after `model.to_empty(device=...)`. Plain (unsharded) parameters get
     `fn(name, shape, full index)`. Returns `module`.
     """
     for name, p in module.named_parameters():
         if is_dtensor(p):
-            mesh = type(_bound_mesh_of(p)).from_device_mesh(p.device_mesh)
+            mesh = type(_bound_mesh_of(p)).from_device_mesh(device_mesh_of(p))
             layout = from_placements(mesh, global_shape(p), placements_of(p))
             index = _block(layout, mesh, global_shape(p), _rank())
-            local = p.to_local()
+            local = local_of(p)
         else:
             index, local = tuple(slice(0, n) for n in p.shape), p
         values = fn(name, tuple(global_shape(p) if is_dtensor(p) else p.shape), index)

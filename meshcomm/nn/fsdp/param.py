@@ -14,9 +14,16 @@ from torch import nn
 from ...core.errors import MeshMismatchError, ShapeError
 from ...core.layout import Layout, positional_names
 from ...core.reduce_ops import chunk_sizes
-from ...runtime.bind import BoundMesh
 from ...interop.placements import from_placements, to_placements
-from ...interop.runtime import global_shape, is_dtensor, placements_of, wrap
+from ...interop.runtime import (
+    device_mesh_of,
+    global_shape,
+    is_dtensor,
+    local_of,
+    placements_of,
+    wrap,
+)
+from ...runtime.bind import BoundMesh
 
 UNIT_ATTR = "_meshcomm_fsdp_unit"     # the attribute a fully_shard'ed module holds its unit in
 
@@ -44,7 +51,7 @@ class Param:
     module: nn.Module
     attr: str
     name: str
-    param: nn.Parameter            # the DTensor parameter
+    param: Any                     # the DTensor parameter (an nn.Parameter over a DTensor)
     shape: tuple[int, ...]         # global shape
     use_shape: tuple[int, ...]     # gathered: the shape forward computes with
     rows: tuple[int, ...]          # dim-0 rows of each position along the axis
@@ -71,7 +78,9 @@ def owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.
     (module, attribute) places that hold the same tensor (tied weights: one unit shards it
     once and puts it in every place). A tensor tied to one another unit manages is refused,
     as FSDP2 refuses it."""
-    out, seen, tied = [], {}, {}
+    out: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+    seen: dict[int, str] = {}            # id(parameter) -> where it was met first
+    tied: Tied = {}
     units: dict[int, str] = {}          # id(module of a unit below) -> its qualified name
 
     def elsewhere(p: Any) -> str | None:
@@ -129,9 +138,9 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
                          " fix: make it shape (1,) or keep it outside the unit")
     names = positional_names(p.dim(), mesh)
     if is_dtensor(p):
-        if bound.mesh != type(mesh).from_device_mesh(p.device_mesh):
+        if bound.mesh != type(mesh).from_device_mesh(device_mesh_of(p)):
             raise MeshMismatchError(f"fully_shard: parameter {name} is a DTensor on"
-                                    f" {type(mesh).from_device_mesh(p.device_mesh)!r}, not on"
+                                    f" {type(mesh).from_device_mesh(device_mesh_of(p))!r}, not on"
                                     f" {mesh!r}; fix: parallelize on the same mesh")
         shape = global_shape(p)
         use = from_placements(mesh, shape, placements_of(p), names=" ".join(names))
@@ -139,7 +148,7 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
             if taken is not None and (taken in use.sharded_axes(mesh) or use.partial_axes):
                 raise ShapeError(f"fully_shard: parameter {name} is already split over"
                                  f' {taken!r} ("{use}"); fix: shard it over another axis')
-        full = p.to_local()
+        full = local_of(p)
     else:
         shape, use, full = tuple(p.shape), Layout.of_names(names), p.detach()
     use_shape = tuple(full.shape)
@@ -158,7 +167,7 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
         local = torch.empty((rows[me], *use_shape[1:]), dtype=full.dtype, device="meta")
     else:
         local = full[start:start + rows[me]].detach().clone()
-    dm = p.device_mesh if is_dtensor(p) else bound.device_mesh
+    dm = device_mesh_of(p) if is_dtensor(p) else bound.device_mesh
     dt = wrap(local, dm, to_placements(mesh, shape, stored), shape)
     param = nn.Parameter(dt, requires_grad=p.requires_grad)
     param._meshcomm_fsdp = True      # type: ignore[attr-defined]

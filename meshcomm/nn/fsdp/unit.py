@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...executors.distributed import wire
-from ...runtime.bind import BoundMesh
 from ...executors.steps import Wire
 from ...interop.runtime import like
+from ...runtime.bind import BoundMesh
 from .param import MixedPrecision, Param
 from .regather import Regather
 from .schedule import Schedule
