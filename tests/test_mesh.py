@@ -283,3 +283,11 @@ def test_torch_without_sort_ranks_takes_sorted_groups_and_refuses_others(monkeyp
         bind._unsorted(mesh, ("tp",), (2, 1))
     monkeypatch.setattr(bind, "_SORT_RANKS", True)
     assert bind._unsorted(mesh, ("tp",), (2, 1)) == {"sort_ranks": False}
+
+
+def test_a_mesh_too_large_to_list_is_refused_clearly() -> None:
+    """A typo'd size (tp=99999999999999) is a clear error, not a MemoryError."""
+    with pytest.raises(MeshAxisError, match=r'Mesh\("tp=99999999999999"\) has'
+                       r" 99,999,999,999,999 ranks; .* at most 4,194,304\. fix: check the axis"):
+        Mesh("tp=99999999999999")
+    assert Mesh("dp=4096 tp=1024").size == 1 << 22

@@ -441,3 +441,18 @@ def test_bytes_sent_equal_bytes_received(case, name, data) -> None:
              "broadcast": lambda: broadcast(xs, groups, 0)}[name]()
     assert sum(r.send_bytes) == sum(r.recv_bytes)
     assert all(b >= 0 for b in r.send_bytes + r.recv_bytes)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_avg_divides_the_real_and_imaginary_parts(dtype: torch.dtype) -> None:
+    """avg over 28 ranks: the left-fold sum, then each part divided by 28 (torch's complex
+    division by a real number rounds otherwise, and every executor divides part by part)."""
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(64, generator=gen, dtype=dtype) * 1000 for _ in range(28)]
+    got = all_reduce(xs, [tuple(range(28))], op="avg").outputs[5]
+    total = xs[0].clone()
+    for x in xs[1:]:
+        total = total + x
+    want = torch.view_as_complex(torch.view_as_real(total) / 28)
+    assert torch.equal(got, want)
+    assert not torch.equal(total / 28, want)      # the rounding this test is about

@@ -46,6 +46,9 @@ def _parse_axes(text: str) -> tuple[tuple[str, int], ...]:
     return tuple(axes)
 
 
+MAX_RANKS = 1 << 22   # 4,194,304: a mesh lists its ranks, so its size is bounded
+
+
 class Mesh:
     """Named mesh axes in order, over a row-major grid of global ranks.
 
@@ -99,6 +102,11 @@ class Mesh:
 
     def _rank_grid(self, ranks: Any) -> tuple[int, ...]:
         size = math.prod(self._sizes)
+        if size > MAX_RANKS:
+            axes = " ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))
+            raise MeshAxisError(
+                f'Mesh("{axes}") has {size:,} ranks; meshcomm lists a mesh\'s ranks, so it'
+                f" takes at most {MAX_RANKS:,}. fix: check the axis sizes (a typo?)")
         if ranks is None:
             return tuple(range(size))
         if hasattr(ranks, "tolist"):

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
 from ..core.mesh import AxisName, Mesh
-from ..core.reduce_ops import REDUCE_OPS, chunk_sizes, op_reduce
+from ..core.reduce_ops import REDUCE_OPS, chunk_sizes, divide, op_reduce
 from ..executors.distributed import wire
 from .bind import BoundMesh
 from .checks import agree_collective, checking
@@ -336,7 +336,7 @@ def reduce_scatter(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dim:
         moved = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
         out, _ = wire.reduce_scatter(moved.contiguous(), wire_op, g.wire, wait=False)
         out = out.movedim(0, d)
-        return out / g.size if op == "avg" else out
+        return divide(out, g.size) if op == "avg" else out
     rows = _reorder(x.movedim(d, 0), 0, chunks, g.inv)
     own = chunks[g.pos]
     got, _ = wire.all_to_all(rows, g.wire, [own] * g.size, [chunks[p] for p in g.inv],
@@ -362,7 +362,7 @@ def all_reduce(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, op: str 
     if checking(mesh, check):
         _check(fn, g, x, ("shape", tuple(x.shape)), ("op", op))
     out, _ = wire.all_reduce(x, "sum" if op == "avg" else op, g.wire, wait=False)
-    return out / g.size if op == "avg" else out
+    return divide(out, g.size) if op == "avg" else out
 
 
 def all_to_all(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, split_dim: int = 0,

@@ -28,7 +28,7 @@ from ...core.errors import (
     ShapeError,
 )
 from ...core.mesh import Mesh
-from ...core.reduce_ops import chunk_sizes, op_reduce
+from ...core.reduce_ops import chunk_sizes, divide, op_reduce
 from ...planner.values import Plan, Step
 from ..local import local_move, pack, rank_transfers, recv_splits, unpack
 from ..steps import Wire
@@ -211,7 +211,7 @@ def _reduce_scatter(step: Step, x: Tensor, run: Run) -> Tensor:
     out, call = wire.reduce_scatter(y, _wire_op(op), group, wait=run.wait)
     run.record(step, call, x.element_size())
     out = out.squeeze(0)
-    return out / group.size if op == "avg" else out
+    return divide(out, group.size) if op == "avg" else out
 
 
 def _reduce_scatter_v(step: Step, x: Tensor, run: Run) -> Tensor:
@@ -232,7 +232,7 @@ def _all_reduce(step: Step, x: Tensor, run: Run) -> Tensor:
     op = step.op or "sum"
     out, call = wire.all_reduce(x.contiguous(), _wire_op(op), group, wait=run.wait)
     run.record(step, call, x.element_size())
-    return out / group.size if op == "avg" else out
+    return divide(out, group.size) if op == "avg" else out
 
 
 def _all_to_all(step: Step, x: Tensor, run: Run) -> Tensor:
@@ -390,7 +390,7 @@ def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[
     run.record(steps[0], call, buf.element_size())
     rows = _unrows(out, [(1, *y.shape[1:]) for y in ys])
     parts = [p.reshape(y.shape[1:]) for p, y in zip(rows, ys)]
-    return [p / g for p in parts] if op == "avg" else parts
+    return [divide(p, g) for p in parts] if op == "avg" else parts
 
 
 def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tensor]:
@@ -401,7 +401,7 @@ def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tens
     out, call = wire.all_reduce(flat, _wire_op(op), group)
     run.record(steps[0], call, flat.element_size())
     parts = [p.reshape(x.shape) for p, x in zip(_unrows(out, [(1, *x.shape) for x in xs]), xs)]
-    return [p / g for p in parts] if op == "avg" else parts
+    return [divide(p, g) for p in parts] if op == "avg" else parts
 
 
 def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Tensor]:
