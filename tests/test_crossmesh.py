@@ -172,6 +172,17 @@ def test_every_cross_plan_is_exact(case):
     if mc.Layout(src).reduce_op is None:
         assert p.recv_bytes == p.lower_bound_bytes
     assert math.isfinite(p.bound_ratio)
+    assert p.bound_ratio >= 1.0, p.explain()      # a bound no plan can beat, ours included
+
+
+def test_a_partial_source_on_a_rank_in_both_meshes_is_at_its_bound() -> None:
+    """Rank 0 holds one of the two parts and needs the whole sum: it must receive the other
+    part (88 elements), which the plan does (a reduce_scatter, then the other half); the
+    bound no longer adds a share of the reduction on top of that need (it printed 0.67x)."""
+    p = mc.plan(mc.Mesh("tp=2"), (8, 11), "a b | sum(tp)", "a b", dtype=torch.float64,
+                dst_mesh=mc.Mesh("tp=1", ranks=[0]))
+    assert p.lower_bound_bytes[0] == 88 * 8 and max(p.recv_bytes) == 88 * 8
+    assert "1.00x of the lower bound" in p.explain()
 
 
 def test_a_replicated_block_is_split_over_its_holders():

@@ -170,10 +170,12 @@ def _mark_step(dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, before: Lay
 
 def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
                  landing: Layout, itemsize: int) -> tuple[int, ...]:
-    """Per rank: the destination elements it needs and does not hold complete (a pending
-    reduction holds none), plus, on the source mesh, an even share of the reduce-scatter
-    bound for resolving a pending reduction over g ranks (each element combined once:
-    (g - 1) * numel messages over the source ranks)."""
+    """Per rank, a receive no correct plan's busiest rank can beat: the larger of the
+    destination elements the rank needs and does not hold complete (a pending reduction
+    holds none: a contributor still needs the others' sum), and an even share, over every
+    rank of the two meshes, of resolving a pending reduction over g ranks (each element's g
+    parts combined somewhere: (g - 1) * numel receives in all). The two overlap (what a
+    rank receives to combine may be what it needs), so the larger, not the sum."""
     start, goal = from_layout(src, mesh, shape), from_layout(landing, dst_mesh, shape)
     if lazy_cross(start, mesh, goal):   # one holder each: a receiver lacks what it gets
         _, got = cross_traffic(start, mesh, goal, dst_mesh)
@@ -181,7 +183,7 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
         return tuple(lacking.get(r, 0) * itemsize for r in ranks)
     complete = src.reduce_op is None
     g = math.prod(mesh.axis_size(a) for a in src.partial_axes)
-    reduce_share = -(-math.prod(shape) * (g - 1) // mesh.size) if not complete else 0
+    reduce_share = -(-math.prod(shape) * (g - 1) // len(ranks)) if not complete else 0
     idle = set(_contributors_only(dst_mesh, landing))
     out = []
     for r in ranks:
@@ -192,5 +194,5 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
                     if complete and r in mesh.ranks else [set() for _ in shape])
             both = math.prod(len(h & n) for h, n in zip(have, need))
             need_count = math.prod(len(n) for n in need) - both
-        out.append((need_count + (reduce_share if r in mesh.ranks else 0)) * itemsize)
+        out.append(max(need_count, reduce_share) * itemsize)
     return tuple(out)
