@@ -411,3 +411,59 @@ def test_plans_on_tensors_too_big_to_enumerate():
     assert _kinds(p) == [("local", ("dp",), "slice"), ("reduce_scatter", ("tp",), "")]
     assert p.recv_bytes == (3 * 2**36 * F32,) * 16 and p.bound_ratio == 1.0, str(p)
     assert "1.00x of the lower bound" in str(p)
+
+
+# -- block pairs whose stride points do not chain: counted by labels, not pair by pair ------
+def _brute_pairs(mesh: mc.Mesh, shape: tuple[int, ...], src: str, dst: str,
+                 dim: int) -> torch.Tensor:
+    """|block x of src ∩ block y of dst| along `dim`, from every rank's index lists."""
+    from meshcomm.planner.blocks import block_sizes, rank_blocks
+    from meshcomm.planner.states import from_layout
+
+    a = from_layout(mc.Layout(src), mesh, shape).dims[dim]
+    b = from_layout(mc.Layout(dst), mesh, shape).dims[dim]
+    out = torch.zeros(len(block_sizes(a, mesh)), len(block_sizes(b, mesh)), dtype=torch.long)
+    xa, xb = rank_blocks(a, mesh).tolist(), rank_blocks(b, mesh).tolist()
+    for r, x in zip(mesh.ranks, xa):
+        for s, y in zip(mesh.ranks, xb):
+            ia = set(mc.Layout(src).indices(mesh, shape, r)[dim])
+            ib = set(mc.Layout(dst).indices(mesh, shape, s)[dim])
+            out[x, y] = len(ia & ib)
+    return out
+
+
+@pytest.mark.parametrize("spec, shape, src, dst", [
+    ("dp=4 tp=2", (2, 56), "a (tp dp b)", "a (tp b dp)"),        # strides 7 and 4: no chain
+    ("dp=3 tp=2", (2, 30), "a (dp tp b)", "a (tp b dp)"),
+    ("dp=4 tp=3", (2, 25), "a (dp tp b)", "a (tp dp b)"),         # chunks (uneven)
+    ("dp=2 tp=4", (2, 24), "a (tp b dp)", "a (dp tp b)"),
+])
+def test_block_pairs_that_do_not_chain_are_counted_exactly(spec: str, shape: tuple[int, ...],
+                                                           src: str, dst: str) -> None:
+    from meshcomm.planner.blocks import pair_counts
+    from meshcomm.planner.states import from_layout
+
+    mesh = mc.Mesh(spec)
+    a = from_layout(mc.Layout(src), mesh, shape).dims[1]
+    b = from_layout(mc.Layout(dst), mesh, shape).dims[1]
+    assert torch.equal(pair_counts(a, b, mesh), _brute_pairs(mesh, shape, src, dst, 1))
+    p = mc.plan(mesh, shape, src, dst)
+    _check_exact(p, _data(shape))
+
+
+@pytest.mark.parametrize("spec, shape, src, dst", [
+    ("dp=64 tp=16", (64, 14336), "a (tp dp b)", "a (tp b dp)"),   # > 120 s before
+    ("dp=128 tp=8", (50257, 4096), "(dp tp a) b", "(tp dp a) b"),  # 17 s before
+    ("dp=128 tp=8", (8, 4096, 32, 128), "(tp dp a) b c d", "(dp tp a) b c d"),  # 22 s before
+])
+def test_a_shard_order_swap_on_1024_ranks_is_one_send_recv_at_the_bound(
+        spec: str, shape: tuple[int, ...], src: str, dst: str) -> None:
+    """Planned from block counts (O(ranks) and O(dim size) vector work, no ranks x ranks
+    Python loop); the time is benchmarks/plan_scale.py's, this checks the plan."""
+    p = mc.plan(mc.Mesh(spec), shape, src, dst)
+    assert [s.kind for s in p.steps] == ["send_recv"]
+    assert p.bound_ratio == 1.0
+    rank = 517
+    moved = p.steps[0].rank_transfers(rank)
+    got = sum(t.numel for t in moved if t.dst == rank and t.src != rank) * F32
+    assert got == p.recv_bytes[p.mesh.position(rank)]

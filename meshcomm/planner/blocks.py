@@ -189,10 +189,34 @@ def pair_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
     if rows is not None:
         return counts_at(a, b, mesh, torch.arange(len(rows[0]))[:, None],
                          torch.arange(len(rows[1]))[None, :])
-    cols = [dim_block(b, mesh, c) for c in coords_grid(mesh, in_mesh_order(mesh, b.axes))]
-    return torch.tensor([[(dim_block(a, mesh, c) & n).count() for n in cols]
-                         for c in coords_grid(mesh, in_mesh_order(mesh, a.axes))],
-                        dtype=torch.long)
+    # Stride points that do not chain (or chunks): label every index of the dim with the
+    # block of `a` and the block of `b` holding it and count the pairs, a slice at a time:
+    # O(dim size) vector work, whatever the number of blocks (not blocks x blocks counts).
+    na, nb = len(block_sizes(a, mesh)), len(block_sizes(b, mesh))
+    table = torch.zeros(na * nb, dtype=torch.long)
+    for start in range(0, a.size, _LABEL_SLICE):
+        index = torch.arange(start, min(a.size, start + _LABEL_SLICE), dtype=torch.long)
+        pairs = block_of(a, mesh, index) * nb + block_of(b, mesh, index)
+        table += torch.bincount(pairs, minlength=na * nb)
+    return table.reshape(na, nb)
+
+
+_LABEL_SLICE = 1 << 20   # indices labelled at once by `pair_counts` (8 MiB a label tensor)
+
+
+def block_of(dim: DimState, mesh: Mesh, index: Tensor) -> Tensor:
+    """The block (`coords_grid` order over the axes sharding `dim`) holding each index."""
+    if dim.chunks:
+        start, stop = intervals(dim, mesh)
+        held = torch.nonzero(stop > start).reshape(-1)       # empty chunks hold nothing
+        held = held[torch.argsort(start[held])]              # by where they start
+        return held[torch.searchsorted(start[held], index, right=True) - 1]
+    axes = in_mesh_order(mesh, dim.axes)
+    coord = {axis: (index // lo) % (hi // lo) for lo, hi, axis in dim.shards}
+    out = torch.zeros_like(index)
+    for axis in axes:
+        out = out * mesh.axis_size(axis) + coord[axis]
+    return out
 
 
 def counts_at(a: DimState, b: DimState, mesh: Mesh, x: Tensor, y: Tensor) -> Tensor:
@@ -312,6 +336,12 @@ def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisNam
     for a, b in zip(have.dims, need.dims):
         dim = b if in_need else a
         mine = in_mesh_order(mesh, vary & set(dim.axes))
+        if len(mine) == len(dim.axes):
+            # every block of `dim` in turn: they partition the dim, so the overlaps with
+            # the fixed block add up to that block's size
+            fixed_dim = a if in_need else b
+            out = out * block_sizes(fixed_dim, mesh)[rank_blocks(fixed_dim, mesh)]
+            continue
         other = combos(mesh, mine)
         index = torch.zeros(mesh.size, len(other), dtype=torch.long)
         for axis in in_mesh_order(mesh, dim.axes):

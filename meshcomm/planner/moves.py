@@ -28,6 +28,7 @@ import torch
 
 from ..core.mesh import AxisName, Mesh
 from .blocks import (
+    block_of,
     block_sizes,
     combos,
     coords_table,
@@ -35,7 +36,6 @@ from .blocks import (
     flat_index,
     group_positions,
     in_mesh_order,
-    pair_counts,
     rank_blocks,
 )
 from .rearrange import Rearrange
@@ -497,12 +497,18 @@ def _equal_blocks(a: DimState, b: DimState, mesh: Mesh) -> torch.Tensor | None:
         if any(f is None for f in found) or not int(block_sizes(b, mesh).min()):
             return None
         return torch.tensor(found, dtype=torch.long)
-    table = pair_counts(a, b, mesh)
-    have, need = table.sum(1), table.sum(0)
-    same = (table == have[:, None]) & (table == need[None, :]) & (need[None, :] > 0)
-    if not bool(same.any(0).all()):
+    # Label every index with its block of `a` and of `b`: block y of `b` equals block x of
+    # `a` when every index of y lies in x and the two are as large (O(dim size) work).
+    index = torch.arange(a.size, dtype=torch.long)
+    la, lb = block_of(a, mesh, index), block_of(b, mesh, index)
+    sizes_b = block_sizes(b, mesh)
+    if not int(sizes_b.min()):         # an empty block equals no block of `a` here
         return None
-    return same.long().argmax(0)
+    match = torch.zeros(len(sizes_b), dtype=torch.long)
+    match[lb] = la                                     # some index's block of `a`, per y
+    if not bool((match[lb] == la).all()):
+        return None
+    return match if bool((block_sizes(a, mesh)[match] == sizes_b).all()) else None
 
 
 def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...], ...]:
