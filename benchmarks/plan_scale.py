@@ -1,8 +1,18 @@
-"""Planning speed at production scale (up to 1,024 ranks), meshcomm beside DTensor's planners.
+"""Planning speed at production scale (up to 4,096 ranks), meshcomm beside DTensor's planners.
 
 Run: `python benchmarks/plan_scale.py [--quick] [--limit-s S] [--reps N] [--json PATH]
-[--threads T] [--case ID ...]` (`--quick`: 5 cases, 1 rep, 20 s limit; it reports and
-never asserts a time).
+[--threads T] [--case ID ...] [--random N] [--random-limit-s S]` (`--quick`: 5 cases, 1
+rep, 20 s limit, 10 random transitions at 256 and at 1,024 ranks; it reports and never
+asserts a time).
+
+Random section (`--random N`, default 100 per world size): N transitions each on meshes of
+256, 1,024 and 4,096 ranks (`RANDOM_MESHES`) with production shapes (`RANDOM_SHAPES`),
+drawn with fixed seeds (the world size), about a third of them shard-order swaps (the
+factors of each dim reordered); one cold plan each (every cache emptied), DTensor's greedy
+and min-cost planners beside it where the layouts have placements, each under
+`--random-limit-s`. Reported per world size: p50, p90 and max, and whether the targets of
+issue 22 hold (`RANDOM_TARGETS_MS`: p50 <= 5 ms and max <= 100 ms at 1,024 ranks, max <= 1 s
+at 4,096).
 
 Per case, meshcomm:
 - cold plan: median of N `mc.plan` calls, every functools cache of every `meshcomm*` module
@@ -99,6 +109,132 @@ def suite() -> list[Case]:
 
 
 QUICK_IDS = ("s01", "s06", "a16", "a1024", "r256")
+
+
+# -- the random section: fixed seeds, production meshes and shapes, shard-order swaps -------
+RANDOM_MESHES = {
+    256: ("dp=16 tp=16", "pp=4 dp=8 tp=8", "dp=4 cp=4 tp=4 ep=4", "dp=256"),
+    1024: ("dp=64 tp=16", "dp=128 tp=8", "pp=4 dp=32 tp=8", "dp=16 cp=4 tp=8 ep=2"),
+    4096: ("dp=512 tp=8", "pp=8 dp=64 tp=8", "dp=32 cp=8 tp=8 ep=2", "dp=256 tp=16"),
+}
+RANDOM_SHAPES = ((8192, 8192), (50257, 4096), (16, 4096, 8192), (64, 14336),
+                 (8, 4096, 32, 128), (131072, 4096), (4096, 11008))
+RANDOM_OPS = ("sum", "avg", "max", "min")
+RANDOM_TARGETS_MS = {1024: {"p50": 5.0, "max": 100.0}, 4096: {"max": 1000.0}}  # issue 22
+
+
+def random_cases(ranks: int, count: int, seed: int) -> list[tuple[str, tuple[int, ...], str,
+                                                                     str, bool]]:
+    """`count` valid transitions (mesh, shape, src, dst, is a shard-order swap) on meshes of
+    `ranks` ranks, drawn from `random.Random(seed)`: about a third are shard-order swaps
+    (the factors of each dim of `src` reordered), the rest two random layouts (the same
+    pending op or none)."""
+    import random
+
+    from meshcomm.testing import random_layout
+
+    rng = random.Random(seed)
+    out: list[tuple[str, tuple[int, ...], str, str, bool]] = []
+    tries = 0
+    while len(out) < count and tries < 200 * count:
+        tries += 1
+        spec, shape = rng.choice(RANDOM_MESHES[ranks]), rng.choice(RANDOM_SHAPES)
+        mesh, ndim = mc.Mesh(spec), len(shape)
+        src = random_layout(rng, mesh, ndim, RANDOM_OPS, name_inside=0.3)
+        op = mc.Layout(src).reduce_op
+        try:
+            mc.Layout(src).placements(mesh, shape)
+        except mc.errors.MeshcommError:
+            continue
+        swap = rng.random() < 1 / 3
+        for _ in range(8 if swap else 1):   # a swap that fits the shape, if one is drawn
+            dst = (_swapped(rng, mc.Layout(src)) if swap else
+                   random_layout(rng, mesh, ndim, (op,) if op else RANDOM_OPS, name_inside=0.3))
+            try:
+                if dst is not None and dst != src:
+                    mc.Layout(dst).placements(mesh, shape)
+                    out.append((spec, shape, src, dst, swap))
+                    break
+            except mc.errors.MeshcommError:
+                continue
+    return out
+
+
+def _swapped(rng: Any, layout: mc.Layout) -> str | None:
+    """`layout` with the factors of each dim of two or more shuffled; None if none has two."""
+    dims = [[f.name for f in d.factors] for d in layout.dims]
+    if not any(len(d) > 1 for d in dims):
+        return None
+    for d in dims:
+        rng.shuffle(d)
+    return str(mc.Layout.of_dims(dims, layout.reduce_op, layout.partial_axes))
+
+
+def random_section(counts: dict[int, int], limit_s: float, meshes: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """Cold meshcomm plans of the random transitions, beside DTensor's two planners."""
+    rows = []
+    for ranks, count in counts.items():
+        for spec, shape, src, dst, swap in random_cases(ranks, count, seed=ranks):
+            case = Case(f"x{ranks}-{len(rows)}", spec, shape, src, dst, False)
+            m, _ = cold_ms(lambda: mc.plan(mc.Mesh(spec), shape, src, dst),  # noqa: B023
+                           clear_meshcomm_caches, 1, limit_s)
+            d = dtensor_entry(case, meshes, 1, limit_s)
+            rows.append({"ranks": ranks, "mesh": spec, "shape": list(shape), "src": src,
+                         "dst": dst, "swap": swap, "meshcomm_cold_ms": m,
+                         "dtensor_greedy_cold_ms": d["greedy_cold_ms"],
+                         "dtensor_min_cost_cold_ms": d["min_cost_cold_ms"]})
+        print(f"  done random {ranks}", file=sys.stderr, flush=True)
+    return {"rows": rows, "summary": random_summary(rows, limit_s)}
+
+
+def random_summary(rows: list[dict[str, Any]], limit_s: float) -> dict[str, Any]:
+    """Per world size: meshcomm p50 / p90 / max (timeouts rank as +inf), DTensor's beside
+    (on the transitions its placements express), and the targets met."""
+    out: dict[str, Any] = {}
+    for ranks in sorted({r["ranks"] for r in rows}):
+        mine = [r for r in rows if r["ranks"] == ranks]
+        cold = [r["meshcomm_cold_ms"] for r in mine]
+        stats = {"cases": len(mine), "swaps": sum(r["swap"] for r in mine),
+                 "meshcomm_timeouts": sum(isinstance(v, str) and v.startswith("timeout")
+                                          for v in cold),
+                 "meshcomm_p50_ms": _stat(cold, statistics.median_low, limit_s),
+                 "meshcomm_p90_ms": _stat(cold, lambda v: v[int(0.9 * (len(v) - 1))],
+                                          limit_s),
+                 "meshcomm_max_ms": _stat(cold, max, limit_s)}
+        for key in ("greedy", "min_cost"):
+            vals = [r[f"dtensor_{key}_cold_ms"] for r in mine]
+            stats[f"dtensor_{key}_cases"] = sum(not isinstance(v, str) or
+                                                v.startswith("timeout") for v in vals)
+            stats[f"dtensor_{key}_p50_ms"] = _stat(vals, statistics.median_low, limit_s)
+            stats[f"dtensor_{key}_max_ms"] = _stat(vals, max, limit_s)
+        targets = RANDOM_TARGETS_MS.get(ranks, {})
+        stats["targets_ms"] = targets
+        stats["targets_met"] = all(
+            isinstance(stats[f"meshcomm_{k}_ms"], float) and stats[f"meshcomm_{k}_ms"] <= v
+            for k, v in targets.items())
+        out[str(ranks)] = stats
+    return out
+
+
+def random_lines(section: dict[str, Any]) -> list[str]:
+    def num(v: Measure) -> str:
+        return v if isinstance(v, str) else f"{v:.1f}"
+
+    lines = []
+    for ranks, s in section["summary"].items():
+        target = ", ".join(f"{k} <= {v:g} ms" for k, v in s["targets_ms"].items())
+        lines.append(
+            f"random {ranks} ranks ({s['cases']} transitions, {s['swaps']} shard-order swaps):"
+            f" meshcomm cold p50 {num(s['meshcomm_p50_ms'])} / p90 {num(s['meshcomm_p90_ms'])}"
+            f" / max {num(s['meshcomm_max_ms'])} ms ({s['meshcomm_timeouts']} timed out);"
+            f" DTensor greedy p50 {num(s['dtensor_greedy_p50_ms'])} / max"
+            f" {num(s['dtensor_greedy_max_ms'])} ms, min-cost p50"
+            f" {num(s['dtensor_min_cost_p50_ms'])} / max {num(s['dtensor_min_cost_max_ms'])} ms"
+            f" ({s['dtensor_min_cost_cases']} expressible)"
+            + (f"; target {target}: {'met' if s['targets_met'] else 'NOT met'}" if target
+               else ""))
+    return lines
 
 
 # -- limits, caches, timers ----------------------------------------------------------------
@@ -363,12 +499,16 @@ def _ratio(m: Measure, d: Measure, limit_s: float) -> Measure:
     return m / d
 
 
-def run(cases: list[Case], reps: int, limit_s: float) -> dict[str, Any]:
+def run(cases: list[Case], reps: int, limit_s: float,
+        random_counts: dict[int, int] | None = None,
+        random_limit_s: float = 10.0) -> dict[str, Any]:
     import torch.distributed as dist
 
-    init_fake_world(max(mc.Mesh(c.mesh).size for c in cases))
+    random_counts = {k: v for k, v in (random_counts or {}).items() if v}
+    init_fake_world(max([mc.Mesh(c.mesh).size for c in cases] + list(random_counts)))
     meshes: dict[str, Any] = {}
     rows = []
+    section = None
     try:
         for case in cases:
             row = {**asdict(case), "ranks": mc.Mesh(case.mesh).size,
@@ -381,12 +521,17 @@ def run(cases: list[Case], reps: int, limit_s: float) -> dict[str, Any]:
                 row["dtensor"]["min_cost_cold_ms"], limit_s)
             rows.append(row)
             print(f"  done {case.id}", file=sys.stderr, flush=True)
+        if random_counts:
+            section = random_section(random_counts, random_limit_s, meshes)
     finally:
         dist.destroy_process_group()
     meta = {"torch": torch.__version__, "python": sys.version.split()[0], "reps": reps,
             "torch_threads": torch.get_num_threads(),
             "limit_s": limit_s, "scale": SCALE, "memory_unit": "MB = 1e6 bytes (tracemalloc)"}
-    return {"meta": meta, "cases": rows, "summary": summarize(rows, limit_s)}
+    report = {"meta": meta, "cases": rows, "summary": summarize(rows, limit_s)}
+    if section is not None:
+        report["random"] = section
+    return report
 
 
 def _stat(values: list[Measure], pick: Callable[[list[float]], float], limit_s: float
@@ -510,9 +655,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads (default 1; see the module docstring)")
     parser.add_argument("--case", action="append", default=[], help="run only these ids")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    parser.add_argument("--random", type=int, default=None, metavar="N",
+                        help="random transitions per world size, 256 / 1,024 / 4,096 ranks"
+                             " (default 100; --quick: 10 at 256 and 1,024; 0: none)")
+    parser.add_argument("--random-limit-s", type=float, default=10.0,
+                        help="time limit per cold call in the random section (default 10)")
     args = parser.parse_args(argv)
     limit_s = args.limit_s or (20.0 if args.quick else 60.0)
     reps = args.reps or (1 if args.quick else 5)
+    count = args.random if args.random is not None else (10 if args.quick else 100)
+    random_counts = {256: count, 1024: count} if args.quick else {
+        256: count, 1024: count, 4096: count}
     cases = suite()
     wanted = set(args.case) or (set(QUICK_IDS) if args.quick else None)
     if wanted:
@@ -521,11 +674,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unknown case ids {sorted(unknown)}; cases: {[c.id for c in cases]}")
         cases = [c for c in cases if c.id in wanted]
     torch.set_num_threads(args.threads)
-    report = run(cases, reps, limit_s)
+    report = run(cases, reps, limit_s, random_counts, args.random_limit_s)
     print(render(report))
     print(f"limit {limit_s:g} s per cold call, {reps} reps; 1coll: one collective can do it;"
           f" kept MB: retained in caches; 4096x: cold time with {SCALE}x elements / cold time")
     for line in summary_lines(report):
+        print(line)
+    for line in random_lines(report["random"]) if "random" in report else []:
         print(line)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")

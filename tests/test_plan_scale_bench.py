@@ -47,7 +47,7 @@ def _is_measure(value: Any) -> bool:
 
 def test_every_case_has_both_sides(quick_run: tuple[str, dict[str, Any]]) -> None:
     _, report = quick_run
-    assert set(report) == {"meta", "cases", "summary"}
+    assert set(report) == {"meta", "cases", "summary", "random"}
     assert len(report["cases"]) == 5
     assert any(row["ranks"] == 1024 for row in report["cases"])
     for row in report["cases"]:
@@ -79,3 +79,43 @@ def test_summary_is_written_and_printed(quick_run: tuple[str, dict[str, Any]]) -
         assert _is_measure(summary[key]), (key, summary[key])
     for line in SUMMARY_LINES:
         assert line in stdout, line
+
+
+def test_the_random_section_draws_valid_transitions_and_reports_both_sides(
+        quick_run: tuple[str, dict[str, Any]]) -> None:
+    """--quick: 10 random transitions at 256 and at 1,024 ranks (fixed seeds), each with a
+    meshcomm cold time and DTensor's two planners beside it (or why not), per-size p50 /
+    p90 / max, and whether the issue's targets hold (reported, never asserted)."""
+    stdout, report = quick_run
+    rows = report["random"]["rows"]
+    assert [r["ranks"] for r in rows] == [256] * 10 + [1024] * 10
+    import meshcomm as mc
+
+    for r in rows:
+        mesh = mc.Mesh(r["mesh"])
+        assert mesh.size == r["ranks"] and r["src"] != r["dst"]
+        mc.Layout(r["dst"]).placements(mesh, tuple(r["shape"]))   # a valid transition
+        for key in ("meshcomm_cold_ms", "dtensor_greedy_cold_ms", "dtensor_min_cost_cold_ms"):
+            assert _is_measure(r[key]), (key, r)
+    summary = report["random"]["summary"]
+    assert set(summary) == {"256", "1024"}
+    assert summary["1024"]["targets_ms"] == {"p50": 5.0, "max": 100.0}
+    for stats in summary.values():
+        for key in ("meshcomm_p50_ms", "meshcomm_p90_ms", "meshcomm_max_ms"):
+            assert _is_measure(stats[key]), (key, stats)
+        assert isinstance(stats["targets_met"], bool)
+    assert "random 1024 ranks (10 transitions" in stdout
+
+
+def test_random_draws_are_the_same_every_run() -> None:
+    import importlib
+    import sys as _sys
+
+    _sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        bench = importlib.import_module("plan_scale")
+        first, again = bench.random_cases(1024, 12, 1024), bench.random_cases(1024, 12, 1024)
+    finally:
+        _sys.path.remove(str(SCRIPT.parent))
+    assert first == again and len(first) == 12
+    assert any(swap for *_, swap in bench.random_cases(1024, 60, 1024))   # swaps included
