@@ -188,13 +188,20 @@ def test_every_plan_is_exact_and_counts_its_bytes(case, seed):
         assert not any(_full_numel(p, s.after) for s in p.steps), f"materialized the tensor: {p}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22: a sum pending over two axes, to a dim split"
-                   " over a third, is gathered whole before it is reduced")
-def test_a_sum_over_two_axes_is_not_gathered_whole_first() -> None:
-    """Found by the random fuzz (a seed the fixed examples do not draw); exact, 1.75x the
-    bound. Passes (and so fails here) once the planner reduces before it gathers."""
-    p = mc.plan(mc.Mesh("a=2 b=3 c=2"), (6,), "(c i) | sum(a, b)", "(b i)")
+@pytest.mark.parametrize("spec, shape, src, dst, was", [
+    ("a=2 b=3 c=2", (6,), "(c i) | sum(a, b)", "(b i)", 1.75),
+    ("a=2 b=3 c=2", (4, 4), "(a i) j | sum(b, c)", "(c i) j", 1.57),
+])
+def test_a_sum_over_two_axes_is_reduced_before_it_is_moved(spec: str, shape: tuple[int, ...],
+                                                          src: str, dst: str,
+                                                          was: float) -> None:
+    """Found by the random fuzz (issue 22): the planner gathered the whole tensor to make
+    room for the destination's place of the reduced axis. Now it reduce_scatters into a
+    place the data has (`moves._reduce_where_it_fits`) and moves the smaller shards."""
+    p = mc.plan(mc.Mesh(spec), shape, src, dst)
     assert not any(_full_numel(p, s.after) for s in p.steps), str(p)
+    assert p.bound_ratio < was - 0.2, str(p)
+    _check_exact(p, torch.randint(-9, 10, shape).float())
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])

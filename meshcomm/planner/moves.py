@@ -373,6 +373,7 @@ def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName
                      sizes: tuple[int, ...]) -> Iterator[Move]:
     left, op = _drop_partial(state, group)
     if len(group) == 1:
+        yield from _reduce_where_it_fits(state, dst, mesh, group[0], sizes)
         d = _chunk_next(state, dst, group[0])
         if d is not None:
             chain = (as_chunks(state.dims[d]) or ()) + group
@@ -393,6 +394,33 @@ def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName
     pre = _rearrange(state, after, (), tuple(shards), dims)
     send, recv = scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
     yield Move("reduce_scatter", group, after, op=state.op, pre=pre, send=send, recv=recv)
+
+
+def _reduce_where_it_fits(state: State, dst: State, mesh: Mesh, axis: AxisName,
+                          sizes: tuple[int, ...]) -> Iterator[Move]:
+    """reduce_scatter over `axis` into the dim the destination splits over it, at a place
+    the data has now (the top or the bottom of one of the dim's local runs), where that is
+    not the destination's own place: reduce first, then move the smaller shards, rather
+    than gather the dim to make room for the destination's place."""
+    target = _even_target(dst, axis)
+    d = dst.axis_dim(axis)
+    if d is None or state.dims[d].chunks:
+        return
+    n = mesh.axis_size(axis)
+    dim = state.dims[d]
+    left, op = _drop_partial(state, (axis,))
+    places = []
+    for lo, hi in dim.local_runs():
+        if (hi // lo) % n == 0:
+            places += [(hi // n, hi, axis), (lo, lo * n, axis)]
+    for shard in dict.fromkeys(places):
+        if target is not None and shard == target[1] or not _fits(dim, shard):
+            continue
+        after = _set_dim(State(state.dims, left, op), d,
+                         even_dim(dim.size, dim.shards + (shard,)))
+        pre = _rearrange(state, after, (), (shard,), {axis: d})
+        send, recv = scatter_traffic(mesh, (axis,), sizes, local_numels(after, mesh))
+        yield Move("reduce_scatter", (axis,), after, op=state.op, pre=pre, send=send, recv=recv)
 
 
 def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
