@@ -291,3 +291,17 @@ def test_a_mesh_too_large_to_list_is_refused_clearly() -> None:
                        r" 99,999,999,999,999 ranks; .* at most 4,194,304\. fix: check the axis"):
         Mesh("tp=99999999999999")
     assert Mesh("dp=4096 tp=1024").size == 1 << 22
+
+
+@pytest.mark.parametrize("spec", ["dp=2 tp=3 cp=2", "a=3 b=1 c=4"])
+def test_members_is_the_group_of_groups_for_every_rank_and_axis_order(spec: str) -> None:
+    """`Mesh.members` (plain arithmetic; the one way executors and mc.collectives find a
+    rank's group) agrees with the table of `Mesh.groups`, axes in any order, on a mesh
+    whose ranks are not in order."""
+    mesh = Mesh(spec, ranks=list(reversed(range(Mesh(spec).size))))
+    for k in range(1, len(mesh.axis_names) + 1):
+        for axes in itertools.permutations(mesh.axis_names, k):
+            for rank in mesh.ranks:
+                which, pos = mesh.group_index(rank, *axes)
+                assert mesh.members(rank, *axes) == mesh.groups(*axes)[which]
+                assert mesh.members(rank, *axes).index(rank) == pos

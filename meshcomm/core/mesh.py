@@ -250,6 +250,33 @@ class Mesh:
         """Rank groups of a collective over `axes` (several = one flat group, first axis major)."""
         return _groups(self, tuple(axes))
 
+    def members(self, rank: int, *axes: AxisName) -> tuple[int, ...]:
+        """The global ranks of `rank`'s group over `axes`, in group order (first axis major):
+        its entry of `groups(*axes)`, found with plain arithmetic on the rank's coordinates
+        (no table, so it traces under torch.compile too).
+
+        >>> Mesh("dp=2 tp=2").members(3, "dp"), Mesh("dp=2 tp=2").members(1, "tp", "dp")
+        ((1, 3), (1, 3, 0, 2))
+        """
+        sizes, grid = self._sizes, self._ranks
+        flat, coords = self.position(rank), [0] * len(sizes)
+        for i in range(len(sizes) - 1, -1, -1):
+            coords[i], flat = flat % sizes[i], flat // sizes[i]
+        idx = [self._names.index(a) for a in axes]
+        count = 1
+        for i in idx:
+            count *= sizes[i]
+        out = []
+        for inner in range(count):
+            at, rest = list(coords), inner
+            for i in reversed(idx):
+                at[i], rest = rest % sizes[i], rest // sizes[i]
+            spot = 0
+            for i in range(len(sizes)):
+                spot = spot * sizes[i] + at[i]
+            out.append(grid[spot])
+        return tuple(out)
+
     def group_index(self, rank: int, *axes: AxisName) -> tuple[int, int]:
         """(which group, position in that group) of `rank` for a collective over `axes`."""
         coords = self.coords(rank)

@@ -24,7 +24,7 @@ from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
-from ..core.mesh import AxisName, Mesh
+from ..core.mesh import AxisName
 from ..core.reduce_ops import REDUCE_OPS, chunk_sizes, divide, op_reduce
 from ..executors.distributed import wire
 from .bind import BoundMesh
@@ -78,28 +78,6 @@ def _make_group(name: str, ranks: tuple[int, ...], pg_ranks: tuple[int, ...], ra
                   len(ranks), desc)
 
 
-def _members(mesh: Mesh, key: tuple[AxisName, ...], rank: int) -> tuple[int, ...]:
-    """Global ranks of `rank`'s group over `key`, first-named axis major (as Mesh.groups)."""
-    names, sizes, grid = mesh.axis_names, mesh.shape, mesh.ranks
-    flat, coords = grid.index(rank), [0] * len(sizes)
-    for i in range(len(sizes) - 1, -1, -1):
-        coords[i], flat = flat % sizes[i], flat // sizes[i]
-    idx = [names.index(a) for a in key]
-    count = 1
-    for i in idx:
-        count *= sizes[i]
-    out = []
-    for inner in range(count):
-        at, rest = list(coords), inner
-        for i in reversed(idx):
-            at[i], rest = rest % sizes[i], rest // sizes[i]
-        spot = 0
-        for i in range(len(sizes)):
-            spot = spot * sizes[i] + at[i]
-        out.append(grid[spot])
-    return tuple(out)
-
-
 def _bound_checks(fn: str, bound: BoundMesh, axes: object) -> tuple[AxisName, ...]:
     mesh = bound.mesh
     key = (axes,) if isinstance(axes, str) else tuple(axes) if isinstance(axes, Sequence) else ()
@@ -124,8 +102,8 @@ def _bound_checks(fn: str, bound: BoundMesh, axes: object) -> tuple[AxisName, ..
 def _bound_group(fn: str, bound: BoundMesh, axes: object) -> _Group:
     key = _bound_checks(fn, bound, axes)
     mesh_order = tuple([a for a in bound.mesh.axis_names if a in key])
-    ranks = _members(bound.mesh, key, bound.rank)
-    pg_ranks = ranks if mesh_order == key else _members(bound.mesh, mesh_order, bound.rank)
+    ranks = bound.mesh.members(bound.rank, *key)
+    pg_ranks = ranks if mesh_order == key else bound.mesh.members(bound.rank, *mesh_order)
     return _make_group(bound.group_name(mesh_order), ranks, pg_ranks, bound.rank,
                        (axes, bound.mesh))
 

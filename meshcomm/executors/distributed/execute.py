@@ -72,8 +72,8 @@ class ByteTrace:
 @functools.lru_cache(maxsize=4096)
 def group_of(mesh: Mesh, rank: int, axes: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
     """The ranks of `rank`'s group over `axes` (group order) and its position there."""
-    group_index, pos = mesh.group_index(rank, *axes)
-    return mesh.groups(*axes)[group_index], pos
+    members = mesh.members(rank, *axes)
+    return members, members.index(rank)
 
 
 class Run(NamedTuple):
