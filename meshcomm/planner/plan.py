@@ -43,7 +43,9 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
         mesh = _unbound(mesh)
     if dst_mesh is not None and type(dst_mesh) is not Mesh:
         dst_mesh = _unbound(dst_mesh)
-    return _plan_args(mesh, shape, src, dst, dtype, cost_model or _DEFAULT_COST, dst_mesh)
+    # The default cost model is passed as None: a cached call then hashes no Python object
+    # but the mesh (None, str, tuple and dtype hash in C).
+    return _plan_args(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
 
 
 def _unbound(mesh: object) -> Mesh:
@@ -62,8 +64,10 @@ def _as_shape(shape: object) -> Shape:
 
 @functools.lru_cache(maxsize=4096)
 def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
-               dtype: torch.dtype, cost_model: CostModel, dst_mesh: Mesh | None) -> Plan:
+               dtype: torch.dtype, cost_model: CostModel | None, dst_mesh: Mesh | None) -> Plan:
     """`plan` keyed on the arguments as given, so a repeated call is one dict lookup."""
+    if cost_model is None:
+        cost_model = _DEFAULT_COST
     for name, value in (("mesh", mesh), ("dst_mesh", dst_mesh)):
         if value is not None and not isinstance(value, Mesh):
             raise PlanError(f"{name} must be a meshcomm Mesh, got {type(value).__name__};"
