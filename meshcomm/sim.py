@@ -1,26 +1,7 @@
 """`mc.sim`: exact in-process simulation of N ranks: shards, collectives and plan execution
 (docs/api.md § mc.sim). `import meshcomm.sim` and `from meshcomm.sim import scatter` work
-as for every public namespace; the code lives in `meshcomm.executors.sim`.
+as for every public namespace; the names and the code are `meshcomm.executors.sim`'s.
 """
 
-from .executors.sim import (
-                            SendRecvResult,
-                            SimResult,
-                            all_gather,
-                            all_reduce,
-                            all_to_all,
-                            broadcast,
-                            check_locals,
-                            collective_permute,
-                            execute,
-                            execute_cross,
-                            gather,
-                            reduce_scatter,
-                            scatter,
-                            send_recv,
-                            take,
-)
-
-__all__ = ["SendRecvResult", "SimResult", "all_gather", "all_reduce", "all_to_all", "broadcast",
-           "check_locals", "collective_permute", "execute", "execute_cross", "gather",
-           "reduce_scatter", "scatter", "send_recv", "take"]
+from .executors.sim import *  # noqa: F403  (the one list of names: executors/sim/__init__)
+from .executors.sim import __all__ as __all__
