@@ -20,6 +20,11 @@ Per configuration: median step time over `--steps` after 3 warm-up steps (a step
 `torch.cuda.synchronize()`), peak GPU memory (`max_memory_allocated`), and the losses,
 whose largest relative difference to FSDP2's is printed (bf16 compute: not bit-equal to
 `plain`, which rounds elsewhere).
+
+Each configuration runs in a process of its own: run one after another in one process,
+the later one's peak carried about 0.75 GiB that the earlier one left allocated (whichever
+ran second: FSDP2 after meshcomm showed 11.42 GiB, meshcomm after FSDP2 11.43 GiB; alone,
+each peaks at 10.68-10.69 GiB on an H200).
 """
 
 from __future__ import annotations
@@ -128,16 +133,21 @@ def main(argv: list[str] | None = None) -> int:
                    " meshcomm (fsdp2 is the reference: keep it)")
     p.add_argument("--profile", action="store_true", help="print torch.profiler tables of"
                    " one more step of each configuration")
+    p.add_argument("--rows-json", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_train: no CUDA device here; nothing measured")
         return 0
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    rows = {how: train(how, args) for how in args.configs.split(",")}
-    dist.destroy_process_group()
+    if args.rows_json is not None:     # one configuration, in this process (see the doc)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1)
+        rows = {how: train(how, args) for how in args.configs.split(",")}
+        dist.destroy_process_group()
+        args.rows_json.write_text(json.dumps(rows))
+        return 0
+    rows = {how: _in_own_process(how, argv or sys.argv[1:]) for how in args.configs.split(",")}
     for r in rows.values():
         r.pop("profile", None)
     ref = rows["fsdp2"]["losses"]
@@ -154,6 +164,27 @@ def main(argv: list[str] | None = None) -> int:
                                          "device": torch.cuda.get_device_name(0),
                                          "torch": torch.__version__, "rows": rows}, indent=1))
     return 0
+
+
+def _in_own_process(how: str, argv: list[str]) -> dict[str, Any]:
+    """`train(how, ...)` in a new process; its row (so no configuration inherits memory)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        rest, skip = [], False
+        for a in argv:                     # every argument but --configs (and its value)
+            if skip or a.startswith("--configs"):
+                skip = a == "--configs" and not skip
+                continue
+            rest.append(a)
+        done = subprocess.run([sys.executable, __file__, *rest, "--configs", how,
+                               "--rows-json", str(out)], timeout=600)
+        if done.returncode != 0:
+            raise SystemExit(f"gpu_train: configuration {how} failed ({done.returncode})")
+        row: dict[str, Any] = json.loads(out.read_text())[how]
+        return row
 
 
 if __name__ == "__main__":
