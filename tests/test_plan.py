@@ -234,3 +234,14 @@ def test_a_backend_without_a_collective_never_gets_it():
     _check_exact(p, torch.randn(8, 16))
     with pytest.raises(mc.errors.PlanError, match="unknown step kinds \\['alltoall'\\]"):
         mc.CostModel(native=("alltoall",))
+
+
+def test_a_reduction_kept_pending_elsewhere_is_split_over_those_axes_first() -> None:
+    """'i | max(pp)' -> 'i | max(dp, sp)': sp (pending in the destination) splits the
+    work before the all_reduce over pp, and a free reindex makes it pending again: 12 B
+    received instead of the 48 B of reducing every element (issue 22)."""
+    p = mc.plan(mc.Mesh("sp=4 dp=4 pp=2"), (12,), "i | max(pp)", "i | max(dp, sp)")
+    assert [(s.kind, s.action) for s in p.steps] == [
+        ("local", "slice"), ("all_reduce", ""), ("local", "reindex")]
+    assert max(p.recv_bytes) == 12
+    _check_exact(p, torch.randint(-9, 10, (12,)).float())

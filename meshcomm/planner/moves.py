@@ -272,12 +272,15 @@ def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     1/n of the data on each of the n replicas (an all_gather over the axis follows).
 
     This is how a plan meets the reduce-scatter bound when the destination is replicated:
-    the combining work is shared by every rank that will need the result.
+    the combining work is shared by every rank that will need the result. An axis the
+    destination holds pending (not avg) may split the work too: a free `reindex` turns its
+    factor into the destination's pending reduction afterwards.
     """
     if not [a for a in state.partial if a not in dst.partial]:
         return
     zeros = (0,) * mesh.size
-    used = state.used_axes() | dst.used_axes()
+    later_pending = set(dst.partial) if dst.op != "avg" else set()
+    used = state.used_axes() | (dst.used_axes() - later_pending)
     for axis in mesh.axis_names:
         n = mesh.axis_size(axis)
         if axis in used or n == 1:
