@@ -52,15 +52,16 @@ class Gathered(torch.autograd.Function):
             schedule.callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: finish_backward(schedule))
+        grads_now = unit.accumulate(grads)
         if not unit.sync:          # gradient accumulation: keep them unsharded, send nothing
-            unit.unsharded_grads = unit.accumulate(grads)
+            unit.unsharded_grads = grads_now
             return (None, None) + (None,) * len(unit.params)
         if schedule.pending_reduce and not schedule.pending_reduce[-1][2]:
             # HSDP: the previous unit's reduce_scatter had this unit's backward to finish;
             # its all_reduce over the replicas now runs while the rest of backward computes
             before, out, _ = schedule.pending_reduce[-1]
             schedule.pending_reduce[-1] = (before, before.issue_replica_reduce(out), True)
-        schedule.pending_reduce.append((unit, unit.issue_reduce(unit.reduce_buffer(grads)),
+        schedule.pending_reduce.append((unit, unit.issue_reduce(grads_now),
                                         unit.rep_group is None))
         return (None, None) + (None,) * len(unit.params)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...executors.distributed import wire
@@ -113,43 +114,17 @@ class Unit:
         self.unsharded_grads = None
         return out
 
-    def reduce_buffer(self, grads: Sequence[Tensor | None]) -> Tensor:
-        """The reduce_scatter's input: each gradient (plus what passes without sync kept) in
-        the reduce dtype, its n chunks (torch.chunk rows: a prefix of n padded chunks) laid
-        out position by position in one buffer. Written in place, cast on the way, by one
-        foreach copy (FSDP2's copy-in): no gradient is copied twice."""
-        dtype = self.mp.reduce_dtype or self.params[0].param.dtype
-        kept, self.unsharded_grads = self.unsharded_grads, None
-        device = self.params[0].param.device
-        buf = torch.empty(self.n * self.width, dtype=dtype, device=device)
-        table = buf.view(self.n, self.width)
-        dsts: list[Tensor] = []
-        srcs: list[Tensor] = []
-        for k, (p, g) in enumerate(zip(self.params, grads)):
-            w = p.pad * p.inner
-            cols = table[:, self.offsets[k]:self.offsets[k] + w]
-            if kept is not None:
-                g = kept[k] if g is None else g.to(dtype) + kept[k]
-            if g is None:
-                cols.zero_()
-            elif p.even:
-                dsts.append(cols)
-                srcs.append(g.reshape(self.n, w))
-            else:                      # whole rows, then a part row, then zeros
-                flat = g.reshape(-1)
-                q, r = divmod(p.use_shape[0] * p.inner, w)
-                dsts.append(cols[:q])
-                srcs.append(flat[:q * w].view(q, w))
-                if r:
-                    dsts.append(cols[q, :r])
-                    srcs.append(flat[q * w:q * w + r])
-                cols[q, r:].zero_()    # q < n: an uneven gradient is shorter than n chunks
-                cols[q + 1:].zero_()
-        torch._foreach_copy_(dsts, srcs)
-        return buf
-
-    def issue_reduce(self, buf: Tensor) -> Tensor:
-        """Start the reduce_scatter of `buf` (from `reduce_buffer`)."""
+    def issue_reduce(self, grads: Sequence[Tensor]) -> Tensor:
+        """Start the reduce_scatter of `grads` (from `accumulate`: in the reduce dtype)."""
+        # n chunks of each gradient (torch.chunk rows: a prefix of n padded chunks), laid out
+        # position by position: a pad for each short parameter, one concatenation
+        columns = []
+        for p, g in zip(self.params, grads):
+            flat = g.reshape(-1)
+            if not p.even:
+                flat = F.pad(flat, (0, (self.n * p.pad - p.use_shape[0]) * p.inner))
+            columns.append(flat.view(self.n, p.pad * p.inner))
+        buf = torch.cat(columns, dim=1).reshape(-1)
         out, call = wire.reduce_scatter(buf, "sum", self.group, wait=False)
         self._record(call, buf.element_size())
         return out
