@@ -259,9 +259,7 @@ class Mesh:
         ((1, 3), (1, 3, 0, 2))
         """
         sizes, grid = self._sizes, self._ranks
-        flat, coords = self.position(rank), [0] * len(sizes)
-        for i in range(len(sizes) - 1, -1, -1):
-            coords[i], flat = flat % sizes[i], flat // sizes[i]
+        coords = _unravel(self.position(rank), sizes)
         idx = [self._names.index(a) for a in axes]
         count = 1
         for i in idx:

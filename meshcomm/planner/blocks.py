@@ -194,14 +194,20 @@ def pair_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
     # O(dim size) vector work, whatever the number of blocks (not blocks x blocks counts).
     na, nb = len(block_sizes(a, mesh)), len(block_sizes(b, mesh))
     table = torch.zeros(na * nb, dtype=torch.long)
-    for start in range(0, a.size, _LABEL_SLICE):
-        index = torch.arange(start, min(a.size, start + _LABEL_SLICE), dtype=torch.long)
+    for index in index_slices(a.size):
         pairs = block_of(a, mesh, index) * nb + block_of(b, mesh, index)
         table += torch.bincount(pairs, minlength=na * nb)
     return table.reshape(na, nb)
 
 
-_LABEL_SLICE = 1 << 20   # indices labelled at once by `pair_counts` (8 MiB a label tensor)
+_LABEL_SLICE = 1 << 20   # indices labelled at once (8 MiB a label tensor)
+
+
+def index_slices(size: int) -> Iterator[Tensor]:
+    """The indices 0 .. size-1 of a dim, `_LABEL_SLICE` at a time: labelling a dim by
+    blocks (`block_of`) keeps to bounded memory, whatever the dim's size."""
+    for start in range(0, size, _LABEL_SLICE):
+        yield torch.arange(start, min(size, start + _LABEL_SLICE), dtype=torch.long)
 
 
 def block_of(dim: DimState, mesh: Mesh, index: Tensor) -> Tensor:

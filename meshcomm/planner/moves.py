@@ -36,6 +36,7 @@ from .blocks import (
     flat_index,
     group_positions,
     in_mesh_order,
+    index_slices,
     rank_blocks,
 )
 from .rearrange import Rearrange
@@ -529,16 +530,18 @@ def _equal_blocks(a: DimState, b: DimState, mesh: Mesh) -> torch.Tensor | None:
             return None
         return torch.tensor(found, dtype=torch.long)
     # Label every index with its block of `a` and of `b`: block y of `b` equals block x of
-    # `a` when every index of y lies in x and the two are as large (O(dim size) work).
-    index = torch.arange(a.size, dtype=torch.long)
-    la, lb = block_of(a, mesh, index), block_of(b, mesh, index)
+    # `a` when every index of y lies in x and the two are as large (O(dim size) work, a
+    # slice of the dim at a time).
     sizes_b = block_sizes(b, mesh)
     if not int(sizes_b.min()):         # an empty block equals no block of `a` here
         return None
-    match = torch.zeros(len(sizes_b), dtype=torch.long)
-    match[lb] = la                                     # some index's block of `a`, per y
-    if not bool((match[lb] == la).all()):
-        return None
+    match = torch.full((len(sizes_b),), -1, dtype=torch.long)
+    for index in index_slices(a.size):
+        la, lb = block_of(a, mesh, index), block_of(b, mesh, index)
+        new = match[lb] < 0
+        match[lb[new]] = la[new]                       # the first index's block of `a`, per y
+        if not bool((match[lb] == la).all()):
+            return None
     return match if bool((block_sizes(a, mesh)[match] == sizes_b).all()) else None
 
 
