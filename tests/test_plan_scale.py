@@ -167,9 +167,11 @@ TIGHT = [
     (M24, (8, 64, 8), "b s h | sum(tp)", "b (tp s) h",
      [("local", ("dp",), "slice"), ("reduce_scatter", ("tp",), ""), ("all_gather", ("dp",), "")],
      2048 * F32),
-    # as above with all_reduce over tp (2 * 3/4 * 2,048 = 3,072), then 2,048 over dp
+    # each rank reduces an eighth (a reducing send_recv over tp: 3 x 512 = 1,536), then
+    # one all_gather over dp and tp (7 x 512 = 3,584): the bytes of slicing over dp, an
+    # all_reduce over tp and an all_gather over dp, at a lower peak (34 KiB, not 40)
     (M24, (8, 64, 8), "b s h | sum(tp)", "b s h",
-     [("local", ("dp",), "slice"), ("all_reduce", ("tp",), ""), ("all_gather", ("dp",), "")],
+     [("send_recv", ("tp",), ""), ("all_gather", ("dp", "tp"), "")],
      5120 * F32),
     # 128 elements; half over cp (64), reduce_scatter over dp*tp = 4 receives 48, then 16
     (M222, (8, 16), "b s | sum(dp, tp)", "(dp b) (tp s)",
@@ -292,10 +294,11 @@ SCALE = [
     # 64 shards (pp replicates): 7/8 of each one leaves
     (M_PP_DP_TP, TOKENS, "(dp b) (tp h)", "(dp tp b) h", [("all_to_all", ("tp",))],
      BIG // 64 * 7 // 8),
-    # slice over dp and pp (1/32), reduce_scatter over tp (7/8 of it), all_gather 31/32 of 1/256
+    # each rank reduces 1/256 (a reducing send_recv over tp: 7/8 of 1/32), all_gather 31/32
+    # of 1/256: the bytes of slicing over dp and pp, a reduce_scatter and the same
+    # all_gather, without the second slice's buffer at the peak (2.26 GiB, not 2.31)
     (M_PP_DP_TP, TOKENS, "b h | sum(tp)", "(tp b) h",
-     [("local", ("dp",)), ("local", ("pp",)), ("reduce_scatter", ("tp",)),
-      ("all_gather", ("pp", "dp"))],
+     [("send_recv", ("tp",)), ("all_gather", ("pp", "dp"))],
      BIG // 32 * 7 // 8 + BIG // 256 * 31),
     (M_32x32, TOKENS, "(dp b) (tp h)", "(tp b) (dp h)", [("collective_permute", ("dp", "tp"))],
      BIG // 1024),
@@ -314,11 +317,12 @@ SCALE = [
     # (cp, tp) columns, and cp lands on different sides
     (M_4D, TOKENS, "(dp cp b) (tp h)", "(dp b) (cp tp h)", [("send_recv", ("dp", "cp", "tp"))],
      BIG // 512),
-    # slice over dp and cp (1/64), reduce_scatter over tp (7/8), all_reduce over ep of 1/512
-    # (2 * 1/2), all_gather over cp (3/4 of 1/128)
+    # the bytes of slicing over dp and cp (1/64), a reduce_scatter over tp (7/8), an
+    # all_reduce over ep of 1/512 (2 * 1/2) and an all_gather over cp (3/4 of 1/128), in two
+    # steps: each rank reduces 1/1024 of its block over tp and ep at once (a reducing
+    # send_recv: 15/16 of 1/64), then all_gathers over cp and ep (7/8 of 1/128)
     (M_4D, TOKENS, "b h | sum(tp, ep)", "(dp b) (tp h)",
-     [("local", ("dp",)), ("local", ("cp",)), ("reduce_scatter", ("tp",)), ("all_reduce", ("ep",)),
-      ("all_gather", ("cp",))],
+     [("send_recv", ("tp", "ep")), ("all_gather", ("cp", "ep"))],
      BIG // 64 * 7 // 8 + BIG // 512 + BIG // 128 * 3 // 4),
 ]
 

@@ -8,7 +8,7 @@ one code path.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import (
 
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
-from ..core.reduce_ops import identity_like
+from ..core.reduce_ops import identity_like, op_reduce
 from ..planner.values import Step, Transfer
 
 Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)
@@ -173,15 +173,54 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
     that only contributes part of a pending reduction)."""
     out = flat.new_empty(out_shape) if fill_op is None else identity_like(
         flat.new_empty(out_shape), fill_op)
+    for t, block in _received(transfers, mesh, rank, flat):
+        out = _put(out, t, block)
+    return out
+
+
+def received(step: Step, transfers: Iterable[Transfer], order: Order, rank: int, flat: Tensor,
+             mesh: Mesh, shape: tuple[int, ...]) -> Tensor:
+    """`rank`'s output of a send_recv `step` on `mesh` from the flat buffer it received in
+    `order` (`unpack`), reduced for a reducing send_recv, one with an op (`unpack_reduced`)."""
+    out_shape = step.after.local_shape(mesh, shape, rank)
+    if step.op is None:
+        return unpack(transfers, order, rank, flat, out_shape)
+    resolve = [a for a in step.before.partial_axes if a not in step.after.partial_axes]
+    return unpack_reduced(transfers, order, rank, flat, out_shape, step.op, mesh, resolve)
+
+
+def unpack_reduced(transfers: Iterable[Transfer], order: Order, rank: int, flat: Tensor,
+                   out_shape: tuple[int, ...], op: str, mesh: Mesh,
+                   resolve: Sequence[str]) -> Tensor:
+    """`rank`'s output of a reducing send_recv: each received block is a partial value of
+    its sender's group member over the `resolve` axes; the g partials of every element are
+    gathered into one tensor per member and reduced in group order (`op_reduce`)."""
+    sizes = [mesh.axis_size(a) for a in resolve]
+    slots: dict[int, Tensor] = {}
+    for t, block in _received(transfers, order, rank, flat):
+        coords = mesh.coords(t.src)
+        k = 0
+        for a, n in zip(resolve, sizes):
+            k = k * n + coords[a]
+        slots[k] = _put(slots.get(k, flat.new_empty(out_shape)), t, block)
+    if not slots:
+        return flat.new_empty(out_shape)
+    return op_reduce([slots[k] for k in sorted(slots)], op)
+
+
+def _received(transfers: Iterable[Transfer], mesh: Order, rank: int,
+              flat: Tensor) -> Iterator[tuple[Transfer, Tensor]]:
+    """The transfers `rank` receives with their blocks of `flat` (in source order)."""
     offset = 0
     where = _positions(mesh)
     for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1):
         if t.dst == rank:
-            block = flat[offset:offset + t.numel]
-            if t.dst_index:
-                out[grid(t.dst_index, flat.device)] = block.reshape(
-                    [len(ix) for ix in t.dst_index])
-            else:
-                out = block.reshape(out_shape).clone()
+            yield t, flat[offset:offset + t.numel]
             offset += t.numel
-    return out
+
+
+def _put(out: Tensor, t: Transfer, block: Tensor) -> Tensor:
+    if t.dst_index:
+        out[grid(t.dst_index, block.device)] = block.reshape([len(ix) for ix in t.dst_index])
+        return out
+    return block.reshape(out.shape).clone()

@@ -2,7 +2,8 @@
 
 `single_plan` (cached) turns two layouts on one mesh into a Plan: Dijkstra with Pareto
 labels over planner states (A* on large meshes and long searches) for the path of least
-modelled time under a CostModel; ties go to the lower peak memory, then to fewer steps.
+modelled time under a CostModel; ties go to the lower peak memory, then to native
+reductions over reducing send_recvs, then to fewer steps.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -70,7 +72,7 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
           held: tuple[int, ...] | None) -> Step:
-    live = (local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)).reshape(-1)
+    live = _live(move, state, mesh).reshape(-1)
     live = live * itemsize + (torch.tensor(held) if held else 0)
     peak = tuple(live.tolist())
     send, recv = _times(move.send, itemsize), _times(move.recv, itemsize)
@@ -84,7 +86,8 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least (time, peak, steps, index-list steps) path from `start` to `goal` (Pareto labels).
+    """Least (time, peak, reducing send_recvs, steps, index-list steps) path from `start` to
+    `goal` (Pareto labels).
 
     On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
     than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
@@ -116,7 +119,7 @@ class _TooLong(Exception):
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                  cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
     src_numels = local_numels_tensor(start, mesh)
-    first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0)
+    first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0, 0)
     counter = itertools.count()
     per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
     pops = 0
@@ -165,7 +168,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                     " please report it")
 
 
-Key = tuple[float, int, int, int]
+Key = tuple[float, int, int, int, int]   # time, peak, reducing send_recvs, steps, indexed
 
 
 def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> Iterator[Move]:
@@ -185,7 +188,7 @@ def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
 def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel, src_numels: torch.Tensor, held: bool) -> Key:
     # Per-rank counts as tensors of the mesh's shape: O(ranks) in C, not in Python.
-    live_t = local_numels_tensor(state, mesh) + local_numels_tensor(move.after, mesh)
+    live_t = _live(move, state, mesh)
     if held:
         live_t = live_t + src_numels
     live = int(live_t.max()) * itemsize
@@ -193,9 +196,22 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
     if move.kind != "local":
         busiest = max(max(move.send), max(move.recv)) * itemsize
         time = cost_model.time(move.axes, busiest)
-    # Last tie-break: fewer steps driven by index lists (send_recv, select, reindex).
-    return (round(key[0] + time, 15), max(key[1], live), key[2] + 1,
-            key[3] + move.indexed)
+    # At equal time and peak, native reductions (reduce_scatter, all_reduce) win over a
+    # reducing send_recv (an all_to_all, then a local reduction); then fewer steps; last,
+    # fewer steps driven by index lists (send_recv, select, reindex).
+    reducing = move.kind == "send_recv" and move.op is not None
+    return (round(key[0] + time, 15), max(key[1], live), key[2] + reducing, key[3] + 1,
+            key[4] + move.indexed)
+
+
+def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
+    """Elements a rank holds during `move`: its input and output; for a reducing send_recv
+    over g ranks, 2g outputs (the buffer it receives, and the g partials it reduces)."""
+    out = local_numels_tensor(move.after, mesh)
+    if move.kind == "send_recv" and move.op is not None:
+        out = out * 2 * math.prod(mesh.axis_size(a) for a in state.partial
+                                  if a not in move.after.partial)
+    return local_numels_tensor(state, mesh) + out
 
 
 def _dominates(a: Key, b: Key) -> bool:

@@ -28,7 +28,7 @@ from .blocks import (
 from .bounds import missing, sharding_axes, state_bound
 from .moves import Move, block_indices
 from .pairs import lazy_cross, positions, receiver_pairs, replicating_axes, sender_pairs
-from .states import DimState, State, chunk_dim, even_dim, from_layout, is_chain
+from .states import DimState, State, as_chunks, chunk_dim, even_dim, from_layout, is_chain
 from .values import Transfer
 
 Index = tuple[tuple[int, ...], ...]
@@ -203,17 +203,42 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     return tuple((sent - own).tolist()), tuple((need - own).tolist())
 
 
+def resolved_axes(state: State, dst: State) -> tuple[AxisName, ...] | None:
+    """The pending axes of `state` that a reducing send_recv to `dst` resolves (empty for a
+    plain one), or None when no send_recv goes from `state` to `dst`: `dst` may only keep
+    some of `state`'s pending axes, with the same op."""
+    if any(a not in state.partial for a in dst.partial):
+        return None
+    if dst.partial and dst.op != state.op:
+        return None
+    return tuple(a for a in state.partial if a not in dst.partial)
+
+
+def send_recv_axes(state: State, dst: State, mesh: Mesh) -> tuple[AxisName, ...]:
+    """The group of a send_recv from `state` to `dst`: the axes sharding `state` and those
+    it resolves (a rank's twins differ from it on those axes only)."""
+    return in_mesh_order(mesh, sharding_axes(state) | set(resolved_axes(state, dst) or ()))
+
+
 @functools.lru_cache(maxsize=1024)
 def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> Move | None:
     """One send_recv step from `state` straight to `dst` over the axes sharding `state`
     (each rank receives exactly what it lacks, from its twin: `pair_traffic`), or a local
     select when no rank lacks anything; None where it does not apply.
 
+    A reducing send_recv also resolves pending axes R of `state` (g ranks): each rank
+    receives, for every element of its `dst` block, the partial value of each of the g
+    members of its group over R (from their twins where a member does not hold it) and
+    reduces them in group order. It receives g x its block less what it holds itself.
+
     With `exact=False` the sent counts are only estimated (as the received ones, which
     are exact and cheap): the search prices a send_recv exactly only when it may win.
     """
-    if state.partial != dst.partial or state.op != dst.op or state == dst:
+    resolve = resolved_axes(state, dst)
+    if resolve is None or state == dst:
         return None
+    if resolve:
+        return _reducing_move(state, dst, mesh, resolve, exact)
     recv = missing(state, dst, mesh)
     zeros = (0,) * mesh.size
     if not any(recv):
@@ -223,6 +248,21 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
         return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
     send, recv = pair_traffic(state, dst, mesh)
     return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
+
+
+def _reducing_move(state: State, dst: State, mesh: Mesh, resolve: tuple[AxisName, ...],
+                   exact: bool) -> Move:
+    g = math.prod(mesh.axis_size(a) for a in resolve)
+    own, need = own_and_need(state, dst, mesh)
+    recv = tuple((need * g - own).tolist())
+    axes = send_recv_axes(state, dst, mesh)
+    if not exact:
+        return Move("send_recv", axes, dst, op=state.op, indexed=True, estimate=True,
+                    send=recv, recv=recv)
+    # Sender s sends each member r of its group what r needs of s's block, itself aside.
+    sent = summed_overlap(state, dst, mesh, frozenset(axes), in_need=True) - own
+    return Move("send_recv", axes, dst, op=state.op, indexed=True, send=tuple(sent.tolist()),
+                recv=recv)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -259,7 +299,67 @@ def send_recv_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     for target in (kept, _keep_extra(state, kept, mesh)):
         if target not in targets:
             targets.append(target)
-    return targets + spread_targets(state, goal, mesh)
+    return targets + spread_targets(state, goal, mesh) + [
+        t for t in reduce_targets(state, goal, mesh) if t not in targets]
+
+
+def reduce_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
+    """Where a reducing send_recv from `state` may go besides the goal: the goal's dims,
+    with the axes the goal leaves free (neither sharding it nor pending) splitting one of
+    its dims too, so that each rank reduces a share of its block and an all_gather over
+    those axes (or a send_recv) completes it. The idle replicas then share the reduction:
+    over g ranks and f free ranks a rank receives (g - 1 + f - 1) / f of its block, not
+    g - 1 times it."""
+    resolve = resolved_axes(state, goal)
+    if not resolve:
+        return []
+    keep = tuple(a for a in state.partial if a in goal.partial)
+    base = State(goal.dims, keep, state.op if keep else None)
+    free = [a for a in mesh.axis_names if a not in base.used_axes() and mesh.axis_size(a) > 1]
+    if not free:
+        return [base] if base != goal else []
+    aligned = [a for a in in_mesh_order(mesh, sharding_axes(state)) if a in free]
+    orders = [aligned + [a for a in free if a not in aligned]]
+    if orders[0] != free:
+        orders.append(free)
+    out = [] if base == goal else [base]
+    for order in orders:
+        for t in _spread(base, tuple(order), mesh) + _spread(_keep_extra(state, base, mesh),
+                                                              tuple(order), mesh):
+            if t not in out and t != goal:
+                out.append(t)
+    return out
+
+
+def _spread(target: State, axes: tuple[AxisName, ...], mesh: Mesh) -> list[State]:
+    """`target` with those of `axes` it leaves free splitting one dim more: at the top of a
+    local run of an even dim where they divide it, or after the chain of an uneven one."""
+    axes = tuple(a for a in axes if a not in target.used_axes())
+    if not axes:
+        return [target]
+    n = math.prod(mesh.axis_size(a) for a in axes)
+    out = []
+    for d, dim in enumerate(target.dims):
+        grown: list[DimState] = []
+        if dim.chunks or dim.size == 0:
+            grown.append(chunk_dim(dim.size, dim.chunks + axes, mesh))
+        else:
+            for lo, hi in dim.local_runs():
+                if (hi // lo) % n:
+                    continue
+                shards, top = [], hi
+                for a in axes:   # major first, from the top of the run
+                    shards.append((top // mesh.axis_size(a), top, a))
+                    top //= mesh.axis_size(a)
+                spread = even_dim(dim.size, dim.shards + tuple(shards))
+                if is_chain(spread.bounds()):
+                    grown.append(spread)
+            chain = as_chunks(dim)
+            if not grown and chain is not None:
+                grown.append(chunk_dim(dim.size, chain + axes, mesh))
+        out += [State(target.dims[:d] + (g,) + target.dims[d + 1:], target.partial, target.op)
+                for g in grown]
+    return out
 
 
 def _before_reduction(dim: DimState, resolve: set[AxisName], mesh: Mesh) -> DimState:
@@ -353,7 +453,7 @@ def _rank_transfers(kind: str, action: str, before: Layout, after: Layout, mesh:
         return (_cell(rank, rank, state, dst, mesh),) if first else ()
     if kind != "send_recv":   # select: every rank holds what it needs
         return (_cell(rank, rank, state, dst, mesh),)
-    group = next(g for g in mesh.groups(*in_mesh_order(mesh, sharding_axes(state))) if rank in g)
+    group = mesh.members(rank, *send_recv_axes(state, dst, mesh))
     out = [_cell(rank, r, state, dst, mesh) for r in group]
     out += [_cell(s, rank, state, dst, mesh) for s in group if s != rank]
     return tuple(t for t in out if t.numel)

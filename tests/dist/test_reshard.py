@@ -58,10 +58,13 @@ NAMED = [
     ("dp=2 tp=4", (8, 16), "(dp tp b) s", "(tp dp b) s", torch.float32),
     ("dp=2 tp=4", (7, 10), "(dp b) (tp s)", "(tp b) (dp s)", torch.float32),
     ("a=2 b=2 c=2", (8, 8), "(a b c w) x", "(c b a w) x", torch.float32),
+    ("dp=2 tp=4", (12,), "a | sum(tp)", "(tp dp a)", torch.float32),       # send_recv_reduce
+    ("dp=2 tp=4", (12, 3), "a b | avg(tp)", "(tp dp a) b", torch.float64),
+    ("a=2 b=2 c=2", (5, 3), "(a x) y | max(b, c)", "(c x) y", torch.float32),
     ("a=2 b=2 c=2", (5, 6, 7), "(a w) (b x) (c y)", "(c w) (a x) (b y)", torch.float32),
 ]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
-         "all_reduce", "all_to_all", "collective_permute", "send_recv"}
+         "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce"}
 
 
 # -- the sample -------------------------------------------------------------------------
@@ -86,6 +89,8 @@ def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...]
 
 # -- what every rank runs ----------------------------------------------------------------
 def step_kind(step: mc.Step) -> str:
+    if step.kind == "send_recv" and step.op is not None:
+        return "send_recv_reduce"
     return step.kind + ("_v" if step.dim is not None and step.kind != "local" else "")
 
 

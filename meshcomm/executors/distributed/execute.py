@@ -30,7 +30,7 @@ from ...core.errors import (
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, divide, op_reduce
 from ...planner.values import Plan, Step
-from ..local import local_move, pack, rank_transfers, recv_splits, unpack
+from ..local import local_move, pack, rank_transfers, received, recv_splits
 from ..steps import Wire
 from . import wire
 from .groups import Groups, require_bound
@@ -266,7 +266,7 @@ def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
     flat, splits = pack(transfers, members, rank, x)
     wanted = recv_splits(transfers, members, rank)
     y = _a2a(step, run, flat.contiguous(), wanted, splits)
-    return unpack(transfers, members, rank, y, step.after.local_shape(mesh, run.shape, rank))
+    return received(step, transfers, members, rank, y, mesh, run.shape)
 
 
 def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,

@@ -15,7 +15,7 @@ from ...core.errors import MeshMismatchError, ShapeError
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.values import Plan, Step
-from ..local import local_move, pack, rank_transfers, unpack
+from ..local import local_move, pack, rank_transfers, received, unpack
 from . import collectives as coll
 from .collectives import SimResult
 
@@ -157,7 +157,7 @@ def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...])
     packed = [pack(ts, mesh, r, x) for r, ts, x in zip(mesh.ranks, transfers, xs)]
     group = (tuple(range(mesh.size)),)
     res = coll.all_to_all([p[0] for p in packed], group, input_splits=[p[1] for p in packed])
-    outs = [unpack(ts, mesh, r, flat, step.after.local_shape(mesh, shape, r))
+    outs = [received(step, ts, mesh, r, flat, mesh, shape)
             for r, ts, flat in zip(mesh.ranks, transfers, res.outputs)]
     return _with(res, outs)
 
