@@ -113,7 +113,7 @@ def test_show_plan_draws_table_totals_and_both_pictures() -> None:
     assert out.splitlines()[0] == ('plan "(b dp) h | sum(tp)" -> "(dp tp b) h": shape (8, 6)'
                                    " float32 on Mesh(dp=2, tp=2)")
     assert "reduce_scatter sum" in out and "all_to_all" in out and '"(b tp dp) h"' in out
-    assert "of the lower bound (48 B)" in out
+    assert "of the lower bound (72 B)" in out
     before = out.index('layout "(b dp) h | sum(tp)" of shape (8, 6) on Mesh(dp=2, tp=2)')
     after = out.index('layout "(dp tp b) h" of shape (8, 6) on Mesh(dp=2, tp=2)')
     assert out.index("total:") < before < after

@@ -26,7 +26,8 @@ CASES = [
     ((8, 16), "(dp a) (tp b)", "a b"),                       # all_gather
     ((8, 16), "(dp a) (tp b)", "(tp a) (dp b)"),             # send_recv
     ((8, 16), "a b | sum(tp)", "(tp a) b"),                  # slice, reduce_scatter, all_gather
-    ((8, 16), "a b | sum(tp)", "a b"),                       # all_reduce
+    ((8, 16), "a b | sum(tp)", "a b"),                       # reducing send_recv, all_gather
+    ((8, 16), "(dp a) b | sum(tp)", "(dp a) b"),             # all_reduce
     ((8, 16), "(dp a) (tp b)", "(dp tp a) b"),               # all_to_all
     ((8, 16), "(dp tp a) b", "(tp dp a) b"),                 # collective_permute
     ((7, 16), "(dp tp a) b", "(tp dp a) b"),                 # send_recv, uneven

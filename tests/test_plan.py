@@ -33,21 +33,17 @@ NAMED = [
     (M22, (8, 16), "(b tp) s", "(tp b) s", ["all_to_all"]),
     (M222, (8, 8), "(a b c x) y", "x y", ["all_gather"]),
     (M22, (7, 16), "(dp tp b) s", "(dp b) s", ["all_gather"]),
-    # torch.chunk gives rank 0 four of seven rows; the bound is the even share
-    pytest.param(M22, (7, 16), "b s | sum(tp)", "(tp b) s", ["reduce_scatter"],
-                 marks=pytest.mark.uneven_reduction),
+    # torch.chunk gives rank 0 four of seven rows: it receives one partial of each (the bound)
+    (M22, (7, 16), "b s | sum(tp)", "(tp b) s", ["reduce_scatter"]),
     (M24, (12,), "(tp b)", "(b tp)", ["send_recv"]),
 ]
 
 
 @pytest.mark.parametrize("mesh, shape, src, dst, kinds", NAMED)
-def test_named_cases(mesh, shape, src, dst, kinds, request):
+def test_named_cases(mesh, shape, src, dst, kinds):
     p = mc.plan(mesh, shape, src, dst)
     assert [s.kind for s in p.collectives] == kinds
-    if request.node.get_closest_marker("uneven_reduction"):
-        assert p.bound_ratio == pytest.approx(8 / 7), str(p)
-    else:
-        assert p.bound_ratio == 1.0, str(p)
+    assert p.bound_ratio == 1.0, str(p)
     _check_exact(p, torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape))
 
 

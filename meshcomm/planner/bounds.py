@@ -35,9 +35,11 @@ from __future__ import annotations
 import functools
 import math
 
+import torch
+
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
-from .blocks import own_and_need, summed_overlap
+from .blocks import own_and_need, rank_blocks, summed_overlap
 from .states import State, from_layout, local_numels
 
 
@@ -72,10 +74,39 @@ def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
 
 def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]:
     total = math.prod(d.size for d in start.dims)
-    # Members of a pending group of the goal all need the same block: count it once.
-    groups = math.prod(mesh.axis_size(a) for a in goal.partial)
-    needers = sum(local_numels(goal, mesh)) // groups
-    return (-(-(total * (g - 2) + needers) // mesh.size),) * mesh.size
+    if any(a not in start.partial for a in goal.partial):
+        # Members of a pending group of the goal all need the same block: count it once.
+        groups = math.prod(mesh.axis_size(a) for a in goal.partial)
+        needers = sum(local_numels(goal, mesh)) // groups
+        return (-(-(total * (g - 2) + needers) // mesh.size),) * mesh.size
+    # Items: an element and a coordinate on the pending axes the goal keeps (k of them).
+    # Each needs g - 1 messages to combine, one more per rank needing it, one less when a
+    # rank needing it holds a partial of it (it can combine there).
+    k = math.prod(mesh.axis_size(a) for a in goal.partial)
+    own, need = own_and_need(start, goal, mesh)
+    messages = k * total * (g - 1) + int(need.sum()) - k * _held_where_needed(start, goal, mesh,
+                                                                              own)
+    share = -(-messages // mesh.size)
+    # and every rank receives at least one message per element of its block
+    return tuple(torch.clamp(need, min=share).tolist())
+
+
+def _held_where_needed(start: State, goal: State, mesh: Mesh, own: torch.Tensor) -> int:
+    """How many elements some rank both holds in `start` and needs in `goal`: the union of
+    every rank's overlap. Ranks with the same block on both sides (per dim) share one
+    overlap, and overlaps of different such pairs are disjoint."""
+    keys = torch.stack([rank_blocks(d, mesh) for pair in zip(start.dims, goal.dims)
+                        for d in pair], 1) if start.dims else torch.zeros(mesh.size, 1)
+    _, first = _first_of_each(keys)
+    return int(own[first].sum())
+
+
+def _first_of_each(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct rows of `keys` and the index of one row holding each."""
+    rows, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    first = torch.full((len(rows),), len(keys), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(len(keys)), reduce="amin")
+    return rows, first
 
 
 def _partial_destination(start: State, goal: State, mesh: Mesh,

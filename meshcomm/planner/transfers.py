@@ -314,21 +314,31 @@ def reduce_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     if not resolve:
         return []
     keep = tuple(a for a in state.partial if a in goal.partial)
-    base = State(goal.dims, keep, state.op if keep else None)
-    free = [a for a in mesh.axis_names if a not in base.used_axes() and mesh.axis_size(a) > 1]
-    if not free:
-        return [base] if base != goal else []
-    aligned = [a for a in in_mesh_order(mesh, sharding_axes(state)) if a in free]
-    orders = [aligned + [a for a in free if a not in aligned]]
-    if orders[0] != free:
-        orders.append(free)
+    op = state.op if keep else None
+    base = State(goal.dims, keep, op)
     out = [] if base == goal else [base]
-    for order in orders:
-        for t in _spread(base, tuple(order), mesh) + _spread(_keep_extra(state, base, mesh),
-                                                              tuple(order), mesh):
-            if t not in out and t != goal:
-                out.append(t)
+
+    def add(targets: list[State]) -> None:
+        out.extend(t for t in targets if t not in out and t != goal)
+
+    free = [a for a in mesh.axis_names if a not in base.used_axes() and mesh.axis_size(a) > 1]
+    if free:
+        for order in _orders(free, in_mesh_order(mesh, sharding_axes(state))):
+            add(_spread(base, order, mesh) + _spread(_keep_extra(state, base, mesh), order, mesh))
+    # Or each rank reduces a share of its own block (it receives g - 1 partials, not g),
+    # split over the axes free in `state`, and a move to the goal follows.
+    own = State(state.dims, keep, op)
+    free = [a for a in mesh.axis_names if a not in own.used_axes() and mesh.axis_size(a) > 1]
+    for order in _orders(free, in_mesh_order(mesh, sharding_axes(goal))):
+        add(_spread(own, order, mesh))
     return out
+
+
+def _orders(axes: list[AxisName], first: tuple[AxisName, ...]) -> list[tuple[AxisName, ...]]:
+    """`axes` with those in `first` leading (in `first`'s order), and in mesh order."""
+    lead = [a for a in first if a in axes]
+    orders = [tuple(lead + [a for a in axes if a not in lead])]
+    return orders if orders[0] == tuple(axes) else orders + [tuple(axes)]
 
 
 def _spread(target: State, axes: tuple[AxisName, ...], mesh: Mesh) -> list[State]:
