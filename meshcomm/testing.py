@@ -5,7 +5,13 @@ Processes are started by `meshcomm.runtime.launch.run_ranks`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import torch
+
+from .core.layout import Layout
+from .core.mesh import Mesh
 
 
 def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
@@ -45,3 +51,85 @@ def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
         parts.append(f"({' '.join(factors)})" if len(factors) > 1 else factors[0])
     text = " ".join(parts)
     return text + (f" | {rng.choice(ops)}({', '.join(sorted(partial))})" if partial else "")
+
+
+def _mask(mesh: Mesh, shape: tuple[int, ...], layout: Layout, rank: int) -> torch.Tensor:
+    """Which global elements (flat) `rank` holds (a partial of, if pending)."""
+    idx = torch.arange(math.prod(shape)).reshape(shape)
+    for d, sel in enumerate(layout.indices(mesh, shape, rank)):
+        idx = idx.index_select(d, torch.tensor(list(sel), dtype=torch.long))
+    mask = torch.zeros(math.prod(shape), dtype=torch.bool)
+    mask[idx.reshape(-1)] = True
+    return mask
+
+
+def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
+                   dst: str | Layout) -> int | None:
+    """Elements the busiest rank must receive when `src` with a pending reduction becomes
+    `dst`, counted element by element (an oracle for tests and benchmarks; the planner's
+    bound, `meshcomm.planner.bounds`, counts the same from block tables). None where the
+    destination has pending axes the source lacks, or nothing is resolved.
+
+    An item (an element, with a coordinate on the pending axes `dst` keeps) with g partial
+    values needs g - 1 messages to combine them, plus one delivery to each rank needing it,
+    less one when a rank needing it holds a partial. The busiest rank receives at least the
+    total over P ranks, and every rank at least one message per element it needs.
+
+    >>> from meshcomm import Mesh
+    >>> counting_bound(Mesh("tp=4"), (8,), "i | sum(tp)", "(tp i)")   # a reduce_scatter's 3 x 2
+    6
+    """
+    s, d = Layout(src), Layout(dst)
+    resolve = [a for a in s.partial_axes if a not in d.partial_axes]
+    keep = [a for a in s.partial_axes if a in d.partial_axes]
+    g = math.prod(mesh.axis_size(a) for a in resolve)
+    if g == 1 or any(a not in s.partial_axes for a in d.partial_axes):
+        return None
+    numel = math.prod(shape)
+    needers: dict[tuple[int, ...], torch.Tensor] = {}    # per kept coordinate, per element
+    combines: dict[tuple[int, ...], torch.Tensor] = {}   # a needer holds a partial there
+    busiest = 0
+    for r in mesh.ranks:
+        c = tuple(mesh.coords(r)[a] for a in keep)
+        need, hold = _mask(mesh, shape, d, r), _mask(mesh, shape, s, r)
+        needers[c] = needers.get(c, torch.zeros(numel, dtype=torch.long)) + need
+        combines[c] = combines.get(c, torch.zeros(numel, dtype=torch.bool)) | (need & hold)
+        busiest = max(busiest, int(need.sum()))
+    messages = sum(int(((g - 1 + n - h.long()) * (n > 0)).sum())
+                   for n, h in zip(needers.values(), combines.values()))
+    return max(-(-messages // mesh.size), busiest)
+
+
+PARTIAL_MESHES = ("dp=4 tp=2", "dp=2 tp=2 pp=2", "a=2 b=3 c=2", "dp=4 pp=2 ep=4", "sp=4 dp=4 pp=2",
+                  "pp=2 sp=4 dp=4", "pp=4 cp=4", "ep=2 dp=4 tp=2 sp=2", "dp=8 tp=8",
+                  "x=2 y=2 z=2 w=2", "dp=4 tp=4", "dp=2 tp=3", "a=2 b=2 c=2 d=2 e=2 f=2",
+                  "dp=16 tp=4", "dp=8")
+
+
+def partial_transition(rng: Any, even: bool,
+                       meshes: tuple[str, ...] = PARTIAL_MESHES) -> tuple[Mesh, tuple[int, ...],
+                                                                         str, str]:
+    """A random transition from a pending reduction that resolves some of it (what
+    `counting_bound` measures), on one of `meshes` (up to 64 ranks): one or two dims of 64,
+    128 or 192 (`even`, divisible by most meshes) or up to three small dims (1 to 16, which
+    `torch.chunk` splits unevenly and leaves ranks empty)."""
+    from .core.errors import ShapeError
+
+    ops = ("sum", "avg", "max", "min")
+    while True:
+        mesh = Mesh(rng.choice(meshes))
+        ndim = rng.randint(1, 2 if even else 3)
+        sizes = [64, 128, 192] if even else [1, 2, 3, 4, 5, 6, 8, 12, 13, 16]
+        shape = tuple(rng.choice(sizes) for _ in range(ndim))
+        src = random_layout(rng, mesh, ndim, ops, name_inside=0.3)
+        op = Layout(src).reduce_op
+        if op is None:
+            continue
+        dst = random_layout(rng, mesh, ndim, (op,), name_inside=0.3)
+        try:
+            Layout(src).placements(mesh, shape)
+            Layout(dst).placements(mesh, shape)
+        except ShapeError:
+            continue
+        if counting_bound(mesh, shape, src, dst) is not None:
+            return mesh, shape, src, dst
