@@ -34,6 +34,10 @@ from conftest import outcome, run_scaled, scaled, set_group_timeout
 MESH = "dp=2 tp=2"
 SRC, DST = "(dp b) h | sum(tp)", "b h"
 SHAPE = (8, 6)
+# Collectives only: an all_reduce over tp, then an all_gather over dp, so ranks 0 and 2 never
+# share a group with rank 3 at step 2 (a reducing send_recv over dp and tp would join them).
+COST = mc.CostModel(native=("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
+                            "collective_permute"))
 HANG_TIMEOUT_S = 2.0          # the hanging group's collective timeout: short, never scaled
 HEALTHY_TIMEOUT_S = 90.0      # init_mesh(timeout_s=scaled(...)): every other group's
 RUN_TIMEOUT_S = 120.0         # run_ranks(timeout_s=scaled(...)): the whole test
@@ -64,11 +68,12 @@ def attempt(bound: mc.BoundMesh) -> dict[str, Any]:
     mesh = bound.mesh
     data = torch.arange(48.0).reshape(SHAPE)
     locs = mc.sim.scatter(data, mesh, SRC)
-    want = mc.sim.execute(mc.plan(mesh, SHAPE, SRC, DST), locs).outputs[mesh.position(bound.rank)]
+    want = mc.sim.execute(mc.plan(mesh, SHAPE, SRC, DST, cost_model=COST),
+                          locs).outputs[mesh.position(bound.rank)]
     torch.distributed.barrier()         # start together: no healthy step waits on a slow peer
     start = time.monotonic()
     try:
-        got = mc.reshard(locs[mesh.position(bound.rank)], bound, SRC, DST)
+        got = mc.reshard(locs[mesh.position(bound.rank)], bound, SRC, DST, cost_model=COST)
     except mc.errors.MeshcommError as err:
         return {"error": type(err).__name__, "message": str(err),
                 "seconds": time.monotonic() - start, "at": time.time()}
