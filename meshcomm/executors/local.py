@@ -8,7 +8,9 @@ one code path.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Sequence
+import math
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -173,54 +175,105 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
     that only contributes part of a pending reduction)."""
     out = flat.new_empty(out_shape) if fill_op is None else identity_like(
         flat.new_empty(out_shape), fill_op)
-    for t, block in _received(transfers, mesh, rank, flat):
-        out = _put(out, t, block)
-    return out
-
-
-def received(step: Step, transfers: Iterable[Transfer], order: Order, rank: int, flat: Tensor,
-             mesh: Mesh, shape: tuple[int, ...]) -> Tensor:
-    """`rank`'s output of a send_recv `step` on `mesh` from the flat buffer it received in
-    `order` (`unpack`), reduced for a reducing send_recv, one with an op (`unpack_reduced`)."""
-    out_shape = step.after.local_shape(mesh, shape, rank)
-    if step.op is None:
-        return unpack(transfers, order, rank, flat, out_shape)
-    resolve = [a for a in step.before.partial_axes if a not in step.after.partial_axes]
-    return unpack_reduced(transfers, order, rank, flat, out_shape, step.op, mesh, resolve)
-
-
-def unpack_reduced(transfers: Iterable[Transfer], order: Order, rank: int, flat: Tensor,
-                   out_shape: tuple[int, ...], op: str, mesh: Mesh,
-                   resolve: Sequence[str]) -> Tensor:
-    """`rank`'s output of a reducing send_recv: each received block is a partial value of
-    its sender's group member over the `resolve` axes; the g partials of every element are
-    gathered into one tensor per member and reduced in group order (`op_reduce`)."""
-    sizes = [mesh.axis_size(a) for a in resolve]
-    slots: dict[int, Tensor] = {}
-    for t, block in _received(transfers, order, rank, flat):
-        coords = mesh.coords(t.src)
-        k = 0
-        for a, n in zip(resolve, sizes):
-            k = k * n + coords[a]
-        slots[k] = _put(slots.get(k, flat.new_empty(out_shape)), t, block)
-    if not slots:
-        return flat.new_empty(out_shape)
-    return op_reduce([slots[k] for k in sorted(slots)], op)
-
-
-def _received(transfers: Iterable[Transfer], mesh: Order, rank: int,
-              flat: Tensor) -> Iterator[tuple[Transfer, Tensor]]:
-    """The transfers `rank` receives with their blocks of `flat` (in source order)."""
     offset = 0
     where = _positions(mesh)
     for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1):
         if t.dst == rank:
-            yield t, flat[offset:offset + t.numel]
+            block = flat[offset:offset + t.numel]
+            if t.dst_index:
+                out[grid(t.dst_index, flat.device)] = block.reshape(
+                    [len(ix) for ix in t.dst_index])
+            else:
+                out = block.reshape(out_shape).clone()
             offset += t.numel
+    return out
 
 
-def _put(out: Tensor, t: Transfer, block: Tensor) -> Tensor:
-    if t.dst_index:
-        out[grid(t.dst_index, block.device)] = block.reshape([len(ix) for ix in t.dst_index])
-        return out
-    return block.reshape(out.shape).clone()
+# -- a send_recv step on one mesh, as flat index tensors ---------------------------------
+class Exchange(NamedTuple):
+    """One rank's part of a send_recv step as flat index tensors (`exchange`), so that running
+    the step costs a few tensor calls whatever the number of peers."""
+
+    send: Tensor | None      # flat input positions sent, in destination order (None: none)
+    send_splits: list[int]   # elements sent to each group member
+    recv_splits: list[int]   # elements received from each group member
+    recv: Tensor             # each received element's flat output position (+ slot * numel)
+    slots: int               # outputs filled: 1, or g partials for a reducing send_recv
+
+
+def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
+             out_shape: tuple[int, ...], device: torch.device) -> Exchange:
+    """`rank`'s Exchange for `step` (positions over `order`, the step's group or the mesh),
+    built once per step, rank and device from the step's transfers (O(group) work), then
+    cached. While torch.compile traces (a dispatch mode active, or dynamo), the positions are
+    worked out outside the mode, like `rank_transfers`, and the index tensors made in it: a
+    cached tensor would not be one of the trace's fake tensors."""
+    if _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
+        return _exchange(step, rank, order, mesh, in_shape, out_shape, device)
+    with _disable_current_modes():
+        host = _exchange(step, rank, order, mesh, in_shape, out_shape, torch.device("cpu"))
+        send = None if host.send is None else host.send.tolist()
+        recv = host.recv.tolist()
+    return host._replace(
+        send=None if send is None else torch.tensor(send, dtype=torch.long, device=device),
+        recv=torch.tensor(recv, dtype=torch.long, device=device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
+              out_shape: tuple[int, ...], device: torch.device) -> Exchange:
+    transfers = step.rank_transfers(rank)
+    where = _positions(order)
+    resolve = [a for a in step.before.partial_axes if a not in step.after.partial_axes]
+    sizes = [mesh.axis_size(a) for a in resolve]
+    numel = math.prod(out_shape)
+    send_splits, recv_splits = [0] * len(where), [0] * len(where)
+    sent, got = [], []
+    for t in sorted((t for t in transfers if t.src == rank), key=lambda t: where[t.dst]):
+        sent.append(_flat(t.src_index, in_shape))
+        send_splits[where[t.dst]] += t.numel
+    for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: where[t.src]):
+        slot = 0
+        for a, n in zip(resolve, sizes):
+            slot = slot * n + mesh.coords(t.src)[a]
+        got.append(_flat(t.dst_index, out_shape) + slot * numel)
+        recv_splits[where[t.src]] += t.numel
+    slots = math.prod(sizes)
+    recv = torch.cat(got) if got else torch.zeros(0, dtype=torch.long)
+    assert len(recv) == slots * numel, f"{step}: rank {rank} receives {len(recv)} of" \
+        f" {slots} x {numel} elements"
+    return Exchange(_to(torch.cat(sent), device) if sent else None, send_splits, recv_splits,
+                    _to(recv, device), slots)
+
+
+def _flat(index: Index, shape: tuple[int, ...]) -> Tensor:
+    """Flat positions (C order) of the cartesian block `index` of a tensor of `shape`; the
+    whole tensor when `index` is empty."""
+    if not index:
+        return torch.arange(math.prod(shape), dtype=torch.long)
+    flat = torch.zeros((), dtype=torch.long)
+    for ix, size in zip(index, shape):
+        flat = flat.unsqueeze(-1) * size + positions(ix)
+    return flat.reshape(-1)
+
+
+def _to(index: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda" and not torch.compiler.is_compiling():
+        return index.pin_memory().to(device, non_blocking=True)
+    return index.to(device)
+
+
+def send_buffer(ex: Exchange, x: Tensor) -> Tensor:
+    """The flat buffer this rank sends: its blocks, in destination order."""
+    return x.new_empty(0) if ex.send is None else x.reshape(-1).index_select(0, ex.send)
+
+
+def received(ex: Exchange, flat: Tensor, out_shape: tuple[int, ...], op: str | None) -> Tensor:
+    """This rank's output from the flat buffer it received (blocks in source order); for a
+    reducing send_recv (`op`), the g partials of each element reduced in group order."""
+    numel = math.prod(out_shape)
+    out = flat.new_empty(ex.slots * numel)
+    out[ex.recv] = flat
+    if op is None:
+        return out.reshape(out_shape)
+    return op_reduce(list(out.reshape(ex.slots, *out_shape).unbind(0)), op)

@@ -30,7 +30,7 @@ from ...core.errors import (
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, divide, op_reduce
 from ...planner.values import Plan, Step
-from ..local import local_move, pack, rank_transfers, received, recv_splits
+from ..local import exchange, local_move, received, send_buffer
 from ..steps import Wire
 from . import wire
 from .groups import Groups, require_bound
@@ -261,12 +261,11 @@ def _permute(step: Step, x: Tensor, run: Run) -> Tensor:
 
 def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
-    transfers = rank_transfers(step, rank)
-    members = run.members(step)
-    flat, splits = pack(transfers, members, rank, x)
-    wanted = recv_splits(transfers, members, rank)
-    y = _a2a(step, run, flat.contiguous(), wanted, splits)
-    return received(step, transfers, members, rank, y, mesh, run.shape)
+    in_shape = step.before.local_shape(mesh, run.shape, rank)   # static under torch.compile
+    out_shape = step.after.local_shape(mesh, run.shape, rank)
+    ex = exchange(step, rank, run.members(step), mesh, in_shape, out_shape, x.device)
+    y = _a2a(step, run, send_buffer(ex, x), ex.recv_splits, ex.send_splits)
+    return received(ex, y, out_shape, step.op)
 
 
 def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,

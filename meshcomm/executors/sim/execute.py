@@ -15,7 +15,7 @@ from ...core.errors import MeshMismatchError, ShapeError
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.values import Plan, Step
-from ..local import local_move, pack, rank_transfers, received, unpack
+from ..local import exchange, local_move, pack, rank_transfers, received, send_buffer, unpack
 from . import collectives as coll
 from .collectives import SimResult
 
@@ -153,13 +153,14 @@ def _permute(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -
 
 
 def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
-    transfers = [rank_transfers(step, r) for r in mesh.ranks]
-    packed = [pack(ts, mesh, r, x) for r, ts, x in zip(mesh.ranks, transfers, xs)]
+    outs = [step.after.local_shape(mesh, shape, r) for r in mesh.ranks]
+    exs = [exchange(step, r, mesh, mesh, tuple(x.shape), out, x.device)
+           for r, x, out in zip(mesh.ranks, xs, outs)]
     group = (tuple(range(mesh.size)),)
-    res = coll.all_to_all([p[0] for p in packed], group, input_splits=[p[1] for p in packed])
-    outs = [received(step, ts, mesh, r, flat, mesh, shape)
-            for r, ts, flat in zip(mesh.ranks, transfers, res.outputs)]
-    return _with(res, outs)
+    res = coll.all_to_all([send_buffer(ex, x) for ex, x in zip(exs, xs)], group,
+                          input_splits=[ex.send_splits for ex in exs])
+    return _with(res, [received(ex, flat, out, step.op)
+                       for ex, flat, out in zip(exs, res.outputs, outs)])
 
 
 def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
