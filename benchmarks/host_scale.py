@@ -22,6 +22,9 @@ tensor ops, hook and autograd overhead). For each N, one after the other, in thi
 - `reshard`: a (2N, H) tensor `[Shard(0), Shard(1)]` on `(N/8, 8)` to `[Shard(0), Replicate()]`
   and to `[Shard(0), Shard(0)]`, 8 times each: `DTensor.redistribute` beside `mc.reshard`
   of the local tensor (`"(dp a) (tp b)"` to `"(dp a) b"` and `"(dp tp a) b"`);
+- `reshard_partial`: the same tensor `[Shard(0), Partial()]` (`"(dp a) b | sum(tp)"`) to
+  `[Shard(1), Replicate()]` (`"a (dp b)"`: from 128 ranks on, meshcomm's plan starts with
+  a reducing send_recv over all N ranks) and to `[Shard(0), Shard(0)]` (`"(dp tp a) b"`);
 - `vocab_parallel_ce`: the loss of (4, 64) positions over a vocabulary of 8H split over tp=8,
   forward + backward, 8 times: `F.cross_entropy` of DTensor logits under `loss_parallel()`
   beside `mc.nn.vocab_parallel_cross_entropy`.
@@ -192,19 +195,31 @@ def tp_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
 # a (2N, H rounded down to a multiple of 8) tensor "(dp a) (tp b)" on (N/8, 8): to "(dp a) b" (all_gather over tp)
 # and to "(dp tp a) b" (all_to_all over tp); DTensor placements [S0, S1] -> [S0, R] / [S0, S0]
 RESHARDS = {"(dp a) b": "S0 R", "(dp tp a) b": "S0 S0"}
+# from a pending sum over tp, "(dp a) b | sum(tp)" ([S0, P]): to "a (dp b)" ([S1, R]; from
+# 128 ranks on a reducing send_recv over all N ranks) and to "(dp tp a) b" ([S0, S0])
+PARTIAL_RESHARDS = {"a (dp b)": "S1 R", "(dp tp a) b": "S0 S0"}
+SOURCES = {"(dp a) (tp b)": "S0 S1", "(dp a) b | sum(tp)": "S0 P"}
 
 
-def reshard_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
+def _placements(text: str) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    words = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
+    return [words[w] for w in text.split()]
+
+
+def reshard_pytorch(n: int, hidden: int, blocks: int, src: str = "(dp a) (tp b)",
+                    dsts: dict[str, str] = RESHARDS) -> Callable[[], None]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
 
     dm = init_device_mesh(DEVICE.type, (n // 8, 8), mesh_dim_names=("dp", "tp"))
     shape = (2 * n, hidden - hidden % 8)
-    local = torch.randn(16, shape[1] // 8, device=DEVICE)
-    dt = DTensor.from_local(local, dm, [Shard(0), Shard(1)], run_check=False,
+    bound = mc.Mesh(f"dp={n // 8} tp=8")
+    local = torch.randn(mc.Layout(src).local_shape(bound, shape, 3), device=DEVICE)
+    dt = DTensor.from_local(local, dm, _placements(SOURCES[src]), run_check=False,
                             shape=torch.Size(shape), stride=(shape[1], 1))
-    words = {"S0": Shard(0), "R": Replicate()}
-    targets = [[words[w] for w in text.split()] for text in RESHARDS.values()]
+    targets = [_placements(text) for text in dsts.values()]
 
     def step() -> None:
         for _ in range(blocks):
@@ -213,16 +228,23 @@ def reshard_pytorch(n: int, hidden: int, blocks: int) -> Callable[[], None]:
     return step
 
 
-def reshard_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
+def reshard_meshcomm(n: int, hidden: int, blocks: int, src: str = "(dp a) (tp b)",
+                     dsts: dict[str, str] = RESHARDS) -> Callable[[], None]:
     bound = mc.init_mesh(f"dp={n // 8} tp=8", backend="fake")
     shape = (2 * n, hidden - hidden % 8)
-    local = torch.randn(16, shape[1] // 8, device=DEVICE)
+    local = torch.randn(mc.Layout(src).local_shape(bound.mesh, shape, 3), device=DEVICE)
 
     def step() -> None:
         for _ in range(blocks):
-            for dst in RESHARDS:
-                mc.reshard(local, bound, "(dp a) (tp b)", dst, shape=shape)
+            for dst in dsts:
+                mc.reshard(local, bound, src, dst, shape=shape)
     return step
+
+
+def partial_pair() -> tuple[Callable[..., Callable[[], None]], ...]:
+    src = "(dp a) b | sum(tp)"
+    return (lambda n, h, b: reshard_pytorch(n, h, b, src, PARTIAL_RESHARDS),
+            lambda n, h, b: reshard_meshcomm(n, h, b, src, PARTIAL_RESHARDS))
 
 
 def _logits(n: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -279,6 +301,7 @@ CONFIGS = {"fully_shard": fsdp_pair(False, False),
            "hsdp": fsdp_pair(False, True),
            "parallelize": (tp_pytorch, tp_meshcomm),
            "reshard": (reshard_pytorch, reshard_meshcomm),
+           "reshard_partial": partial_pair(),
            "vocab_parallel_ce": (ce_pytorch, ce_meshcomm)}
 
 

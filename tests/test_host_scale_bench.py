@@ -25,7 +25,7 @@ def test_quick_run_prints_its_table_and_ops_do_not_grow_with_ranks(tmp_path: Pat
     rows = json.loads(out.read_text())["rows"]
     blocks = {r["block"] for r in rows}
     assert blocks == {"fully_shard", "fully_shard+mp", "hsdp", "parallelize", "reshard",
-                      "vocab_parallel_ce"}
+                      "reshard_partial", "vocab_parallel_ce"}
     for block in blocks:
         mine = [r for r in rows if r["block"] == block]
         assert [r["ranks"] for r in mine] == [8, 128, 1024]
@@ -33,7 +33,9 @@ def test_quick_run_prints_its_table_and_ops_do_not_grow_with_ranks(tmp_path: Pat
         # no row. A per-rank loop would add at least N ops; the counts differ only where the
         # shard shapes make a reshape a view (one row per rank) rather than a copy.
         ops = [r["meshcomm_ops"] for r in mine]
-        assert ops[2] <= ops[0] * 1.5, mine
+        # (reshard_partial's plan on dp=1 is one all_reduce; from 128 ranks on, a reducing
+        # send_recv over every rank: compare those)
+        assert ops[2] <= ops[1 if block == "reshard_partial" else 0] * 1.5, mine
         if block.startswith(("fully_shard", "hsdp")):
             assert ops[1] == ops[2], mine
         # (parallelize may pick another plan for its output on dp=16 than on dp=1 and 128:
