@@ -80,7 +80,7 @@ LISTED = [
     ("dp=4 pp=2 ep=4", (10, 4, 9, 10), "(pp a) b c d | sum(dp)", "(dp ep a) b c d",
      torch.float32, 6.8, 2.0),
     ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)",
-     torch.float64, 7.0, 2.0),
+     torch.float64, 7.0, 4.0),
     ("pp=2 sp=4 dp=4", (13, 2), "(sp a) b | sum(dp)", "(dp pp sp a) b", torch.int16, 4.7, 2.67),
     ("sp=4 dp=4 pp=2", (12,), "a | sum(dp)", "(dp sp pp a)", torch.float64, 4.5, 1.5),
     ("pp=4 cp=4", (5,), "a | min(cp)", "(cp pp a)", torch.float32, 6.0, 3.0),

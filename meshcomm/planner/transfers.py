@@ -17,6 +17,8 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
+import torch
+
 from ..core.layout import Layout
 from ..core.mesh import AxisName, Mesh
 from .blocks import (
@@ -215,9 +217,10 @@ def resolved_axes(state: State, dst: State) -> tuple[AxisName, ...] | None:
 
 
 def send_recv_axes(state: State, dst: State, mesh: Mesh) -> tuple[AxisName, ...]:
-    """The group of a send_recv from `state` to `dst`: the axes sharding `state` and those
-    it resolves (a rank's twins differ from it on those axes only)."""
-    return in_mesh_order(mesh, sharding_axes(state) | set(resolved_axes(state, dst) or ()))
+    """The group of a send_recv from `state` to `dst`: the axes sharding `state` (a rank's
+    twins differ from it on those axes only), or for a reducing one the axes it resolves."""
+    resolve = resolved_axes(state, dst)
+    return in_mesh_order(mesh, set(resolve) if resolve else sharding_axes(state))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -226,10 +229,12 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     (each rank receives exactly what it lacks, from its twin: `pair_traffic`), or a local
     select when no rank lacks anything; None where it does not apply.
 
-    A reducing send_recv also resolves pending axes R of `state` (g ranks): each rank
-    receives, for every element of its `dst` block, the partial value of each of the g
-    members of its group over R (from their twins where a member does not hold it) and
-    reduces them in group order. It receives g x its block less what it holds itself.
+    A reducing send_recv also resolves pending axes R of `state` (g ranks) where every
+    rank's `dst` block lies in its `state` block: each rank receives the partial values of
+    its block from the other g - 1 members of its group over R (they hold the same block)
+    and reduces the g of them in group order. Its group is R alone, so it never talks to
+    more ranks than the reduction needs (a destination elsewhere is reached by a move after
+    it; see `reduce_targets`).
 
     With `exact=False` the sent counts are only estimated (as the received ones, which
     are exact and cheap): the search prices a send_recv exactly only when it may win.
@@ -251,10 +256,12 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
 
 
 def _reducing_move(state: State, dst: State, mesh: Mesh, resolve: tuple[AxisName, ...],
-                   exact: bool) -> Move:
-    g = math.prod(mesh.axis_size(a) for a in resolve)
+                   exact: bool) -> Move | None:
     own, need = own_and_need(state, dst, mesh)
-    recv = tuple((need * g - own).tolist())
+    if not bool(torch.equal(own, need)):
+        return None
+    g = math.prod(mesh.axis_size(a) for a in resolve)
+    recv = tuple((need * (g - 1)).tolist())
     axes = send_recv_axes(state, dst, mesh)
     if not exact:
         return Move("send_recv", axes, dst, op=state.op, indexed=True, estimate=True,
