@@ -23,8 +23,8 @@ tensor ops, hook and autograd overhead). For each N, one after the other, in thi
   and to `[Shard(0), Shard(0)]`, 8 times each: `DTensor.redistribute` beside `mc.reshard`
   of the local tensor (`"(dp a) (tp b)"` to `"(dp a) b"` and `"(dp tp a) b"`);
 - `reshard_partial`: the same tensor `[Shard(0), Partial()]` (`"(dp a) b | sum(tp)"`) to
-  `[Shard(1), Replicate()]` (`"a (dp b)"`: from 128 ranks on, meshcomm's plan starts with
-  a reducing send_recv over all N ranks) and to `[Shard(0), Shard(0)]` (`"(dp tp a) b"`);
+  `[Shard(1), Replicate()]` (`"a (dp b)"`: from 128 ranks on, meshcomm's plan reduces over
+  tp, then runs one send_recv over all N ranks) and to `[Shard(0), Shard(0)]` (`"(dp tp a) b"`);
 - `vocab_parallel_ce`: the loss of (4, 64) positions over a vocabulary of 8H split over tp=8,
   forward + backward, 8 times: `F.cross_entropy` of DTensor logits under `loss_parallel()`
   beside `mc.nn.vocab_parallel_cross_entropy`.
@@ -196,7 +196,7 @@ def tp_meshcomm(n: int, hidden: int, blocks: int) -> Callable[[], None]:
 # and to "(dp tp a) b" (all_to_all over tp); DTensor placements [S0, S1] -> [S0, R] / [S0, S0]
 RESHARDS = {"(dp a) b": "S0 R", "(dp tp a) b": "S0 S0"}
 # from a pending sum over tp, "(dp a) b | sum(tp)" ([S0, P]): to "a (dp b)" ([S1, R]; from
-# 128 ranks on a reducing send_recv over all N ranks) and to "(dp tp a) b" ([S0, S0])
+# 128 ranks on a send_recv over all N ranks follows the reduction) and to "(dp tp a) b" ([S0, S0])
 PARTIAL_RESHARDS = {"a (dp b)": "S1 R", "(dp tp a) b": "S0 S0"}
 SOURCES = {"(dp a) (tp b)": "S0 S1", "(dp a) b | sum(tp)": "S0 P"}
 

@@ -199,6 +199,7 @@ class Exchange(NamedTuple):
     recv_splits: list[int]   # elements received from each group member
     recv: Tensor             # each received element's flat output position (+ slot * numel)
     slots: int               # outputs filled: 1, or g partials for a reducing send_recv
+    even: bool = False       # every member sends and receives as much: no split lists needed
 
 
 def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
@@ -242,8 +243,9 @@ def _exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[i
     recv = torch.cat(got) if got else torch.zeros(0, dtype=torch.long)
     assert len(recv) == slots * numel, f"{step}: rank {rank} receives {len(recv)} of" \
         f" {slots} x {numel} elements"
+    even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1
     return Exchange(_to(torch.cat(sent), device) if sent else None, send_splits, recv_splits,
-                    _to(recv, device), slots)
+                    _to(recv, device), slots, even)
 
 
 def _flat(index: Index, shape: tuple[int, ...]) -> Tensor:

@@ -264,7 +264,10 @@ def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
     in_shape = step.before.local_shape(mesh, run.shape, rank)   # static under torch.compile
     out_shape = step.after.local_shape(mesh, run.shape, rank)
     ex = exchange(step, rank, run.members(step), mesh, in_shape, out_shape, x.device)
-    y = _a2a(step, run, send_buffer(ex, x), ex.recv_splits, ex.send_splits)
+    if ex.even:   # equal splits: none passed (torch checks a split list per member)
+        y = _a2a(step, run, send_buffer(ex, x))
+    else:
+        y = _a2a(step, run, send_buffer(ex, x), ex.recv_splits, ex.send_splits)
     return received(ex, y, out_shape, step.op)
 
 
