@@ -354,23 +354,13 @@ def _spread(target: State, axes: tuple[AxisName, ...], mesh: Mesh) -> list[State
     axes = tuple(a for a in axes if a not in target.used_axes())
     if not axes:
         return [target]
-    n = math.prod(mesh.axis_size(a) for a in axes)
     out = []
     for d, dim in enumerate(target.dims):
         grown: list[DimState] = []
         if dim.chunks or dim.size == 0:
             grown.append(chunk_dim(dim.size, dim.chunks + axes, mesh))
         else:
-            for lo, hi in dim.local_runs():
-                if (hi // lo) % n:
-                    continue
-                shards, top = [], hi
-                for a in axes:   # major first, from the top of the run
-                    shards.append((top // mesh.axis_size(a), top, a))
-                    top //= mesh.axis_size(a)
-                spread = even_dim(dim.size, dim.shards + tuple(shards))
-                if is_chain(spread.bounds()):
-                    grown.append(spread)
+            grown += _run_spreads(dim, axes, mesh)
             chain = as_chunks(dim)
             if not grown and chain is not None:
                 grown.append(chunk_dim(dim.size, chain + axes, mesh))
@@ -420,21 +410,29 @@ def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
             any(a not in goal.partial for a in state.partial):
         return []
     out = []
-    n = math.prod(mesh.axis_size(a) for a in new)
     for d, dim in enumerate(goal.dims):
         if dim.chunks or dim.size == 0:
             continue
-        for lo, hi in dim.local_runs():
-            if (hi // lo) % n:
-                continue
-            shards, top = [], hi
-            for a in new:   # major first, from the top of the run
-                shards.append((top // mesh.axis_size(a), top, a))
-                top //= mesh.axis_size(a)
-            spread = even_dim(dim.size, dim.shards + tuple(shards))
-            if is_chain(spread.bounds()):
-                dims = goal.dims[:d] + (spread,) + goal.dims[d + 1:]
-                out.append(State(dims, state.partial, state.op))
+        out += [State(goal.dims[:d] + (spread,) + goal.dims[d + 1:], state.partial, state.op)
+                for spread in _run_spreads(dim, new, mesh)]
+    return out
+
+
+def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh) -> list[DimState]:
+    """Even `dim` with `axes` (major first) sharding the top of one of its local runs, for
+    each run they divide and where the result is a valid factorization."""
+    n = math.prod(mesh.axis_size(a) for a in axes)
+    out = []
+    for lo, hi in dim.local_runs():
+        if (hi // lo) % n:
+            continue
+        shards, top = [], hi
+        for a in axes:
+            shards.append((top // mesh.axis_size(a), top, a))
+            top //= mesh.axis_size(a)
+        spread = even_dim(dim.size, dim.shards + tuple(shards))
+        if is_chain(spread.bounds()):
+            out.append(spread)
     return out
 
 
