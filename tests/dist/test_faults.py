@@ -35,7 +35,8 @@ MESH = "dp=2 tp=2"
 SRC, DST = "(dp b) h | sum(tp)", "b h"
 SHAPE = (8, 6)
 # Collectives only: an all_reduce over tp, then an all_gather over dp, so ranks 0 and 2 never
-# share a group with rank 3 at step 2 (a reducing send_recv over dp and tp would join them).
+# share a group with rank 3 at step 2 (the default plan, a reducing send_recv over tp, then
+# an all_gather over dp and tp, would join them).
 COST = mc.CostModel(native=("all_gather", "reduce_scatter", "all_reduce", "all_to_all",
                             "collective_permute"))
 HANG_TIMEOUT_S = 2.0          # the hanging group's collective timeout: short, never scaled
