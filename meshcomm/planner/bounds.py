@@ -39,7 +39,7 @@ import torch
 
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
-from .blocks import own_and_need, rank_blocks, summed_overlap
+from .blocks import own_and_need, summed_overlap
 from .states import State, from_layout, local_numels
 
 
@@ -93,20 +93,13 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
 
 def _held_where_needed(start: State, goal: State, mesh: Mesh, own: torch.Tensor) -> int:
     """How many elements some rank both holds in `start` and needs in `goal`: the union of
-    every rank's overlap. Ranks with the same block on both sides (per dim) share one
-    overlap, and overlaps of different such pairs are disjoint."""
-    keys = torch.stack([rank_blocks(d, mesh) for pair in zip(start.dims, goal.dims)
-                        for d in pair], 1) if start.dims else torch.zeros(mesh.size, 1)
-    _, first = _first_of_each(keys)
-    return int(own[first].sum())
-
-
-def _first_of_each(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The distinct rows of `keys` and the index of one row holding each."""
-    rows, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    first = torch.full((len(rows),), len(keys), dtype=torch.long)
-    first.scatter_reduce_(0, inverse, torch.arange(len(keys)), reduce="amin")
-    return rows, first
+    every rank's overlap. A rank's blocks on both sides depend only on its coordinates on the
+    axes sharding either state; ranks that agree there share one overlap, and overlaps of
+    ranks that differ there are disjoint. So: the overlaps of the ranks at coordinate 0 on
+    every other axis, summed."""
+    sharding = sharding_axes(start) | sharding_axes(goal)
+    index = tuple(slice(None) if a in sharding else 0 for a in mesh.axis_names)
+    return int(own.reshape(mesh.shape)[index].sum())
 
 
 def _partial_destination(start: State, goal: State, mesh: Mesh,
