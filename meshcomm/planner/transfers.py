@@ -316,7 +316,9 @@ def reduce_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     its dims too, so that each rank reduces a share of its block and an all_gather over
     those axes (or a send_recv) completes it. The idle replicas then share the reduction:
     over g ranks and f free ranks a rank receives (g - 1 + f - 1) / f of its block, not
-    g - 1 times it."""
+    g - 1 times it. Or `state`'s own dims split over the axes free in it, where each rank
+    reduces a share of what it holds. A target where some rank's block is not in what it
+    holds gets no reducing send_recv (`send_recv_move` gives None)."""
     resolve = resolved_axes(state, goal)
     if not resolve:
         return []
@@ -332,8 +334,8 @@ def reduce_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     if free:
         for order in _orders(free, in_mesh_order(mesh, sharding_axes(state))):
             add(_spread(base, order, mesh) + _spread(_keep_extra(state, base, mesh), order, mesh))
-    # Or each rank reduces a share of its own block (it receives g - 1 partials, not g),
-    # split over the axes free in `state`, and a move to the goal follows.
+    # Or each rank reduces a share of its own block, split over the axes free in `state`,
+    # and a move to the goal follows.
     own = State(state.dims, keep, op)
     free = [a for a in mesh.axis_names if a not in own.used_axes() and mesh.axis_size(a) > 1]
     for order in _orders(free, in_mesh_order(mesh, sharding_axes(goal))):
