@@ -14,14 +14,11 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import (
-    _disable_current_modes,
-    _get_current_dispatch_mode,
-)
 
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
 from ..core.reduce_ops import identity_like, op_reduce
+from ..core.untraced import tracing, untraced
 from ..planner.values import Step, Transfer
 
 Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)
@@ -58,10 +55,7 @@ def rank_transfers(step: Step, rank: int) -> list[Transfer]:
     """The transfers of `step` that `rank` takes part in (`Step.rank_transfers`), worked
     out outside any active dispatch mode: the planner counts with small real tensors, which
     must not become fake (data-dependent) ones while torch.compile traces the executor."""
-    if _get_current_dispatch_mode() is None:
-        return list(step.rank_transfers(rank))
-    with _disable_current_modes():
-        return list(step.rank_transfers(rank))
+    return list(untraced(step.rank_transfers, rank))
 
 
 def fill_reindexed(transfers: Iterable[Transfer], rank: int, x: Tensor, out: Tensor) -> Tensor:
@@ -209,15 +203,19 @@ def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[in
     cached. While torch.compile traces (a dispatch mode active, or dynamo), the positions are
     worked out outside the mode, like `rank_transfers`, and the index tensors made in it: a
     cached tensor would not be one of the trace's fake tensors."""
-    if _get_current_dispatch_mode() is None and not torch.compiler.is_compiling():
+    if not tracing() and not torch.compiler.is_compiling():
         return _exchange(step, rank, order, mesh, in_shape, out_shape, device)
-    with _disable_current_modes():
-        host = _exchange(step, rank, order, mesh, in_shape, out_shape, torch.device("cpu"))
-        send = None if host.send is None else host.send.tolist()
-        recv = host.recv.tolist()
+    host, send, recv = untraced(_host_exchange, step, rank, order, mesh, in_shape, out_shape)
     return host._replace(
         send=None if send is None else torch.tensor(send, dtype=torch.long, device=device),
         recv=torch.tensor(recv, dtype=torch.long, device=device))
+
+
+def _host_exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
+                   out_shape: tuple[int, ...]) -> tuple[Exchange, list[int] | None, list[int]]:
+    """The Exchange on the host, and its positions as lists."""
+    host = _exchange(step, rank, order, mesh, in_shape, out_shape, torch.device("cpu"))
+    return host, None if host.send is None else host.send.tolist(), host.recv.tolist()
 
 
 @functools.lru_cache(maxsize=4096)

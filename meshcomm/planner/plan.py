@@ -13,11 +13,11 @@ import functools
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 from ..core.errors import PlanError
 from ..core.layout import Layout, Shape, as_layout
 from ..core.mesh import Mesh
+from ..core.untraced import untraced
 from . import crossmesh, search
 from .values import CostModel, Plan
 
@@ -133,10 +133,7 @@ def plan_cache_info() -> dict[str, int]:
 def plan_untraced(*args: Any, **kwargs: Any) -> Plan:
     """`plan(...)`, run outside any active dispatch mode (fake tensors while torch.compile
     traces): the planner computes with small real tensors, and a plan holds none."""
-    if _get_current_dispatch_mode() is None:
-        return plan(*args, **kwargs)
-    with _disable_current_modes():
-        return plan(*args, **kwargs)
+    return untraced(plan, *args, **kwargs)
 
 
 def backward_plan(forward: Plan, dtype: torch.dtype) -> Plan:
