@@ -16,26 +16,16 @@ import random
 
 import pytest
 import torch
+from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
-from meshcomm.executors.sim import execute, gather, scatter
+from meshcomm.executors.sim import execute, scatter
 from meshcomm.testing import counting_bound, partial_transition
+
 
 def _sample(n: int, seed: int, even: bool) -> list[tuple[mc.Mesh, tuple[int, ...], str, str]]:
     rng = random.Random(seed)
     return [partial_transition(rng, even) for _ in range(n)]
-
-
-def _check_exact(p: mc.Plan) -> None:
-    x = torch.randint(-64, 64, p.shape, generator=torch.Generator().manual_seed(0)).float()
-    res = execute(p, scatter(x, p.mesh, p.src))
-    assert res.recv_bytes == p.recv_bytes and res.send_bytes == p.send_bytes, str(p)
-    if p.dst.reduce_op:
-        got = gather(list(res.outputs), p.mesh, p.dst, p.shape)
-        torch.testing.assert_close(got, x, rtol=0, atol=1e-5)
-    else:
-        for got, want in zip(res.outputs, scatter(x, p.mesh, p.dst)):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("even", [False, True], ids=["small", "divisible"])
@@ -57,7 +47,7 @@ def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
     ratios = []
     for mesh, shape, src, dst in _sample(150, 2, even=True):
         p = mc.plan(mesh, shape, src, dst)
-        _check_exact(p)
+        _check_exact(p, _data(p.shape))
         ratios.append((max(p.recv_bytes) / (counting_bound(mesh, shape, src, dst) * 4), str(p)))
     at = sum(r <= 1.0 for r, _ in ratios) / len(ratios)
     worst = max(ratios)
@@ -71,7 +61,7 @@ def test_partial_sources_on_small_shapes_are_exact() -> None:
     nothing, which one step between layouts cannot express (see docs/plans.md)."""
     for mesh, shape, src, dst in _sample(80, 3, even=False):
         p = mc.plan(mesh, shape, src, dst)
-        _check_exact(p)
+        _check_exact(p, _data(p.shape))
         assert max(p.recv_bytes) >= max(p.lower_bound_bytes), str(p)
 
 

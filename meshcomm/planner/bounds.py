@@ -14,15 +14,17 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   g-th of them: `LB_r = ceil(|need_G - (have_1 | ... | have_g)| / g)`. An
   average is the exception: every member must hold the value itself, so the
   first bound applies.
-- A pending reduction over g > 1 ranks to resolve (the reduce-scatter bound):
-  every element e needs at least g - 1 messages to combine its g partial
-  values, plus one delivery to each of the n_e places that need it but did not
-  do the combining, so all ranks together receive at least
-  `S = sum_e (g - 2 + n_e)` elements and the busiest rank at least S / P:
-  `LB_r = ceil(S / P)` for every r. For a plain reduce_scatter this is
-  (g - 1)/g of the input, for an all_reduce 2(g - 1)/g: the ring algorithms
-  meet it. Here n_e counts the ranks needing e (or, when a reduction stays
-  pending in the destination, the destination's reduction groups needing e).
+- A pending reduction over g > 1 ranks to resolve (the counting bound): an
+  item x (an element, with a coordinate on the pending axes the destination
+  keeps) needs at least g - 1 messages to combine its g partial values, plus
+  one delivery to each of the n_x ranks that need it, less one when a rank
+  that needs it holds a partial (h_x = 1: it can combine there), so all ranks
+  together receive at least `S = sum_x (g - 1 + n_x - h_x)` elements and the
+  busiest rank at least S / P; and every rank at least one message per element
+  of its block: `LB_r = max(ceil(S / P), |need_r|)`. For a plain
+  reduce_scatter this is (g - 1)/g of the input, for an all_reduce 2(g - 1)/g:
+  the ring algorithms meet it. (Where the destination also has new pending
+  axes, n_x counts its reduction groups needing x, and h_x = 1.)
 
 The first bound holds for every rank. The other two are shared out evenly,
 so they bound the busiest rank of the group (the max over ranks), which is

@@ -22,7 +22,13 @@ from ..core.mesh import Mesh
 from . import bounds
 from .moves import Move, expand
 from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
-from .transfers import blocks_of, reindex_move, send_recv_move, send_recv_targets
+from .transfers import (
+    blocks_of,
+    reindex_move,
+    resolved_axes,
+    send_recv_move,
+    send_recv_targets,
+)
 from .values import CostModel, Plan, Step, wire_of
 
 
@@ -209,8 +215,8 @@ def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
     over g ranks, 2g outputs (the buffer it receives, and the g partials it reduces)."""
     out = local_numels_tensor(move.after, mesh)
     if move.kind == "send_recv" and move.op is not None:
-        out = out * 2 * math.prod(mesh.axis_size(a) for a in state.partial
-                                  if a not in move.after.partial)
+        out = out * 2 * math.prod(mesh.axis_size(a)
+                                  for a in resolved_axes(state, move.after) or ())
     return local_numels_tensor(state, mesh) + out
 
 
