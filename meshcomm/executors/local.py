@@ -277,3 +277,91 @@ def received(ex: Exchange, flat: Tensor, out_shape: tuple[int, ...], op: str | N
     if op is None:
         return out.reshape(out_shape)
     return op_reduce(list(out.reshape(ex.slots, *out_shape).unbind(0)), op)
+
+
+# -- a tree step (`meshcomm.planner.trees`): rounds of all_to_alls over a work buffer ------
+class TreeRun(NamedTuple):
+    """One rank's part of a tree step: an Exchange per round, over its work buffer (its input
+    flattened, then its output), and the copies a root makes of the values it needs."""
+
+    rounds: tuple[Exchange, ...]
+    merges: int              # rounds that combine; the others deliver
+    keep_src: Tensor         # work positions a root copies from (its combined partials) ...
+    keep_dst: Tensor         # ... into its output's positions (offset by the input's numel)
+
+
+def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeRun:
+    """`rank`'s TreeRun for `step` (positions over `order`), built once per step, rank and
+    device (cached), or made in the trace while torch.compile traces (like `exchange`)."""
+    if not tracing() and not torch.compiler.is_compiling():
+        return _tree_run(step, rank, order, device)
+    host = untraced(_tree_run, step, rank, order, torch.device("cpu"))
+    sends = untraced(lambda: [None if ex.send is None else ex.send.tolist() for ex in host.rounds])
+    lists = untraced(lambda: [ex.recv.tolist() for ex in host.rounds]
+                     + [host.keep_src.tolist(), host.keep_dst.tolist()])
+
+    def made(ix: list[int]) -> Tensor:
+        return torch.tensor(ix, dtype=torch.long, device=device)
+
+    rounds = tuple(ex._replace(send=None if s is None else made(s), recv=made(r))
+                   for ex, s, r in zip(host.rounds, sends, lists))
+    return TreeRun(rounds, host.merges, made(lists[-2]), made(lists[-1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeRun:
+    transfers = step.rank_transfers(rank)
+    where = _positions(order)
+    rounds = []
+    for r in range(step.rounds):
+        send_splits, recv_splits = [0] * len(where), [0] * len(where)
+        sent: list[int] = []
+        got: list[int] = []
+        for t in sorted((t for t in transfers if t.round == r and t.src == rank != t.dst),
+                        key=lambda t: where[t.dst]):
+            sent += t.src_index[0]
+            send_splits[where[t.dst]] += t.numel
+        for t in sorted((t for t in transfers if t.round == r and t.dst == rank != t.src),
+                        key=lambda t: where[t.src]):
+            got += t.dst_index[0]
+            recv_splits[where[t.src]] += t.numel
+        even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1
+        rounds.append(Exchange(_index(sent, device) if sent else None, send_splits,
+                               recv_splits, _index(got, device), 1, even))
+    keep = [t for t in transfers if t.src == t.dst == rank]
+    return TreeRun(tuple(rounds), step.merge_rounds,
+                   _index([p for t in keep for p in t.src_index[0]], device),
+                   _index([p for t in keep for p in t.dst_index[0]], device))
+
+
+def _index(positions: list[int], device: torch.device) -> Tensor:
+    return _to(torch.tensor(positions, dtype=torch.long), device)
+
+
+def tree_work(x: Tensor, out_shape: tuple[int, ...], op: str) -> Tensor:
+    """A rank's work buffer: its input flattened, then its output at the op's identity."""
+    flat = x.reshape(-1)
+    return torch.cat([flat, identity_like(flat.new_empty(math.prod(out_shape)), op)])
+
+
+def tree_received(run: TreeRun, r: int, work: Tensor, flat: Tensor, op: str) -> Tensor:
+    """The work buffer after round `r`'s values arrived: combined into it (a merge round:
+    each position receives at most one value per round), or written (a delivery)."""
+    ex = run.rounds[r]
+    if r >= run.merges:
+        return work.index_put((ex.recv,), flat)
+    return work.index_put((ex.recv,), op_reduce([work[ex.recv], flat], "sum" if op == "avg"
+                                                 else op))
+
+
+def tree_finished(run: TreeRun, work: Tensor, op: str, g: int) -> Tensor:
+    """The work buffer once every partial is combined: an average divided by the g partials,
+    and each root's values copied into its output."""
+    if op == "avg":
+        work = work / g
+    return work.index_put((run.keep_dst,), work[run.keep_src])
+
+
+def tree_output(work: Tensor, in_numel: int, out_shape: tuple[int, ...]) -> Tensor:
+    """A rank's output: the end of its work buffer."""
+    return work[in_numel:].reshape(out_shape).clone()

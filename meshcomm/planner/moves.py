@@ -78,6 +78,8 @@ class Move:
     estimate: bool = False         # `send` is a stand-in (the search prices it exactly if needed)
     send: tuple[int, ...] = ()     # elements sent per rank (mesh order)
     recv: tuple[int, ...] = ()
+    rounds: int = 1                # all_to_alls of a tree step (`trees.tree_move`)
+    merge_rounds: int = 0          # of those, the ones that combine partials
 
 
 # -- rearranges ---------------------------------------------------------------------

@@ -29,6 +29,7 @@ from .transfers import (
     send_recv_move,
     send_recv_targets,
 )
+from .trees import tree_move, tree_transfers
 from .values import CostModel, Plan, Step, wire_of
 
 
@@ -82,12 +83,21 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
     live = live * itemsize + (torch.tensor(held) if held else 0)
     peak = tuple(live.tolist())
     send, recv = _times(move.send, itemsize), _times(move.recv, itemsize)
-    time = 0.0 if move.kind == "local" else cost_model.time(
-        move.axes, max(max(send), max(recv)))
+    time = 0.0 if move.kind == "local" else _time(move, max(max(send), max(recv)), cost_model)
+    found = (functools.partial(tree_transfers, state, move.after, mesh)
+             if move.action == "tree" else
+             blocks_of(move.kind, move.action, before, after, mesh, shape))
     return Step(move.kind, move.axes, before, after, move.action, move.op, move.dim, move.pre,
                 move.post, move.pairs, (), send, recv, time, peak,
                 wire="" if move.kind == "local" else wire_of(move.kind, move.dim),
-                blocks_of=blocks_of(move.kind, move.action, before, after, mesh, shape))
+                rounds=move.rounds, merge_rounds=move.merge_rounds, blocks_of=found)
+
+
+def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
+    """Modelled seconds of a collective move whose busiest rank moves `busiest` bytes; a tree
+    step pays one latency per round (its bytes pipeline over the rounds)."""
+    return (cost_model.time(move.axes, busiest)
+            + (move.rounds - 1) * cost_model.time(move.axes, 0))
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
@@ -188,6 +198,7 @@ def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
     moves = [send_recv_move(state, t, mesh, exact=False)
              for t in send_recv_targets(state, goal, mesh)]
     moves.append(reindex_move(state, goal, mesh))
+    moves.append(tree_move(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 
 
@@ -200,8 +211,7 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
     live = int(live_t.max()) * itemsize
     time = 0.0
     if move.kind != "local":
-        busiest = max(max(move.send), max(move.recv)) * itemsize
-        time = cost_model.time(move.axes, busiest)
+        time = _time(move, max(max(move.send), max(move.recv)) * itemsize, cost_model)
     # At equal time and peak, native reductions (reduce_scatter, all_reduce) win over a
     # reducing send_recv (an all_to_all, then a local reduction); then fewer steps; last,
     # fewer steps driven by index lists (send_recv, select, reindex).
@@ -212,8 +222,12 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
 
 def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
     """Elements a rank holds during `move`: its input and output; for a reducing send_recv
-    over g ranks, 2g outputs (the buffer it receives, and the g partials it reduces)."""
+    over g ranks, 2g outputs (the buffer it receives, and the g partials it reduces); for a
+    tree, its input twice (the partials it combines into) and what it receives."""
     out = local_numels_tensor(move.after, mesh)
+    if move.action == "tree":
+        held = local_numels_tensor(state, mesh)
+        return 2 * held + out + torch.tensor(move.recv).reshape(held.shape)
     if move.kind == "send_recv" and move.op is not None:
         out = out * 2 * math.prod(mesh.axis_size(a)
                                   for a in resolved_axes(state, move.after) or ())

@@ -150,6 +150,7 @@ class Transfer:
     dst: int
     src_index: tuple[Sequence[int], ...]
     dst_index: tuple[Sequence[int], ...] = ()
+    round: int = 0     # a tree step's round (`Step.rounds`); 0 for every other step
 
     @property
     def numel(self) -> int:
@@ -189,6 +190,8 @@ class Step:
     mesh: Mesh | None = None       # mesh of `before` when it is not the plan's source mesh
     dst_mesh: Mesh | None = None   # mesh of `after` when it differs from that of `before`
     wire: str = ""
+    rounds: int = 1                # all_to_alls a tree step runs in (action "tree"), else 1
+    merge_rounds: int = 0          # of those, the first ones, that combine partials
     blocks_of: Callable[[int], tuple[Transfer, ...]] | None = field(
         default=None, compare=False, repr=False)
 

@@ -30,7 +30,17 @@ from ...core.errors import (
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, divide, op_reduce
 from ...planner.values import Plan, Step
-from ..local import exchange, local_move, received, send_buffer
+from ..local import (
+    exchange,
+    local_move,
+    received,
+    send_buffer,
+    tree_finished,
+    tree_output,
+    tree_received,
+    tree_run,
+    tree_work,
+)
 from ..steps import Wire
 from . import wire
 from .groups import Groups, require_bound
@@ -261,6 +271,8 @@ def _permute(step: Step, x: Tensor, run: Run) -> Tensor:
 
 def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
     mesh, rank = run.bound.mesh, run.bound.rank
+    if step.action == "tree":
+        return _tree(step, x, run)
     in_shape = step.before.local_shape(mesh, run.shape, rank)   # static under torch.compile
     out_shape = step.after.local_shape(mesh, run.shape, rank)
     ex = exchange(step, rank, run.members(step), mesh, in_shape, out_shape, x.device)
@@ -269,6 +281,25 @@ def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
     else:
         y = _a2a(step, run, send_buffer(ex, x), ex.recv_splits, ex.send_splits)
     return received(ex, y, out_shape, step.op)
+
+
+def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
+    """A tree step: its rounds, each one all_to_all over the step's group."""
+    mesh, rank, op = run.bound.mesh, run.bound.rank, step.op or "sum"
+    g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
+                  if a not in step.after.partial_axes)
+    out_shape = step.after.local_shape(mesh, run.shape, rank)
+    tree = tree_run(step, rank, run.members(step), x.device)
+    work = tree_work(x, out_shape, op)
+    for r, ex in enumerate(tree.rounds):
+        if r == step.merge_rounds:
+            work = tree_finished(tree, work, op, g)
+        y = (_a2a(step, run, send_buffer(ex, work)) if ex.even else
+             _a2a(step, run, send_buffer(ex, work), ex.recv_splits, ex.send_splits))
+        work = tree_received(tree, r, work, y, op)
+    if step.rounds == step.merge_rounds:
+        work = tree_finished(tree, work, op, g)
+    return tree_output(work, x.numel(), out_shape)
 
 
 def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,

@@ -6,6 +6,7 @@ the reference the torch.distributed executor must match bit for bit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -15,7 +16,20 @@ from ...core.errors import MeshMismatchError, ShapeError
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.values import Plan, Step
-from ..local import exchange, local_move, pack, rank_transfers, received, send_buffer, unpack
+from ..local import (
+    exchange,
+    local_move,
+    pack,
+    rank_transfers,
+    received,
+    send_buffer,
+    tree_finished,
+    tree_output,
+    tree_received,
+    tree_run,
+    tree_work,
+    unpack,
+)
 from . import collectives as coll
 from .collectives import SimResult
 
@@ -153,6 +167,8 @@ def _permute(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -
 
 
 def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    if step.action == "tree":
+        return _tree(step, mesh, xs, shape)
     outs = [step.after.local_shape(mesh, shape, r) for r in mesh.ranks]
     exs = [exchange(step, r, mesh, mesh, tuple(x.shape), out, x.device)
            for r, x, out in zip(mesh.ranks, xs, outs)]
@@ -161,6 +177,29 @@ def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...])
                           input_splits=[ex.send_splits for ex in exs])
     return _with(res, [received(ex, flat, out, step.op)
                        for ex, flat, out in zip(exs, res.outputs, outs)])
+
+
+def _tree(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
+    """A tree step: its rounds, each one all_to_all over the mesh (`executors.local`)."""
+    op = step.op or "sum"
+    g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
+                  if a not in step.after.partial_axes)
+    outs = [step.after.local_shape(mesh, shape, r) for r in mesh.ranks]
+    runs = [tree_run(step, r, mesh, x.device) for r, x in zip(mesh.ranks, xs)]
+    works = [tree_work(x, out, op) for x, out in zip(xs, outs)]
+    trace = SimResult.noop(xs)
+    group = (tuple(range(mesh.size)),)
+    for r in range(step.rounds):
+        if r == step.merge_rounds:
+            works = [tree_finished(run, w, op, g) for run, w in zip(runs, works)]
+        res = coll.all_to_all([send_buffer(run.rounds[r], w) for run, w in zip(runs, works)],
+                              group, input_splits=[run.rounds[r].send_splits for run in runs])
+        trace = trace.then(res)
+        works = [tree_received(run, r, w, flat, op)
+                 for run, w, flat in zip(runs, works, res.outputs)]
+    if step.rounds == step.merge_rounds:
+        works = [tree_finished(run, w, op, g) for run, w in zip(runs, works)]
+    return _with(trace, [tree_output(w, x.numel(), out) for w, x, out in zip(works, xs, outs)])
 
 
 def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
