@@ -2,8 +2,8 @@
 
 `single_plan` (cached) turns two layouts on one mesh into a Plan: Dijkstra with Pareto
 labels over planner states (A* on large meshes and long searches) for the path of least
-modelled time under a CostModel; ties go to the lower peak memory, then to native
-reductions over reducing send_recvs, then to fewer steps.
+modelled time under a CostModel; ties go to fewer received bytes, then to the lower peak
+memory, then to native reductions over reducing send_recvs and trees, then to fewer steps.
 """
 
 from __future__ import annotations
@@ -102,17 +102,17 @@ def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least (time, peak, reducing send_recvs, steps, index-list steps) path from `start` to
-    `goal` (Pareto labels).
+    """Least (time, received, peak, reducing send_recvs, steps, index-list steps) path from
+    `start` to `goal` (Pareto labels; received is the sum of each step's busiest rank).
 
     On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
     than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
     the queue then orders paths by time so far plus a lower bound of the time still
     needed (the lower bound on bytes from the state to the goal over the fastest link). The
     bound holds for every correct plan, so the first path to reach the goal is the least
-    one in all four criteria either way (peak, steps and index-list steps only grow along
-    a path); A* expands far fewer states on large searches, and small ones skip the cost
-    of bounding every state.
+    one in every criterion either way (received bytes, peak, steps and index-list steps
+    only grow along a path); A* expands far fewer states on large searches, and small ones
+    skip the cost of bounding every state.
     """
     if mesh.size <= _UNGUIDED_RANKS:
         try:
@@ -135,7 +135,7 @@ class _TooLong(Exception):
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                  cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
     src_numels = local_numels_tensor(start, mesh)
-    first: Key = (0.0, int(src_numels.max()) * itemsize, 0, 0, 0)
+    first: Key = (0.0, 0, int(src_numels.max()) * itemsize, 0, 0, 0)
     counter = itertools.count()
     per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
     pops = 0
@@ -184,7 +184,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                     " please report it")
 
 
-Key = tuple[float, int, int, int, int]   # time, peak, reducing send_recvs, steps, indexed
+Key = tuple[float, int, int, int, int, int]   # time, received, peak, reducing, steps, indexed
 
 
 def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> Iterator[Move]:
@@ -212,12 +212,14 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
     time = 0.0
     if move.kind != "local":
         time = _time(move, max(max(move.send), max(move.recv)) * itemsize, cost_model)
-    # At equal time and peak, native reductions (reduce_scatter, all_reduce) win over a
-    # reducing send_recv (an all_to_all, then a local reduction); then fewer steps; last,
-    # fewer steps driven by index lists (send_recv, select, reindex).
+    # At equal time, fewer received bytes win (a step's time is the larger of its sent and
+    # received bytes); then the lower peak; then native reductions (reduce_scatter,
+    # all_reduce) over a reducing send_recv or tree; then fewer steps; last, fewer steps
+    # driven by index lists (send_recv, select, reindex).
     reducing = move.kind == "send_recv" and move.op is not None
-    return (round(key[0] + time, 15), max(key[1], live), key[2] + reducing, key[3] + 1,
-            key[4] + move.indexed)
+    received = max(move.recv) * itemsize if move.kind != "local" else 0
+    return (round(key[0] + time, 15), key[1] + received, max(key[2], live), key[3] + reducing,
+            key[4] + 1, key[5] + move.indexed)
 
 
 def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:

@@ -60,12 +60,16 @@ class Schedule:
 
 
 Row = tuple[int, int, int, int, bool, bool]   # round, src, dst, element, src_out, dst_out
+# one element's tree: its root, the element, the ranks it delivers to, whether the root
+# combines in its output (it holds no partial), and each node's number of children
+Tree = tuple[int, int, list[int], bool, dict[int, int]]
 
 
 def tree_axes(state: State, goal: State, mesh: Mesh) -> tuple[AxisName, ...]:
     """The group of a tree step: every axis but the pending ones the goal keeps (ranks that
-    differ there combine different partial sums and never talk)."""
-    return in_mesh_order(mesh, set(mesh.axis_names) - set(goal.partial))
+    differ there combine different partial sums and never talk) and those of size 1."""
+    return in_mesh_order(mesh, {a for a in mesh.axis_names
+                                if a not in goal.partial and mesh.axis_size(a) > 1})
 
 
 def applies(state: State, goal: State, mesh: Mesh) -> bool:
@@ -138,7 +142,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         for i in ns:
             recv[i] += 1
     merges: list[Row] = []
-    trees: list[tuple[int, int, list[int], bool]] = []   # root, element, needers, in output
+    trees: list[Tree] = []
     roots: list[tuple[int, int, bool]] = []
     for e, ns in enumerate(needers):
         by_kept: dict[int, list[int]] = defaultdict(list)
@@ -169,17 +173,53 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             roots.append((root, e, bool(both)))
             for i in degree:
                 sent[i] += i != root
-            merges += [(t, a, b, e, False, b == root and not both)
-                       for t, a, b, e in _tree(root, degree, e)]
-            trees.append((root, e, [i for i in want if i != root], not both))
+            trees.append((root, e, [i for i in want if i != root], not both, degree))
+    _rebalance(trees, recv)
+    for root, e, _, at_out, degree in trees:
+        merges += [(t, a, b, e, False, b == root and at_out)
+                   for t, a, b, e in _tree(root, degree, e)]
     first = 1 + max((m[0] for m in merges), default=-1)
     rows = list(merges)
-    for root, e, want, at_out in trees:       # each finished value reaches its needers
+    for root, e, want, at_out, _ in trees:       # each finished value reaches its needers
         rows += _deliveries(root, want, e, first, sent, at_out)
     rounds = max(first, 1 + max(r[0] for r in rows))
     round_, src, dst, elem, src_out, dst_out = (tuple(c) for c in zip(*rows)) if rows else (
         (),) * 6
     return Schedule(rounds, first, src, dst, elem, round_, src_out, dst_out, tuple(roots))
+
+
+def _rebalance(trees: list[Tree], recv: list[int]) -> None:
+    """Move children from the busiest rank to the least busy node of the same tree while that
+    lowers the busiest rank's count (the greedy pass placed elements one at a time, before
+    it knew the later ones). Edits the trees' degrees and `recv` in place."""
+    where: dict[int, list[int]] = defaultdict(list)      # rank -> trees it has children in
+    for t, (root, _, _, _, degree) in enumerate(trees):
+        for i, d in degree.items():
+            if d > (i == root):
+                where[i].append(t)
+    while where:
+        busiest = max(where, key=lambda i: (recv[i], i))
+        moved = False
+        for t in where[busiest]:
+            root, _, _, _, degree = trees[t]
+            if degree[busiest] <= (busiest == root):
+                continue
+            j = min(degree, key=lambda i: (recv[i], i))
+            if recv[j] + 2 <= recv[busiest]:
+                degree[busiest] -= 1
+                degree[j] += 1
+                recv[busiest] -= 1
+                recv[j] += 1
+                if degree[j] == 1 + (j == root):
+                    where[j].append(t)
+                moved = True
+                break
+        if not moved:
+            return
+        where[busiest] = [t for t in where[busiest]
+                          if trees[t][4][busiest] > (busiest == trees[t][0])]
+        if not where[busiest]:
+            del where[busiest]
 
 
 def _deliveries(root: int, want: list[int], e: int, first: int, sent: list[int],

@@ -134,7 +134,7 @@ class CostModel:
         return latency + max_bytes / bandwidth
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class Transfer:
     """Part of a send_recv step: `src` sends `dst` the cartesian block of its local tensor at
     per-dim positions `src_index`; `dst` writes it at per-dim positions `dst_index` of its output.
@@ -155,6 +155,11 @@ class Transfer:
     @property
     def numel(self) -> int:
         return math.prod(len(ix) for ix in self.src_index)
+
+    def __repr__(self) -> str:
+        at = f", round={self.round}" if self.round else ""
+        return (f"Transfer(src={self.src}, dst={self.dst}, src_index={self.src_index!r},"
+                f" dst_index={self.dst_index!r}{at})")
 
 
 @dataclass(frozen=True, slots=True)

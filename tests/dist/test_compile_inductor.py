@@ -28,7 +28,9 @@ X_CHAIN = [((8, 4), "(dp b) h", "b (dp h)"),              # all_to_all
 U_CHAIN = [((7, 4), "(dp tp b) h", "(tp b) h"),           # send_recv (uneven)
            ((7, 4), "(tp b) h", "b h"),                   # all_gather (uneven)
            ((7, 4), "b h", "b h | sum(dp)"),
-           ((7, 4), "b h | sum(dp)", "b h")]              # all_reduce
+           ((7, 4), "b h | sum(dp)", "b h"),              # all_reduce
+           ((7, 4), "b h", "b h | max(dp, tp)"),
+           ((7, 4), "b h | max(dp, tp)", "(tp b) h")]     # send_recv tree
 
 
 def chain(x: Tensor, u: Tensor, bound: mc.BoundMesh) -> tuple[Tensor, Tensor]:
@@ -48,7 +50,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
                              fullgraph=True)
     got = compiled(x, u)          # first: nothing of the plans is cached by an eager run
     want = chain(x, u, bound)
-    kinds = sorted({s.action if s.kind == "local" else s.kind
+    kinds = sorted({s.action if s.kind == "local" or s.action == "tree" else s.kind
                     for shape, src, dst in X_CHAIN + U_CHAIN
                     for s in mc.plan(bound.mesh, shape, src, dst).steps})
     return {"same": [torch.equal(a, b) for a, b in zip(got, want)], "kinds": kinds}
@@ -59,5 +61,5 @@ four = ranks_fixture(four_ranks, 4, timeout_s=600)
 
 def test_every_step_kind_compiles_with_inductor(four: list[dict[str, Any]]) -> None:
     assert four[0]["kinds"] == ["all_gather", "all_reduce", "all_to_all", "collective_permute",
-                                "mark_partial", "reduce_scatter", "send_recv", "slice"]
+                                "mark_partial", "reduce_scatter", "send_recv", "slice", "tree"]
     assert [r["same"] for r in four] == [[True, True]] * 4

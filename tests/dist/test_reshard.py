@@ -62,9 +62,17 @@ NAMED = [
     ("dp=2 tp=4", (12, 3), "a b | avg(tp)", "(tp dp a) b", torch.float64),
     ("a=2 b=2 c=2", (5, 3), "(a x) y | max(b, c)", "(c x) y", torch.float32),
     ("a=2 b=2 c=2", (5, 6, 7), "(a w) (b x) (c y)", "(c w) (a x) (b y)", torch.float32),
+    ("dp=2 tp=2", (5,), "(tp i) | sum(dp)", "(dp i)", torch.float32),          # send_recv_tree
+    ("dp=2 tp=2", (6, 2), "(dp i) j | min(tp)", "(tp i) (dp j)", torch.int32),
+    ("dp=2 tp=4", (5,), "(tp i) | avg(dp)", "(dp i)", torch.float64),
+    ("dp=2 tp=4", (3,), "i | max(tp)", "(tp dp i)", torch.bfloat16),
+    ("dp=2 tp=4", (13, 2), "(dp i) j | sum(tp)", "(tp i) j", torch.int64),
+    ("a=2 b=2 c=2", (4, 4), "(a i) j | sum(b, c)", "(c i) j", torch.float32),
+    ("a=2 b=2 c=2", (3, 5), "(c i) j | avg(a, b)", "i (a j) | avg(b)", torch.float32),
 ]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
-         "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce"}
+         "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce",
+         "send_recv_tree"}
 
 
 # -- the sample -------------------------------------------------------------------------
@@ -89,6 +97,8 @@ def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...]
 
 # -- what every rank runs ----------------------------------------------------------------
 def step_kind(step: mc.Step) -> str:
+    if step.action == "tree":
+        return "send_recv_tree"
     if step.kind == "send_recv" and step.op is not None:
         return "send_recv_reduce"
     return step.kind + ("_v" if step.dim is not None and step.kind != "local" else "")

@@ -284,21 +284,29 @@ def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
 
 
 def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
-    """A tree step: its rounds, each one all_to_all over the step's group."""
+    """A tree step: its rounds, each one all_to_all over the step's group, traced as one
+    call with the rounds' bytes summed (the plan counts the step's bytes)."""
     mesh, rank, op = run.bound.mesh, run.bound.rank, step.op or "sum"
     g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
                   if a not in step.after.partial_axes)
     out_shape = step.after.local_shape(mesh, run.shape, rank)
     tree = tree_run(step, rank, run.members(step), x.device)
     work = tree_work(x, out_shape, op)
+    sent = received = 0
     for r, ex in enumerate(tree.rounds):
         if r == step.merge_rounds:
             work = tree_finished(tree, work, op, g)
-        y = (_a2a(step, run, send_buffer(ex, work)) if ex.even else
-             _a2a(step, run, send_buffer(ex, work), ex.recv_splits, ex.send_splits))
+        rows = send_buffer(ex, work)
+        y, call = (wire.all_to_all(rows, run.group(step), wait=run.wait) if ex.even else
+                   wire.all_to_all(rows, run.group(step), ex.recv_splits, ex.send_splits,
+                                   wait=run.wait))
+        sent, received = sent + call.sent, received + call.received
         work = tree_received(tree, r, work, y, op)
     if step.rounds == step.merge_rounds:
         work = tree_finished(tree, work, op, g)
+    if run.trace is not None:
+        run.trace.add(step.kind, step.axes, sent * x.element_size(),
+                      received * x.element_size())
     return tree_output(work, x.numel(), out_shape)
 
 

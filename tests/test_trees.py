@@ -1,0 +1,143 @@
+"""Tree steps (`meshcomm/planner/trees.py`): a pending reduction resolved element by element
+along reduction trees, in rounds of all_to_alls. Every tree plan must give the exact global
+values in simulation with the plan's bytes; its schedule must be runnable (one value per
+position per round, a node sends after it has all its children); it must follow the cost
+model (latency per round, collectives only) and the size limit."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from test_plan_scale import _check_exact, _data
+
+import meshcomm as mc
+from meshcomm.planner import trees
+from meshcomm.planner.states import from_layout
+from meshcomm.testing import counting_bound, partial_transition
+
+
+def _tree_steps(p: mc.Plan) -> list[mc.Step]:
+    return [s for s in p.steps if s.action == "tree"]
+
+
+def test_the_worked_example_reaches_the_bound_along_chains() -> None:
+    """docs/plans.md: 5 elements on pp=4 cp=4, one needed per rank: a reduce_scatter receives
+    3 elements at the busiest rank, the tree 1 (the bound), in 3 rounds of combining."""
+    p = mc.plan(mc.Mesh("pp=4 cp=4"), (5,), "a | min(cp)", "(cp pp a)")
+    [step] = p.steps
+    assert (step.kind, step.action, step.op, step.rounds, step.merge_rounds) == (
+        "send_recv", "tree", "min", 3, 3)
+    assert max(p.recv_bytes) == max(p.lower_bound_bytes) == 4
+    assert step.axes == ("pp", "cp")
+    _check_exact(p, _data((5,)))
+    assert "send_recv min" in str(p)
+
+
+@pytest.mark.parametrize("even, seed", [(False, 11), (True, 12)], ids=["small", "divisible"])
+def test_every_tree_plan_is_exact_with_the_plan_s_bytes(even: bool, seed: int) -> None:
+    """Random partial-source transitions (meshes of up to 64 ranks): every plan holding a tree
+    step runs exactly in simulation, each rank moving the bytes the plan says; the sample
+    must hold trees of every op."""
+    rng, ops = random.Random(seed), Counter()
+    for i in range(120):
+        mesh, shape, src, dst = partial_transition(rng, even)
+        p = mc.plan(mesh, shape, src, dst)
+        if _tree_steps(p):
+            ops[p.src.reduce_op] += 1
+            _check_exact(p, _data(shape, i))
+    assert set(ops) == {"sum", "avg", "max", "min"} or not even, ops
+    assert sum(ops.values()) >= (10 if even else 40), ops
+
+
+def test_a_tree_keeping_a_pending_axis_and_other_dtypes_are_exact() -> None:
+    """A tree that resolves some pending axes and keeps another (its reductions run apart,
+    one per coordinate on the kept axis), in float64, int64 and bfloat16."""
+    mesh = mc.Mesh("a=2 b=2 c=2")
+    for dtype in (torch.float64, torch.int64, torch.bfloat16):
+        p = mc.plan(mesh, (3, 5), "(c i) j | sum(a, b)", "i (a j) | sum(b)", dtype=dtype)
+        [step] = _tree_steps(p)
+        assert step.axes == ("a", "c")         # b's reductions never talk to each other
+        x = torch.randint(-9, 10, (3, 5), generator=torch.Generator().manual_seed(3)).to(dtype)
+        res = mc.sim.execute(p, mc.sim.scatter(x, mesh, p.src))
+        assert torch.equal(mc.sim.gather(list(res.outputs), mesh, p.dst, (3, 5)), x)
+
+
+def test_an_average_is_divided_once_at_its_root() -> None:
+    mesh = mc.Mesh("dp=2 tp=4")
+    x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    p = mc.plan(mesh, (5, 3), "(tp i) j | avg(dp)", "(dp i) j", dtype=torch.float64)
+    assert _tree_steps(p)
+    res = mc.sim.execute(p, mc.sim.scatter(x, mesh, p.src))
+    for got, want in zip(res.outputs, mc.sim.scatter(x, mesh, p.dst)):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("spec, shape, src, dst", [
+    ("pp=4 cp=4", (5,), "a | min(cp)", "(cp pp a)"),
+    ("a=2 b=3 c=2", (4, 4), "(a i) j | sum(b, c)", "(c i) j"),
+    ("dp=4 tp=4", (3, 8, 5), "i j (tp k) | min(dp)", "(tp i) j k"),
+    ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)"),
+])
+def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
+                                  dst: str) -> None:
+    """Per round, a (rank, element) receives at most one value; a rank sends an element's
+    value only after its last combine of it; every rank needing an element ends with it
+    (received once, or combined there as its root); each element combines g - 1 + (root
+    holds none) values."""
+    mesh = mc.Mesh(spec)
+    a = from_layout(mc.Layout(src), mesh, shape)
+    b = from_layout(mc.Layout(dst), mesh, shape)
+    s = trees.schedule(a, b, mesh)
+    rows = list(zip(s.round, s.src, s.dst, s.elem, s.dst_out))
+    seen = Counter((t, d, e) for t, _, d, e, _ in rows)
+    assert max(seen.values()) == 1
+    last_in = {}
+    for t, _, d, e, out in rows:
+        if t < s.merges:
+            last_in[(d, e)] = max(last_in.get((d, e), -1), t)
+    for t, src_, _, e, _ in rows:
+        assert t > last_in.get((src_, e), -1), (t, src_, e)
+    delivered = Counter((d, e) for t, _, d, e, _ in rows if t >= s.merges)
+    roots = {(i, e) for i, e, _ in s.roots}
+    need = trees._members(b, mesh)
+    for e, ranks in enumerate(need):
+        for i in ranks:
+            assert delivered[(i, e)] + ((i, e) in roots) == 1, (i, e)
+    assert max(s.round) < s.rounds
+
+
+def test_a_latency_buys_fewer_rounds() -> None:
+    """With a latency per step, the tree's rounds are charged: for a 5-element tensor a
+    microsecond of latency outweighs the bytes a tree saves, and one collective wins."""
+    mesh = mc.Mesh("pp=4 cp=4")
+    cm = mc.CostModel(latency_s=1e-6, bandwidth=100e9)
+    p = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=cm)
+    assert not _tree_steps(p) and len(p.collectives) == 1
+    tree = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)")
+    [step] = tree.steps
+    assert cm.time(step.axes, 0) * step.rounds > p.cost
+
+
+def test_collectives_only_and_large_tensors_get_no_tree() -> None:
+    mesh = mc.Mesh("pp=4 cp=4")
+    native = tuple(k for k in mc.CostModel().native if k != "send_recv")
+    p = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=mc.CostModel(native=native))
+    assert not _tree_steps(p)
+    big = (trees.TREE_LIMIT // mesh.size + 1,)
+    a = from_layout(mc.Layout("a | min(cp)"), mesh, big)
+    b = from_layout(mc.Layout("(cp pp a)"), mesh, big)
+    assert not trees.applies(a, b, mesh) and trees.tree_move(a, b, mesh) is None
+    assert not _tree_steps(mc.plan(mesh, big, "a | min(cp)", "(cp pp a)"))
+
+
+def test_the_bound_is_kept_on_every_tree_plan() -> None:
+    """Trees never go below the counting bound (it holds for every plan), and the planner's
+    bound stays the oracle's."""
+    rng = random.Random(5)
+    for _ in range(60):
+        mesh, shape, src, dst = partial_transition(rng, False)
+        p = mc.plan(mesh, shape, src, dst)
+        assert max(p.recv_bytes) >= counting_bound(mesh, shape, src, dst) * 4, str(p)
