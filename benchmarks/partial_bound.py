@@ -36,7 +36,7 @@ def measure(n: int, even: bool, seed: int) -> dict[str, Any]:
         rows.append({"mesh": str(mesh), "shape": list(shape), "src": src, "dst": dst,
                      "recv_max": max(p.recv_bytes), "bound": bound * 4,
                      "ratio": max(p.recv_bytes) / (bound * 4),
-                     "steps": [s.kind + (f" {s.op}" if s.kind == "send_recv" and s.op else "")
+                     "steps": [s.kind + (" tree" if s.action == "tree" else "") + (f" {s.op}" if s.kind == "send_recv" and s.op else "")
                                + f"({','.join(s.axes)})" for s in p.steps]})
     ratios = sorted(r["ratio"] for r in rows)
     return {"n": n, "seed": seed, "at_bound": sum(r <= 1.0 for r in ratios) / n,

@@ -34,6 +34,8 @@ CASES = [
     ((8, 16), "a b", "(dp a) b | sum(tp)"),                  # local reindex
     ((8, 16), "(dp a) b | max(tp)", "a (dp b)"),             # all_to_all + all_reduce(max)
     ((5, 16), "(dp tp a) b", "a (tp b)"),                    # uneven all_gather, empty shard
+    ((5, 3), "(tp a) b | max(dp)", "(dp a) b"),              # send_recv tree
+    ((3,), "a | avg(tp)", "(tp dp a)"),                      # tree, empty shards
 ]
 
 

@@ -29,7 +29,7 @@ U_CHAIN = [((7, 4), "(dp tp b) h", "(tp b) h"),           # send_recv (uneven)
            ((7, 4), "(tp b) h", "b h"),                   # all_gather (uneven)
            ((7, 4), "b h", "b h | sum(dp)"),
            ((7, 4), "b h | sum(dp)", "b h"),              # all_reduce
-           ((7, 4), "b h", "b h | max(dp, tp)"),
+           ((7, 4), "b h", "b h | max(dp, tp)"),            # local reindex
            ((7, 4), "b h | max(dp, tp)", "(tp b) h")]     # send_recv tree
 
 
@@ -61,5 +61,6 @@ four = ranks_fixture(four_ranks, 4, timeout_s=600)
 
 def test_every_step_kind_compiles_with_inductor(four: list[dict[str, Any]]) -> None:
     assert four[0]["kinds"] == ["all_gather", "all_reduce", "all_to_all", "collective_permute",
-                                "mark_partial", "reduce_scatter", "send_recv", "slice", "tree"]
+                                "mark_partial", "reduce_scatter", "reindex", "send_recv", "slice",
+                                "tree"]
     assert [r["same"] for r in four] == [[True, True]] * 4
