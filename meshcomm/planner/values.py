@@ -270,6 +270,7 @@ class Plan:
                 "local_shape_after": list(_local_shape(self, after, step.after)),
                 "send_bytes": max(step.send_bytes), "recv_bytes": max(step.recv_bytes),
                 "time_s": step.time_s, "peak_bytes": max(step.peak_bytes),
+                "rounds": step.rounds,
             })
         return tuple(out)
 
