@@ -73,7 +73,10 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     An item (an element, with a coordinate on the pending axes `dst` keeps) with g partial
     values needs g - 1 messages to combine them, plus one delivery to each rank needing it,
     less one when a rank needing it holds a partial. The busiest rank receives at least the
-    total over P ranks, and every rank at least one message per element it needs.
+    total over P ranks, and every rank at least one message per element it needs. Where
+    ranks hold and need nothing (idle), each wastes its first message of an element (it
+    has no value to add to), so the load rises until the ranks carry every message and
+    every one of the g - 1 unions per item (see `meshcomm.planner.bounds`).
 
     >>> from meshcomm import Mesh
     >>> counting_bound(Mesh("tp=4"), (8,), "i | sum(tp)", "(tp i)")   # a reduce_scatter's 3 x 2
@@ -88,16 +91,32 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     numel = math.prod(shape)
     needers: dict[tuple[int, ...], torch.Tensor] = {}    # per kept coordinate, per element
     combines: dict[tuple[int, ...], torch.Tensor] = {}   # a needer holds a partial there
-    busiest = 0
+    busiest, idle, lacking = 0, 0, []
     for r in mesh.ranks:
         c = tuple(mesh.coords(r)[a] for a in keep)
         need, hold = _mask(mesh, shape, d, r), _mask(mesh, shape, s, r)
         needers[c] = needers.get(c, torch.zeros(numel, dtype=torch.long)) + need
         combines[c] = combines.get(c, torch.zeros(numel, dtype=torch.bool)) | (need & hold)
         busiest = max(busiest, int(need.sum()))
+        idle += not bool(need.any()) and not bool(hold.any())
+        lacking.append(int((need & ~hold).sum()))
     messages = sum(int(((g - 1 + n - h.long()) * (n > 0)).sum())
                    for n, h in zip(needers.values(), combines.values()))
-    return max(-(-messages // mesh.size), busiest)
+    unions = sum(int((n > 0).sum()) for n in needers.values()) * (g - 1)
+    load = max(-(-messages // mesh.size), busiest)
+    while not _carries(load, messages, unions, lacking, idle, g, mesh.size):
+        load += 1
+    return load
+
+
+def _carries(load: int, messages: int, unions: int, lacking: list[int], idle: int, g: int,
+             ranks: int) -> bool:
+    """Whether ranks receiving at most `load` messages each can receive `messages`, `unions`
+    of them adding to a value the receiver has (an idle rank copies its first message of an
+    element; a rank lacking an element it needs copies it)."""
+    wasted = idle * -(-load // g)
+    return (ranks * load - wasted >= messages
+            and sum(max(0, load - n) for n in lacking) - wasted >= unions)
 
 
 PARTIAL_MESHES = ("dp=4 tp=2", "dp=2 tp=2 pp=2", "a=2 b=3 c=2", "dp=4 pp=2 ep=4", "sp=4 dp=4 pp=2",

@@ -57,8 +57,8 @@ def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
 
 def test_partial_sources_on_small_shapes_are_exact() -> None:
     """Small shapes (torch.chunk leaves ranks empty): every plan exact and at or above the
-    bound; at least 70% at it (the measured share is 76%; tree steps reach most of them,
-    see docs/plans.md), none above 3x."""
+    bound; at least 70% at it (the measured share is 77%; tree steps reach most of them,
+    see docs/plans.md), none above 2.5x."""
     ratios = []
     for mesh, shape, src, dst in _sample(80, 3, even=False):
         p = mc.plan(mesh, shape, src, dst)
@@ -66,7 +66,7 @@ def test_partial_sources_on_small_shapes_are_exact() -> None:
         assert max(p.recv_bytes) >= max(p.lower_bound_bytes), str(p)
         ratios.append((p.bound_ratio, str(p)))
     assert sum(r <= 1.0 for r, _ in ratios) >= 0.70 * len(ratios)
-    assert max(ratios)[0] <= 3.0, max(ratios)[1]
+    assert max(ratios)[0] <= 2.5, max(ratios)[1]
 
 
 # The worst cases of the issue's fuzz, and the ratio each plan had then -> has now.
@@ -93,3 +93,17 @@ def test_the_issue_s_worst_cases(spec: str, shape: tuple[int, ...], src: str, ds
     res = execute(p, scatter(x, mesh, src))
     for got, want in zip(res.outputs, scatter(x, mesh, dst)):
         assert torch.equal(got, want), str(p)
+
+
+def test_idle_ranks_raise_the_bound() -> None:
+    """docs/plans.md: 9 ranks need one element each and 40 hold nothing; ceil(S / P) is one
+    element, but the 24 holders make only 24 of the 63 unions with one message each, and an
+    idle rank wastes its first message of an element: the bound is 2 elements, the oracle's
+    too, and the plan receives at least that."""
+    mesh = mc.Mesh("dp=8 tp=8")
+    args = (mesh, (1, 3, 3), "i j (tp k) | min(dp)", "i (dp j) (tp k)")
+    assert counting_bound(*args) == 2
+    p = mc.plan(*args)
+    assert max(p.lower_bound_bytes) == 8 <= max(p.recv_bytes)
+    # with no idle rank the refinement changes nothing: a plain reduce_scatter's bound
+    assert counting_bound(mc.Mesh("tp=4"), (8,), "i | sum(tp)", "(tp i)") == 6

@@ -141,3 +141,18 @@ def test_the_bound_is_kept_on_every_tree_plan() -> None:
         mesh, shape, src, dst = partial_transition(rng, False)
         p = mc.plan(mesh, shape, src, dst)
         assert max(p.recv_bytes) >= counting_bound(mesh, shape, src, dst) * 4, str(p)
+
+
+def test_trees_can_be_left_out_and_the_training_blocks_do() -> None:
+    """`CostModel(trees=False)` plans one collective call per step; the training blocks use
+    such a model (their plans run every step and are bucketed)."""
+    from meshcomm.nn.params import ONE_CALL_PER_STEP
+
+    mesh = mc.Mesh("tp=4")
+    default = mc.plan(mesh, (10, 6), "a b | sum(tp)", "(tp a) b")
+    assert _tree_steps(default)
+    assert ONE_CALL_PER_STEP.trees is False
+    p = mc.plan(mesh, (10, 6), "a b | sum(tp)", "(tp a) b", cost_model=ONE_CALL_PER_STEP)
+    assert not _tree_steps(p) and [s.kind for s in p.steps] == ["reduce_scatter"]
+    assert max(default.recv_bytes) < max(p.recv_bytes)
+    assert hash(ONE_CALL_PER_STEP) != hash(mc.CostModel())

@@ -47,6 +47,7 @@ from ..interop.runtime import is_dtensor, local_of, wrap
 from ..runtime.bind import BoundMesh, require_bound
 from ..sharded import reshard
 from .moves import move
+from .params import ONE_CALL_PER_STEP
 
 
 @dataclass(frozen=True)
@@ -231,12 +232,14 @@ class _TP:
             self.mask = None
         if spec.outputs == "gather":
             out = reshard(out, self.bound, _split_at(out.dim(), -1, self.axis, mesh), names,
-                          shape=(*out.shape[:-1], self.out_features))
+                          shape=(*out.shape[:-1], self.out_features),
+                          cost_model=ONE_CALL_PER_STEP)
         elif spec.outputs == "sum":
-            out = reshard(out, self.bound, names.pending("sum", [self.axis]), names)
+            out = reshard(out, self.bound, names.pending("sum", [self.axis]), names,
+                          cost_model=ONE_CALL_PER_STEP)
         elif spec.outputs == "sequence":
             out = reshard(out, self.bound, names.pending("sum", [self.axis]),
-                          _split_at(out.dim(), 1, self.axis, mesh))
+                          _split_at(out.dim(), 1, self.axis, mesh), cost_model=ONE_CALL_PER_STEP)
         if self.bias is not None:
             out = out + self.bias
             self.bias = None

@@ -30,7 +30,7 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
-from ..planner.values import Plan
+from ..planner.values import CostModel, Plan
 from ..recipes import RecipeLike, logical
 from ..runtime.bind import BoundMesh, require_bound
 from ..sharded import distribute, reshard, reshard_many
@@ -39,6 +39,9 @@ from .fsdp.regather import Regather
 from .fsdp.schedule import Schedule
 
 BUCKET_BYTES = 25 * 2**20
+# the training blocks plan steps of one collective call each (no tree steps): their plans run
+# every step, and a tree's rounds share no bucket
+ONE_CALL_PER_STEP = CostModel(trees=False)
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,13 @@ class ParamSpec:
 
     def gather_plan(self) -> Plan:
         """The forward plan: stored -> use."""
-        return plan(self.mesh, self.shape, self.stored, self.use, dtype=self.dtype)
+        return plan(self.mesh, self.shape, self.stored, self.use, dtype=self.dtype,
+                    cost_model=ONE_CALL_PER_STEP)
 
     def reduce_plan(self) -> Plan:
         """The backward plan: grad -> stored (then times `grad_scale`)."""
-        return plan(self.mesh, self.shape, self.grad, self.stored, dtype=self.dtype)
+        return plan(self.mesh, self.shape, self.grad, self.stored, dtype=self.dtype,
+                    cost_model=ONE_CALL_PER_STEP)
 
     def comms(self, name: str, *, regather: bool = False) -> list[Comm]:
         """This parameter's communication: gather, optional regather in backward, reduce."""
@@ -154,7 +159,8 @@ class _Call:
         moved = [i for i, s in enumerate(self.specs) if s.gather_plan().collectives]
         outs = [t.view_as(t) for t in tensors]
         got = reshard_many([(tensors[i], self.bound, self.specs[i].stored, self.specs[i].use,
-                             self.specs[i].shape) for i in moved], bucket_bytes=self.bucket_bytes)
+                             self.specs[i].shape) for i in moved], bucket_bytes=self.bucket_bytes,
+                           cost_model=ONE_CALL_PER_STEP)
         for i, t in zip(moved, got):
             outs[i] = t
         return outs
@@ -180,7 +186,8 @@ class _Call:
                             device=p.device) if g is None else g.contiguous()
                 for s, p, g in zip(self.specs, self.params, grads)]
         outs = reshard_many([(g, self.bound, s.grad, s.stored, s.shape)
-                             for g, s in zip(full, self.specs)], bucket_bytes=self.bucket_bytes)
+                             for g, s in zip(full, self.specs)], bucket_bytes=self.bucket_bytes,
+                            cost_model=ONE_CALL_PER_STEP)
         return [o * s.grad_scale if s.grad_scale != 1 else o for o, s in zip(outs, self.specs)]
 
 

@@ -31,7 +31,7 @@ from ..runtime.bind import BoundMesh
 from ..sharded import reshard
 from .comms import Comm
 from .moves import move
-from .params import ShardedModule
+from .params import ONE_CALL_PER_STEP, ShardedModule
 
 
 def _whole_last(layout: Layout, name: str) -> Layout:
@@ -107,7 +107,8 @@ class ColumnParallelLinear(ShardedModule):
         if "bias" in self.specs:
             y = y + self.use("bias")
         if self.gathered_layout is not None:
-            y = reshard(y, self.bound, self.out_layout, self.gathered_layout)
+            y = reshard(y, self.bound, self.out_layout, self.gathered_layout,
+                        cost_model=ONE_CALL_PER_STEP)
         return y
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
@@ -120,7 +121,7 @@ class ColumnParallelLinear(ShardedModule):
             w = self.specs["weight"]
             out_shape = (*tuple(shape)[:-1], w.shape[1])
             fwd = plan(self.bound.mesh, out_shape, self.out_layout, self.gathered_layout,
-                       dtype=w.dtype)
+                       dtype=w.dtype, cost_model=ONE_CALL_PER_STEP)
             out += [Comm("forward", "output", fwd),
                     Comm("backward", "output grad", backward_plan(fwd, w.dtype))]
         return out
@@ -152,7 +153,7 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: Tensor) -> Tensor:
         y = reshard(torch.matmul(x, self.use("weight")), self.bound, self.partial_layout,
-                    self.out_layout)
+                    self.out_layout, cost_model=ONE_CALL_PER_STEP)
         return y + self.use("bias") if "bias" in self.specs else y
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
@@ -161,7 +162,7 @@ class RowParallelLinear(ShardedModule):
             return out
         w = self.specs["weight"]
         fwd = plan(self.bound.mesh, (*tuple(shape)[:-1], w.shape[1]), self.partial_layout,
-                   self.out_layout, dtype=w.dtype)
+                   self.out_layout, dtype=w.dtype, cost_model=ONE_CALL_PER_STEP)
         return out + [Comm("forward", "output", fwd),
                       Comm("backward", "output grad", backward_plan(fwd, w.dtype))]
 
@@ -199,7 +200,8 @@ class VocabParallelEmbedding(ShardedModule):
         held = (index >= 0).unsqueeze(-1)
         w = self.use("weight")
         y = F.embedding(index.clamp(min=0), w) * held.to(w.dtype)
-        return reshard(y, self.bound, self.partial_layout, self.out_layout)
+        return reshard(y, self.bound, self.partial_layout, self.out_layout,
+                       cost_model=ONE_CALL_PER_STEP)
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
         out = self.param_comms()
@@ -207,7 +209,7 @@ class VocabParallelEmbedding(ShardedModule):
             return out
         w = self.specs["weight"]
         fwd = plan(self.bound.mesh, (*tuple(shape), w.shape[1]), self.partial_layout,
-                   self.out_layout, dtype=w.dtype)
+                   self.out_layout, dtype=w.dtype, cost_model=ONE_CALL_PER_STEP)
         return out + [Comm("forward", "output", fwd),
                       Comm("backward", "output grad", backward_plan(fwd, w.dtype))]
 

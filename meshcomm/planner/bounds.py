@@ -21,7 +21,16 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   that needs it holds a partial (h_x = 1: it can combine there), so all ranks
   together receive at least `S = sum_x (g - 1 + n_x - h_x)` elements and the
   busiest rank at least S / P; and every rank at least one message per element
-  of its block: `LB_r = max(ceil(S / P), |need_r|)`. For a plain
+  of its block: `LB_r = max(L, |need_r|)`, L the least load that carries them.
+  A message either adds partials to a value the receiver has (a union; item x
+  needs g - 1 of them, U in all) or gives it a value where it had none (a
+  copy: a rank's first message of an element it does not hold). An idle rank
+  (holding and needing nothing) copies before it combines, so of m messages it
+  wastes at least ceil(m / g), and a rank lacking n_r elements it needs spends
+  n_r copies on them. So with I idle ranks, L must satisfy
+  `P L - I ceil(L / g) >= S` and `sum_r max(0, L - n_r) - I ceil(L / g) >= U`.
+  Without idle ranks this is `ceil(S / P)`; with many (small tensors, where
+  `torch.chunk` leaves ranks empty) it is higher. For a plain
   reduce_scatter this is (g - 1)/g of the input, for an all_reduce 2(g - 1)/g:
   the ring algorithms meet it. (Where the destination also has new pending
   axes, n_x counts its reduction groups needing x, and h_x = 1.)
@@ -42,7 +51,7 @@ import torch
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from .blocks import own_and_need, summed_overlap
-from .states import State, from_layout, local_numels
+from .states import State, from_layout, local_numels, local_numels_tensor
 
 
 def lower_bound_elements(mesh: Mesh, shape: Shape, src: Layout, dst: Layout) -> tuple[int, ...]:
@@ -86,11 +95,36 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
     # rank needing it holds a partial of it (it can combine there).
     k = math.prod(mesh.axis_size(a) for a in goal.partial)
     own, need = own_and_need(start, goal, mesh)
-    messages = k * total * (g - 1) + int(need.sum()) - k * _held_where_needed(start, goal, mesh,
-                                                                              own)
-    share = -(-messages // mesh.size)
-    # and every rank receives at least one message per element of its block
+    unions = k * total * (g - 1)
+    messages = unions + int(need.sum()) - k * _held_where_needed(start, goal, mesh, own)
+    idle = int(((local_numels_tensor(start, mesh).reshape(-1) == 0) & (need == 0)).sum())
+    # every rank receives at least one message per element of its block
+    share = busiest_share(messages, unions, need, need - own, idle, g, mesh.size)
     return tuple(torch.clamp(need, min=share).tolist())
+
+
+def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch.Tensor,
+                  idle: int, g: int, ranks: int) -> int:
+    """The least L such that ranks receiving at most L messages each can carry `messages`
+    and `unions` (see the module doc): `need` and `lacking` are per rank, `idle` ranks hold
+    and need nothing. (`meshcomm.testing.counting_bound` counts the same apart, element by
+    element.)"""
+
+    def fits(L: int) -> bool:
+        wasted = idle * -(-L // g)          # an idle rank's first message per element
+        return (ranks * L - wasted >= messages
+                and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions)
+
+    lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
+    if fits(lo):
+        return lo
+    hi = 2 * lo + 1
+    while not fits(hi):
+        hi *= 2
+    while lo + 1 < hi:                      # fits(hi), not fits(lo)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _held_where_needed(start: State, goal: State, mesh: Mesh, own: torch.Tensor) -> int:

@@ -178,7 +178,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
         pops += 1
         if pops > _UNGUIDED_POPS and not guided:
             raise _TooLong
-        for move in _moves(state, goal, mesh, cost_model.native):
+        for move in _moves(state, goal, mesh, cost_model):
             relax(key, state, move, path)
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug,"
                     " please report it")
@@ -187,18 +187,19 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
 Key = tuple[float, int, int, int, int, int]   # time, received, peak, reducing, steps, indexed
 
 
-def _moves(state: State, goal: State, mesh: Mesh, native: tuple[str, ...]) -> Iterator[Move]:
-    for move in _all_moves(state, goal, mesh):
-        if move.kind == "local" or move.kind in native:
+def _moves(state: State, goal: State, mesh: Mesh, cost_model: CostModel) -> Iterator[Move]:
+    for move in _all_moves(state, goal, mesh, cost_model.trees):
+        if move.kind == "local" or move.kind in cost_model.native:
             yield move
 
 
-def _all_moves(state: State, goal: State, mesh: Mesh) -> Iterator[Move]:
+def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[Move]:
     yield from expand(state, goal, mesh)
     moves = [send_recv_move(state, t, mesh, exact=False)
              for t in send_recv_targets(state, goal, mesh)]
     moves.append(reindex_move(state, goal, mesh))
-    moves.append(tree_move(state, goal, mesh))
+    if trees:
+        moves.append(tree_move(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 
 

@@ -75,7 +75,10 @@ class CostModel:
 
     `native` names the step kinds the backend runs as real collectives (NCCL and
     gloo run them all). The planner never uses a kind outside it: nothing is
-    emulated behind the cost model's back.
+    emulated behind the cost model's back. `trees=False` leaves out tree steps (a
+    send_recv in several rounds, `meshcomm.planner.trees`), so that every step is one
+    collective call: the training blocks plan so, since their plans run every step and a
+    tree's rounds share no bucket.
 
     >>> cm = CostModel(latency_s={"dp": 20e-6, "tp": 2e-6}, bandwidth={"dp": 25e9, "tp": 450e9})
     >>> cm.time(("dp",), 25_000) > cm.time(("tp",), 25_000)
@@ -86,6 +89,7 @@ class CostModel:
     bandwidth: Any = 100e9
     backend: str = "nccl"
     native: Any = STEP_KINDS
+    trees: bool = True
     _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
@@ -101,7 +105,7 @@ class CostModel:
                             f" kinds are {', '.join(STEP_KINDS)}")
         object.__setattr__(self, "native", tuple(k for k in STEP_KINDS if k in set(self.native)))
         object.__setattr__(self, "_hash", hash((self.latency_s, self.bandwidth, self.backend,
-                                                self.native)))
+                                                self.native, self.trees)))
         object.__setattr__(self, "_lat", self.latency_s)
         object.__setattr__(self, "_bw", self.bandwidth)
 
