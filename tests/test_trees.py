@@ -80,18 +80,19 @@ def test_an_average_is_divided_once_at_its_root() -> None:
     ("a=2 b=3 c=2", (4, 4), "(a i) j | sum(b, c)", "(c i) j"),
     ("dp=4 tp=4", (3, 8, 5), "i j (tp k) | min(dp)", "(tp i) j k"),
     ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)"),
+    ("dp=8 tp=8", (6, 8, 12), "i j (tp k) | max(dp)", "(dp tp i) j k"),    # combiners
 ])
 def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
                                   dst: str) -> None:
     """Per round, a (rank, element) receives at most one value; a rank sends an element's
     value only after its last combine of it; every rank needing an element ends with it
-    (received once, or combined there as its root); each element combines g - 1 + (root
-    holds none) values."""
+    (received once, or combined there as its root); a combiner (scratch) receives at least
+    two values."""
     mesh = mc.Mesh(spec)
     a = from_layout(mc.Layout(src), mesh, shape)
     b = from_layout(mc.Layout(dst), mesh, shape)
     s = trees.schedule(a, b, mesh)
-    rows = list(zip(s.round, s.src, s.dst, s.elem, s.dst_out))
+    rows = list(zip(s.round, s.src, s.dst, s.elem, s.dst_region))
     seen = Counter((t, d, e) for t, _, d, e, _ in rows)
     assert max(seen.values()) == 1
     last_in = {}
@@ -107,6 +108,9 @@ def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
         for i in ranks:
             assert delivered[(i, e)] + ((i, e) in roots) == 1, (i, e)
     assert max(s.round) < s.rounds
+    into_scratch = Counter((d, e) for t, _, d, e, region in rows if region == trees.SCRATCH)
+    assert all(n >= 2 for n in into_scratch.values())
+    assert sorted(into_scratch) == sorted((i, e) for i, es in enumerate(s.scratch) for e in es)
 
 
 def test_a_latency_buys_fewer_rounds() -> None:

@@ -282,12 +282,14 @@ def received(ex: Exchange, flat: Tensor, out_shape: tuple[int, ...], op: str | N
 # -- a tree step (`meshcomm.planner.trees`): rounds of all_to_alls over a work buffer ------
 class TreeRun(NamedTuple):
     """One rank's part of a tree step: an Exchange per round, over its work buffer (its input
-    flattened, then its output), and the copies a root makes of the values it needs."""
+    flattened, then its output, then scratch where it combines for others), and the copies
+    a root makes of the values it needs."""
 
     rounds: tuple[Exchange, ...]
     merges: int              # rounds that combine; the others deliver
     keep_src: Tensor         # work positions a root copies from (its combined partials) ...
     keep_dst: Tensor         # ... into its output's positions (offset by the input's numel)
+    size: int = 0            # the work positions its transfers reach (scratch included)
 
 
 def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeRun:
@@ -305,7 +307,7 @@ def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeR
 
     rounds = tuple(ex._replace(send=None if s is None else made(s), recv=made(r))
                    for ex, s, r in zip(host.rounds, sends, lists))
-    return TreeRun(rounds, host.merges, made(lists[-2]), made(lists[-1]))
+    return TreeRun(rounds, host.merges, made(lists[-2]), made(lists[-1]), host.size)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -329,19 +331,23 @@ def _tree_run(step: Step, rank: int, order: Order, device: torch.device) -> Tree
         rounds.append(Exchange(_index(sent, device) if sent else None, send_splits,
                                recv_splits, _index(got, device), 1, even))
     keep = [t for t in transfers if t.src == t.dst == rank]
+    size = 1 + max([p for t in transfers if t.src == rank for p in t.src_index[0]]
+                   + [p for t in transfers if t.dst == rank for p in t.dst_index[0]], default=-1)
     return TreeRun(tuple(rounds), step.merge_rounds,
                    _index([p for t in keep for p in t.src_index[0]], device),
-                   _index([p for t in keep for p in t.dst_index[0]], device))
+                   _index([p for t in keep for p in t.dst_index[0]], device), size)
 
 
 def _index(positions: list[int], device: torch.device) -> Tensor:
     return _to(torch.tensor(positions, dtype=torch.long), device)
 
 
-def tree_work(x: Tensor, out_shape: tuple[int, ...], op: str) -> Tensor:
-    """A rank's work buffer: its input flattened, then its output at the op's identity."""
+def tree_work(run: TreeRun, x: Tensor, out_shape: tuple[int, ...], op: str) -> Tensor:
+    """A rank's work buffer: its input flattened, then its output and its scratch at the op's
+    identity."""
     flat = x.reshape(-1)
-    return torch.cat([flat, identity_like(flat.new_empty(math.prod(out_shape)), op)])
+    rest = max(math.prod(out_shape), run.size - flat.numel())
+    return torch.cat([flat, identity_like(flat.new_empty(rest), op)])
 
 
 def tree_received(run: TreeRun, r: int, work: Tensor, flat: Tensor, op: str) -> Tensor:
@@ -363,5 +369,5 @@ def tree_finished(run: TreeRun, work: Tensor, op: str, g: int) -> Tensor:
 
 
 def tree_output(work: Tensor, in_numel: int, out_shape: tuple[int, ...]) -> Tensor:
-    """A rank's output: the end of its work buffer."""
-    return work[in_numel:].reshape(out_shape).clone()
+    """A rank's output: its part of the work buffer, after the input."""
+    return work[in_numel:in_numel + math.prod(out_shape)].reshape(out_shape).clone()

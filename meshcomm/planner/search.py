@@ -29,7 +29,7 @@ from .transfers import (
     send_recv_move,
     send_recv_targets,
 )
-from .trees import tree_move, tree_transfers
+from .trees import tree_estimate, tree_move, tree_transfers
 from .values import CostModel, Plan, Step, wire_of
 
 
@@ -102,8 +102,9 @@ def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least (time, received, peak, reducing send_recvs, steps, index-list steps) path from
-    `start` to `goal` (Pareto labels; received is the sum of each step's busiest rank).
+    """Least ((time, received), peak, reducing send_recvs, steps, index-list steps) path from
+    `start` to `goal` (Pareto labels; received, the sum of each step's busiest rank, breaks
+    ties of time in the same label component, so it adds no dimension to the labels).
 
     On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
     than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
@@ -135,7 +136,7 @@ class _TooLong(Exception):
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                  cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
     src_numels = local_numels_tensor(start, mesh)
-    first: Key = (0.0, 0, int(src_numels.max()) * itemsize, 0, 0, 0)
+    first: Key = ((0.0, 0), int(src_numels.max()) * itemsize, 0, 0, 0)
     counter = itertools.count()
     per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
     pops = 0
@@ -143,8 +144,8 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
     def ahead(key: Key, state: State) -> Key:
         if not guided:
             return key
-        rest = max(bounds.state_bound(state, goal, mesh)) * itemsize * per_byte
-        return (round(key[0] + rest, 15),) + key[1:]
+        rest = max(bounds.state_bound(state, goal, mesh)) * itemsize   # bytes still received
+        return ((round(key[0][0] + rest * per_byte, 15), key[0][1] + rest),) + key[1:]
 
     heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None]] = [
         (ahead(first, start), next(counter), first, start, (), None)]
@@ -165,11 +166,13 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
 
     while heap:
         _, _, key, state, path, before = heapq.heappop(heap)
-        if before is not None:   # an estimated send_recv: price it exactly, then queue it
+        if before is not None:   # an estimated send_recv or tree: price it, then queue it
             *head, last = path
-            exact = send_recv_move(head[-1].after if head else start, last.after, mesh)
+            prev = head[-1].after if head else start
+            exact = (tree_move(prev, last.after, mesh) if last.action == "tree"
+                     else send_recv_move(prev, last.after, mesh))
             assert exact is not None, f"no send_recv to {last.after}"
-            relax(before, head[-1].after if head else start, exact, tuple(head))
+            relax(before, prev, exact, tuple(head))
             continue
         if state == goal:
             return path
@@ -184,7 +187,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                     " please report it")
 
 
-Key = tuple[float, int, int, int, int, int]   # time, received, peak, reducing, steps, indexed
+Key = tuple[tuple[float, int], int, int, int, int]   # (time, received), peak, reducing, ...
 
 
 def _moves(state: State, goal: State, mesh: Mesh, cost_model: CostModel) -> Iterator[Move]:
@@ -199,7 +202,7 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
              for t in send_recv_targets(state, goal, mesh)]
     moves.append(reindex_move(state, goal, mesh))
     if trees:
-        moves.append(tree_move(state, goal, mesh))
+        moves.append(tree_estimate(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 
 
@@ -219,8 +222,8 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
     # driven by index lists (send_recv, select, reindex).
     reducing = move.kind == "send_recv" and move.op is not None
     received = max(move.recv) * itemsize if move.kind != "local" else 0
-    return (round(key[0] + time, 15), key[1] + received, max(key[2], live), key[3] + reducing,
-            key[4] + 1, key[5] + move.indexed)
+    return ((round(key[0][0] + time, 15), key[0][1] + received), max(key[1], live),
+            key[2] + reducing, key[3] + 1, key[4] + move.indexed)
 
 
 def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
@@ -238,7 +241,7 @@ def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
 
 
 def _dominates(a: Key, b: Key) -> bool:
-    return all(x <= y for x, y in zip(a, b))
+    return a[0] <= b[0] and all(x <= y for x, y in zip(a[1:], b[1:]))
 
 
 

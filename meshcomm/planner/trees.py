@@ -32,6 +32,7 @@ import torch
 
 from ..core.mesh import AxisName, Mesh
 from .blocks import in_mesh_order
+from .bounds import state_bound
 from .moves import Move, block_indices
 from .states import State
 from .transfers import resolved_axes
@@ -44,9 +45,11 @@ TREE_LIMIT = 1 << 16   # elements x ranks above which no tree is drawn (planning
 class Schedule:
     """Every message of a tree step: row i sends element `elem[i]` (global flat index) from
     mesh position `src[i]` to `dst[i]` in round `round[i]`. Rounds before `merges` combine
-    partials; the others deliver finished values (read from the sender's output where
-    `forward[i]`, else from its combined partial); `roots` (mesh position, element) copy a
-    finished value they need into their own output."""
+    partials; the others deliver finished values. A value lives in a rank's input (a
+    holder's partial), its output (a root that holds no partial combines there; delivered
+    values land there) or its scratch (an idle rank combining for others), as `REGIONS`
+    number them. A root needing its element that holds a partial of it copies the value
+    from its input into its output."""
 
     rounds: int
     merges: int
@@ -54,15 +57,38 @@ class Schedule:
     dst: tuple[int, ...]
     elem: tuple[int, ...]
     round: tuple[int, ...]
-    src_out: tuple[bool, ...]      # the sender reads its output (else its input)
-    dst_out: tuple[bool, ...]      # the receiver writes its output (else combines in its input)
+    src_region: tuple[int, ...]    # where the sender reads the value
+    dst_region: tuple[int, ...]    # where the receiver combines (merge) or writes (delivery)
     roots: tuple[tuple[int, int, bool], ...]   # (position, element, holds a partial of it)
+    scratch: tuple[tuple[int, ...], ...]       # per position: the elements it combines for
 
 
-Row = tuple[int, int, int, int, bool, bool]   # round, src, dst, element, src_out, dst_out
-# one element's tree: its root, the element, the ranks it delivers to, whether the root
-# combines in its output (it holds no partial), and each node's number of children
-Tree = tuple[int, int, list[int], bool, dict[int, int]]
+INPUT, OUTPUT, SCRATCH = 0, 1, 2
+REGIONS = ("input", "output", "scratch")
+Row = tuple[int, int, int, int, int, int]   # round, src, dst, element, src/dst region
+
+
+@dataclass(slots=True)
+class _Tree:
+    """One element's tree while it is drawn: its nodes' numbers of children."""
+
+    root: int
+    elem: int
+    want: list[int]          # ranks needing the element, the root aside
+    root_holds: bool         # the root holds a partial (else it combines in its output)
+    degree: dict[int, int]
+    combiners: set[int]      # ranks holding no partial that combine others' (in scratch)
+    members: list[int]       # the ranks of its reduction (same coordinate on kept axes)
+    taken: set[int]          # ranks holding a partial of the element or needing it
+
+    def floor(self, i: int) -> int:
+        """The fewest children node i may have: 2 for a combiner, 1 for the root."""
+        return 2 if i in self.combiners else int(i == self.root)
+
+    def region(self, i: int) -> int:
+        if i in self.combiners:
+            return SCRATCH
+        return OUTPUT if i == self.root and not self.root_holds else INPUT
 
 
 def tree_axes(state: State, goal: State, mesh: Mesh) -> tuple[AxisName, ...]:
@@ -80,6 +106,16 @@ def applies(state: State, goal: State, mesh: Mesh) -> bool:
         return False
     numel = math.prod(d.size for d in state.dims)
     return 0 < numel and numel * mesh.size <= TREE_LIMIT
+
+
+def tree_estimate(state: State, goal: State, mesh: Mesh) -> Move | None:
+    """The tree step from `state` to `goal` priced at the lower bound (`Move.estimate`): the
+    search draws its schedule (`tree_move`) only when the step may be on the best path."""
+    if not applies(state, goal, mesh):
+        return None
+    bound = state_bound(state, goal, mesh)
+    return Move("send_recv", tree_axes(state, goal, mesh), goal, action="tree", op=state.op,
+                indexed=True, estimate=True, send=bound, recv=bound)
 
 
 @functools.lru_cache(maxsize=256)
@@ -105,14 +141,23 @@ def _global_flat(index: tuple[tuple[int, ...], ...], shape: tuple[int, ...]) -> 
 
 
 def _members(state: State, mesh: Mesh) -> list[list[int]]:
-    """Per element (global flat), the mesh positions holding it in `state`, ascending."""
+    """Per element (global flat), the mesh positions holding it in `state`, ascending. Ranks
+    that agree on the axes sharding `state` hold the same block: each block is listed once."""
     shape = tuple(d.size for d in state.dims)
     mask = torch.zeros(math.prod(shape), mesh.size, dtype=torch.bool)
+    sharding = [a for d in state.dims for a in d.axes]
+    blocks: dict[tuple[int, ...], torch.Tensor] = {}
     for i, r in enumerate(mesh.ranks):
-        mask[_global_flat(block_indices(state, mesh, r), shape), i] = True
-    out: list[list[int]] = [[] for _ in range(mask.shape[0])]
-    for e, i in mask.nonzero().tolist():
-        out[e].append(i)
+        c = mesh.coords(r)
+        key = tuple(c[a] for a in sharding)
+        if key not in blocks:
+            blocks[key] = _global_flat(block_indices(state, mesh, r), shape)
+        mask[blocks[key], i] = True
+    cols = mask.nonzero()[:, 1].tolist()
+    out, at = [], 0
+    for n in mask.sum(1).tolist():
+        out.append(cols[at:at + n])
+        at += n
     return out
 
 
@@ -135,105 +180,141 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     g = math.prod(mesh.axis_size(a) for a in resolve)
     part = _coordinate(mesh, resolve)                 # which partial a position holds
     kept = _coordinate(mesh, list(goal.partial))      # which reduction it takes part in
+    by_kept: dict[int, list[int]] = defaultdict(list)
+    for i, k in enumerate(kept):
+        by_kept[k].append(i)
     holders, needers = _members(state, mesh), _members(goal, mesh)
     recv = [0] * mesh.size       # elements received so far: every needer one per element
     sent = [0] * mesh.size
     for ns in needers:
         for i in ns:
             recv[i] += 1
-    merges: list[Row] = []
-    trees: list[Tree] = []
-    roots: list[tuple[int, int, bool]] = []
+    trees: list[_Tree] = []
     for e, ns in enumerate(needers):
-        by_kept: dict[int, list[int]] = defaultdict(list)
+        wanting: dict[int, list[int]] = defaultdict(list)
         for i in ns:
-            by_kept[kept[i]].append(i)
-        for k, want in by_kept.items():
+            wanting[kept[i]].append(i)
+        for k, want in wanting.items():
             held = [i for i in holders[e] if kept[i] == k]
-            both = [i for i in want if i in set(held)]
-            # the root: a rank needing the element (its first message replaces its delivery),
-            # one holding a partial if any; one that holds none combines in its output
-            root = min(both or want, key=lambda i: (recv[i], i))
-            nodes: dict[int, int] = {part[root]: root} if both else {}
-            for i in held:    # one holder of each partial: the least busy
-                j = nodes.get(part[i])
-                if j is None or j != root and (max(sent[i], recv[i]), recv[i]) < (
-                        max(sent[j], recv[j]), recv[j]):
-                    nodes[part[i]] = i
-            assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
-            degree = dict.fromkeys(nodes.values(), 0)
-            degree[root] = 1
-            heap = [(recv[i], i) for i in degree]
-            heapq.heapify(heap)
-            for _ in range(len(degree) - 2):   # a tree has one message per node but the root
-                _, i = heapq.heappop(heap)
-                degree[i] += 1
-                recv[i] += 1
-                heapq.heappush(heap, (recv[i], i))
-            roots.append((root, e, bool(both)))
-            for i in degree:
-                sent[i] += i != root
-            trees.append((root, e, [i for i in want if i != root], not both, degree))
-    _rebalance(trees, recv)
-    for root, e, _, at_out, degree in trees:
-        merges += [(t, a, b, e, False, b == root and at_out)
-                   for t, a, b, e in _tree(root, degree, e)]
+            trees.append(_draw(e, want, held, by_kept[k], part, g, recv, sent))
+    _rebalance(trees, recv, sent)
+    merges: list[Row] = []
+    for tree in trees:
+        merges += [(t, a, b, tree.elem, tree.region(a), tree.region(b))
+                   for t, a, b, _ in _tree(tree.root, tree.degree, tree.elem)]
     first = 1 + max((m[0] for m in merges), default=-1)
     rows = list(merges)
-    for root, e, want, at_out, _ in trees:       # each finished value reaches its needers
-        rows += _deliveries(root, want, e, first, sent, at_out)
+    for tree in trees:       # each finished value reaches its needers
+        rows += _deliveries(tree.root, tree.want, tree.elem, first, sent,
+                            tree.region(tree.root))
     rounds = max(first, 1 + max(r[0] for r in rows))
-    round_, src, dst, elem, src_out, dst_out = (tuple(c) for c in zip(*rows)) if rows else (
-        (),) * 6
-    return Schedule(rounds, first, src, dst, elem, round_, src_out, dst_out, tuple(roots))
+    round_, src, dst, elem, src_region, dst_region = (
+        (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
+    scratch: list[set[int]] = [set() for _ in range(mesh.size)]
+    for tree in trees:
+        for i in tree.combiners:
+            scratch[i].add(tree.elem)
+    return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
+                    tuple((t.root, t.elem, t.root_holds) for t in trees),
+                    tuple(tuple(sorted(x)) for x in scratch))
 
 
-def _rebalance(trees: list[Tree], recv: list[int]) -> None:
-    """Move children from the busiest rank to the least busy node of the same tree while that
-    lowers the busiest rank's count (the greedy pass placed elements one at a time, before
-    it knew the later ones). Edits the trees' degrees and `recv` in place."""
-    where: dict[int, list[int]] = defaultdict(list)      # rank -> trees it has children in
-    for t, (root, _, _, _, degree) in enumerate(trees):
-        for i, d in degree.items():
-            if d > (i == root):
+def _draw(e: int, want: list[int], held: list[int], members: list[int], part: list[int],
+          g: int, recv: list[int], sent: list[int]) -> _Tree:
+    """One element's tree among the ranks of one reduction (`members`): the root, a holder
+    of each partial, and the children of each node, dealt out one at a time to the least
+    busy node. Updates `recv` and `sent`."""
+    holding = set(held)
+    both = [i for i in want if i in holding]
+    # the root: a rank needing the element (its first message replaces its delivery), one
+    # holding a partial if any; one that holds none combines in its output
+    root = min(both or want, key=lambda i: (recv[i], i))
+    nodes: dict[int, int] = {part[root]: root} if both else {}
+    for i in held:    # one holder of each partial: the least busy
+        j = nodes.get(part[i])
+        if j is None or j != root and (max(sent[i], recv[i]), recv[i]) < (
+                max(sent[j], recv[j]), recv[j]):
+            nodes[part[i]] = i
+    assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
+    tree = _Tree(root, e, [i for i in want if i != root], bool(both),
+                 dict.fromkeys(nodes.values(), 0), set(), members, holding | set(want))
+    tree.degree[root] = 1
+    heap = [(recv[i], i) for i in tree.degree]
+    heapq.heapify(heap)
+    for _ in range(len(tree.degree) - 2):   # a tree has one message per node but the root
+        _, i = heapq.heappop(heap)
+        tree.degree[i] += 1
+        recv[i] += 1
+        heapq.heappush(heap, (recv[i], i))
+    for i in tree.degree:
+        sent[i] += i != root
+    return tree
+
+
+def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
+    """Lower the busiest rank while it can be: move a child of it to the least busy node of
+    the same tree, or, failing that, hand two of its children to an idle rank of the
+    reduction (holding and needing nothing of the element), which combines them and sends
+    it one value (a message more in all, one fewer at the busiest rank). The greedy pass
+    placed elements one at a time, before it knew the later ones. Edits the trees, `recv`
+    and `sent` in place."""
+    where: dict[int, list[int]] = defaultdict(list)   # rank -> trees it has spare children in
+    for t, tree in enumerate(trees):
+        for i, d in tree.degree.items():
+            if d > tree.floor(i):
                 where[i].append(t)
     while where:
         busiest = max(where, key=lambda i: (recv[i], i))
-        moved = False
-        for t in where[busiest]:
-            root, _, _, _, degree = trees[t]
-            if degree[busiest] <= (busiest == root):
-                continue
-            j = min(degree, key=lambda i: (recv[i], i))
-            if recv[j] + 2 <= recv[busiest]:
-                degree[busiest] -= 1
-                degree[j] += 1
-                recv[busiest] -= 1
-                recv[j] += 1
-                if degree[j] == 1 + (j == root):
-                    where[j].append(t)
-                moved = True
-                break
-        if not moved:
+        if not any(_relieve(trees[t], busiest, recv, sent, where, t) for t in where[busiest]):
             return
         where[busiest] = [t for t in where[busiest]
-                          if trees[t][4][busiest] > (busiest == trees[t][0])]
+                          if trees[t].degree[busiest] > trees[t].floor(busiest)]
         if not where[busiest]:
             del where[busiest]
 
 
+def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
+             where: dict[int, list[int]], t: int) -> bool:
+    """One message fewer at node `b` of `tree` where that lowers it (see `_rebalance`)."""
+    if tree.degree[b] <= tree.floor(b):
+        return False
+    j = min(tree.degree, key=lambda i: (recv[i], i))
+    if recv[j] + 2 <= recv[b]:
+        tree.degree[b] -= 1
+        tree.degree[j] += 1
+        recv[b] -= 1
+        recv[j] += 1
+        if tree.degree[j] == tree.floor(j) + 1:
+            where[j].append(t)
+        return True
+    if tree.degree[b] < 2:
+        return False
+    c = min((i for i in tree.members if i not in tree.taken and i not in tree.degree),
+            key=lambda i: (recv[i], i), default=None)
+    if c is None or recv[c] + 3 > recv[b]:
+        return False
+    tree.degree[b] -= 1          # two children go to c, and c becomes one
+    tree.degree[c] = 2
+    tree.combiners.add(c)
+    recv[b] -= 1
+    recv[c] += 2
+    sent[c] += 1
+    return True
+
+
 def _deliveries(root: int, want: list[int], e: int, first: int, sent: list[int],
-                at_out: bool) -> list[Row]:
-    """One element's deliveries from `root` (ready in round `first`, its value in its output
-    where `at_out`) to the ranks in `want`: each from the least busy sender among those
-    holding the value already (a rank forwards what it received in a later round)."""
-    ready = {root: first}
+                region: int) -> list[Row]:
+    """One element's deliveries from `root` (ready in round `first`, its value in `region`)
+    to the ranks in `want`: each from the least busy sender among those holding the value
+    already (a rank forwards what it received, from its output, in a later round)."""
+    heap = [(sent[root], first, root)]     # senders: (sent so far, ready in round, rank)
     out = []
     for i in want:
-        src = min(ready, key=lambda j: (sent[j], ready[j], j))
-        sent[src] += 1
-        out.append((ready[src], src, i, e, src != root or at_out, True))
-        ready[i] = ready[src] + 1
+        n, t, src = heapq.heappop(heap)
+        sent[src] = n + 1
+        out.append((t, src, i, e, region if src == root else OUTPUT, OUTPUT))
+        heapq.heappush(heap, (n + 1, t, src))
+        heapq.heappush(heap, (sent[i], t + 1, i))
     return out
 
 
@@ -275,31 +356,33 @@ def tree_transfers(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[Tr
     round)."""
     s = schedule(state, goal, mesh)
     me = mesh.ranks.index(rank)
-    groups: dict[tuple[int, int, int], list[tuple[int, bool, bool]]] = defaultdict(list)
-    for a, b, e, t, a_out, b_out in zip(s.src, s.dst, s.elem, s.round, s.src_out, s.dst_out):
+    groups: dict[tuple[int, int, int], list[tuple[int, int, int]]] = defaultdict(list)
+    for a, b, e, t, ra, rb in zip(s.src, s.dst, s.elem, s.round, s.src_region, s.dst_region):
         if a == me or b == me:
-            groups[(t, a, b)].append((e, a_out, b_out))
-    keep = [(e, False, True) for i, e, holds in s.roots if i == me and holds]
+            groups[(t, a, b)].append((e, ra, rb))
+    keep = [(e, INPUT, OUTPUT) for i, e, holds in s.roots if i == me and holds]
     if keep:
         groups[(s.merges, me, me)] = keep
     out = []
     for (t, a, b), elems in sorted(groups.items()):
         elems.sort()
-        src_in, src_out = _work(state, goal, mesh, mesh.ranks[a])
-        dst_in, dst_out = _work(state, goal, mesh, mesh.ranks[b])
+        src_at = _work(state, goal, mesh, mesh.ranks[a], s.scratch[a])
+        dst_at = _work(state, goal, mesh, mesh.ranks[b], s.scratch[b])
         out.append(Transfer(mesh.ranks[a], mesh.ranks[b],
-                            (tuple((src_out if a_out else src_in)[e] for e, a_out, _ in elems),),
-                            (tuple((dst_out if b_out else dst_in)[e] for e, _, b_out in elems),),
-                            round=t))
+                            (tuple(src_at[ra][e] for e, ra, _ in elems),),
+                            (tuple(dst_at[rb][e] for e, _, rb in elems),), round=t))
     return tuple(out)
 
 
-def _work(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[dict[int, int],
-                                                                        dict[int, int]]:
-    """Global flat element -> position in `rank`'s work buffer: in its input, in its output."""
+def _work(state: State, goal: State, mesh: Mesh, rank: int,
+          scratch: tuple[int, ...]) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """Global flat element -> position in `rank`'s work buffer: in its input, its output,
+    its scratch (the elements it combines for others, after its output)."""
     shape = tuple(d.size for d in state.dims)
     held = _local_positions(state, rank, shape, mesh)
-    return held, _local_positions(goal, rank, shape, mesh, len(held))
+    made = _local_positions(goal, rank, shape, mesh, len(held))
+    at = len(held) + len(made)
+    return held, made, {e: at + j for j, e in enumerate(scratch)}
 
 
 @functools.lru_cache(maxsize=1024)

@@ -291,7 +291,7 @@ def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
                   if a not in step.after.partial_axes)
     out_shape = step.after.local_shape(mesh, run.shape, rank)
     tree = tree_run(step, rank, run.members(step), x.device)
-    work = tree_work(x, out_shape, op)
+    work = tree_work(tree, x, out_shape, op)
     sent = received = 0
     for r, ex in enumerate(tree.rounds):
         if r == step.merge_rounds:

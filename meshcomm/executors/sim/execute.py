@@ -186,7 +186,7 @@ def _tree(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> S
                   if a not in step.after.partial_axes)
     outs = [step.after.local_shape(mesh, shape, r) for r in mesh.ranks]
     runs = [tree_run(step, r, mesh, x.device) for r, x in zip(mesh.ranks, xs)]
-    works = [tree_work(x, out, op) for x, out in zip(xs, outs)]
+    works = [tree_work(run, x, out, op) for run, x, out in zip(runs, xs, outs)]
     trace = SimResult.noop(xs)
     group = (tuple(range(mesh.size)),)
     for r in range(step.rounds):
