@@ -228,12 +228,12 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
     both = [i for i in want if i in holding]
     # the root: a rank needing the element (its first message replaces its delivery), one
     # holding a partial if any; one that holds none combines in its output
-    root = min(both or want, key=lambda i: (recv[i], i))
+    root = min(both or want, key=lambda i: (recv[i], sent[i], i))
     nodes: dict[int, int] = {part[root]: root} if both else {}
-    for i in held:    # one holder of each partial: the least busy
+    for i in held:    # one holder of each partial: the least busy (received, then sent)
         j = nodes.get(part[i])
-        if j is None or j != root and (max(sent[i], recv[i]), recv[i]) < (
-                max(sent[j], recv[j]), recv[j]):
+        if j is None or j != root and (max(sent[i], recv[i]), recv[i], sent[i]) < (
+                max(sent[j], recv[j]), recv[j], sent[j]):
             nodes[part[i]] = i
     assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
     tree = _Tree(root, e, [i for i in want if i != root], bool(both),
@@ -253,9 +253,10 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
 
 def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
     """Lower the busiest rank while it can be: move a child of it to the least busy node of
-    the same tree, or, failing that, hand two of its children to an idle rank of the
-    reduction (holding and needing nothing of the element), which combines them and sends
-    it one value (a message more in all, one fewer at the busiest rank). The greedy pass
+    the same tree, or, failing that, hand one of its children and one more (its own or
+    another node's) to an idle rank of the reduction (holding and needing nothing of the
+    element), which combines them and sends one value where the second came from (a
+    message more in all, one fewer at the busiest rank). The greedy pass
     placed elements one at a time, before it knew the later ones. Edits the trees, `recv`
     and `sent` in place."""
     where: dict[int, list[int]] = defaultdict(list)   # rank -> trees it has spare children in
@@ -265,11 +266,21 @@ def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
                 where[i].append(t)
     while where:
         busiest = max(where, key=lambda i: (recv[i], i))
-        if not any(_relieve(trees[t], busiest, recv, sent, where, t) for t in where[busiest]):
+        # A tree that cannot relieve the busiest rank now will not later either (its other
+        # nodes only get busier): it leaves the rank's list, so each tree is tried once.
+        kept, relieved = [], False
+        for t in where[busiest]:
+            if relieved:
+                kept.append(t)
+            elif _relieve(trees[t], busiest, recv, sent, where, t):
+                relieved = True
+                if trees[t].degree[busiest] > trees[t].floor(busiest):
+                    kept.append(t)
+        if not relieved:
             return
-        where[busiest] = [t for t in where[busiest]
-                          if trees[t].degree[busiest] > trees[t].floor(busiest)]
-        if not where[busiest]:
+        if kept:
+            where[busiest] = kept
+        else:
             del where[busiest]
 
 
@@ -287,13 +298,15 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
         if tree.degree[j] == tree.floor(j) + 1:
             where[j].append(t)
         return True
-    if tree.degree[b] < 2:
+    # a combiner c takes a child of b and one more (of b again, or of another node j),
+    # and becomes a child of the node the second came from: b has one child fewer
+    if tree.degree[b] < 2 and not any(d for i, d in tree.degree.items() if i != b):
         return False
     c = min((i for i in tree.members if i not in tree.taken and i not in tree.degree),
             key=lambda i: (recv[i], i), default=None)
     if c is None or recv[c] + 3 > recv[b]:
         return False
-    tree.degree[b] -= 1          # two children go to c, and c becomes one
+    tree.degree[b] -= 1
     tree.degree[c] = 2
     tree.combiners.add(c)
     recv[b] -= 1
