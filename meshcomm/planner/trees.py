@@ -2,22 +2,23 @@
 
 This module never communicates. Where the layout steps cannot reach the counting bound
 (`bounds._reduction`), one element at a time can: each element's g partial values combine
-along a tree of ranks, one holder of each partial (so every message but the deliveries
-removes one partial), rooted where possible at a rank that needs the element (its delivery
-is then its own combine). The trees are drawn greedily, element by element, so that the
-rank receiving the least so far takes the next message: the busiest rank receives close to
-`max(ceil(S / P), |need_r|)`. Idle replicas and ranks that need nothing take messages too.
+along a tree of ranks, one holder of each partial, rooted at a rank that needs the element
+(one holding a partial where there is one: its delivery is then its own combine). The
+trees are drawn greedily, element by element, so that the rank receiving the least so far
+takes the next message; a second pass moves messages off the busiest rank, to the least
+busy node of the same tree or to a *combiner* (a rank holding no partial of the element,
+which combines two values in scratch and sends one), while that lowers it.
 
 A tree step runs as rounds of one all_to_all each: in a round every rank receives at most
-one value per element it combines, and adds it to its own partial in place, so the result
-does not depend on the order messages arrive in; then one more round delivers each
-finished value from its root to the other ranks that need it. A rank sends a value after
-it has combined all of its children's.
+one value per element it combines, and adds it to the value it has, so the result does not
+depend on the order messages arrive in; a rank sends a value once it has all its
+children's. Then rounds deliver each finished value from its root to the other ranks that
+need it (a rank forwards what it received).
 
-Schedules are per element, so they apply to small tensors on small meshes only
-(`TREE_LIMIT`); on larger ones the layout steps plan alone. Cost: the busiest rank's
-received elements over all rounds (the rounds of a tree pipeline), plus one latency per
-round in a CostModel with latency.
+Schedules are per element, so they apply to small tensors only (`TREE_LIMIT`); on larger
+ones the layout steps plan alone. Cost: the busiest rank's received elements over all
+rounds (the rounds of a tree pipeline), plus one latency per round in a CostModel with
+latency.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Schedule:
     mesh position `src[i]` to `dst[i]` in round `round[i]`. Rounds before `merges` combine
     partials; the others deliver finished values. A value lives in a rank's input (a
     holder's partial), its output (a root that holds no partial combines there; delivered
-    values land there) or its scratch (an idle rank combining for others), as `REGIONS`
+    values land there) or its scratch (a combiner: a rank holding no partial of the
+    element that combines two or more values for others), as `REGIONS`
     number them. A root needing its element that holds a partial of it copies the value
     from its input into its output."""
 
@@ -79,7 +81,7 @@ class _Tree:
     degree: dict[int, int]
     combiners: set[int]      # ranks holding no partial that combine others' (in scratch)
     members: list[int]       # the ranks of its reduction (same coordinate on kept axes)
-    taken: set[int]          # ranks holding a partial of the element or needing it
+    taken: set[int]          # ranks holding a partial of the element (never combiners)
 
     def floor(self, i: int) -> int:
         """The fewest children node i may have: 2 for a combiner, 1 for the root."""
@@ -237,7 +239,7 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
             nodes[part[i]] = i
     assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
     tree = _Tree(root, e, [i for i in want if i != root], bool(both),
-                 dict.fromkeys(nodes.values(), 0), set(), members, holding | set(want))
+                 dict.fromkeys(nodes.values(), 0), set(), members, holding)
     tree.degree[root] = 1
     heap = [(recv[i], i) for i in tree.degree]
     heapq.heapify(heap)
