@@ -160,3 +160,14 @@ def test_trees_can_be_left_out_and_the_training_blocks_do() -> None:
     assert not _tree_steps(p) and [s.kind for s in p.steps] == ["reduce_scatter"]
     assert max(default.recv_bytes) < max(p.recv_bytes)
     assert hash(ONE_CALL_PER_STEP) != hash(mc.CostModel())
+
+
+def test_fully_shard_reduces_an_uneven_small_gradient_with_one_collective() -> None:
+    """A 10-element parameter on fsdp=4: the default planner resolves its gradient's pending
+    average with a tree, fully_shard's plan (ONE_CALL_PER_STEP) with one reduce_scatter,
+    which a bucket can share with the other parameters'."""
+    from meshcomm.nn.params import param_spec
+
+    spec = param_spec(mc.Mesh("fsdp=4"), "fsdp", "embed", (10,))
+    assert [s.kind for s in spec.reduce_plan().steps] == ["reduce_scatter"]
+    assert _tree_steps(mc.plan(spec.mesh, spec.shape, spec.grad, spec.stored))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -342,7 +342,27 @@ def _index(positions: list[int], device: torch.device) -> Tensor:
     return _to(torch.tensor(positions, dtype=torch.long), device)
 
 
-def tree_work(run: TreeRun, x: Tensor, out_shape: tuple[int, ...], op: str) -> Tensor:
+def run_tree(step: Step, mesh: Mesh, runs: Sequence[TreeRun], xs: Sequence[Tensor],
+             out_shapes: Sequence[tuple[int, ...]],
+             exchange: Callable[[int, list[Tensor]], Sequence[Tensor]]) -> list[Tensor]:
+    """A tree step on the ranks of `xs` (every rank for the simulator, one for
+    torch.distributed), their TreeRuns in `runs`: `exchange(r, buffers)` runs round r's
+    all_to_all on what each rank sends and gives back what each received."""
+    op = step.op or "sum"
+    g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
+                  if a not in step.after.partial_axes)
+    works = [_tree_work(run, x, out, op) for run, x, out in zip(runs, xs, out_shapes)]
+    for r in range(step.rounds):
+        if r == step.merge_rounds:
+            works = [_tree_finished(run, w, op, g) for run, w in zip(runs, works)]
+        got = exchange(r, [send_buffer(run.rounds[r], w) for run, w in zip(runs, works)])
+        works = [_tree_received(run, r, w, flat, op) for run, w, flat in zip(runs, works, got)]
+    if step.rounds == step.merge_rounds:
+        works = [_tree_finished(run, w, op, g) for run, w in zip(runs, works)]
+    return [_tree_output(w, x.numel(), out) for w, x, out in zip(works, xs, out_shapes)]
+
+
+def _tree_work(run: TreeRun, x: Tensor, out_shape: tuple[int, ...], op: str) -> Tensor:
     """A rank's work buffer: its input flattened, then its output and its scratch at the op's
     identity."""
     flat = x.reshape(-1)
@@ -350,7 +370,7 @@ def tree_work(run: TreeRun, x: Tensor, out_shape: tuple[int, ...], op: str) -> T
     return torch.cat([flat, identity_like(flat.new_empty(rest), op)])
 
 
-def tree_received(run: TreeRun, r: int, work: Tensor, flat: Tensor, op: str) -> Tensor:
+def _tree_received(run: TreeRun, r: int, work: Tensor, flat: Tensor, op: str) -> Tensor:
     """The work buffer after round `r`'s values arrived: combined into it (a merge round:
     each position receives at most one value per round), or written (a delivery)."""
     ex = run.rounds[r]
@@ -360,7 +380,7 @@ def tree_received(run: TreeRun, r: int, work: Tensor, flat: Tensor, op: str) -> 
                                                  else op))
 
 
-def tree_finished(run: TreeRun, work: Tensor, op: str, g: int) -> Tensor:
+def _tree_finished(run: TreeRun, work: Tensor, op: str, g: int) -> Tensor:
     """The work buffer once every partial is combined: an average divided by the g partials,
     and each root's values copied into its output."""
     if op == "avg":
@@ -368,6 +388,6 @@ def tree_finished(run: TreeRun, work: Tensor, op: str, g: int) -> Tensor:
     return work.index_put((run.keep_dst,), work[run.keep_src])
 
 
-def tree_output(work: Tensor, in_numel: int, out_shape: tuple[int, ...]) -> Tensor:
+def _tree_output(work: Tensor, in_numel: int, out_shape: tuple[int, ...]) -> Tensor:
     """A rank's output: its part of the work buffer, after the input."""
     return work[in_numel:in_numel + math.prod(out_shape)].reshape(out_shape).clone()

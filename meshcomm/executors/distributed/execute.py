@@ -34,12 +34,9 @@ from ..local import (
     exchange,
     local_move,
     received,
+    run_tree,
     send_buffer,
-    tree_finished,
-    tree_output,
-    tree_received,
     tree_run,
-    tree_work,
 )
 from ..steps import Wire
 from . import wire
@@ -286,28 +283,24 @@ def _send_recv(step: Step, x: Tensor, run: Run) -> Tensor:
 def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
     """A tree step: its rounds, each one all_to_all over the step's group, traced as one
     call with the rounds' bytes summed (the plan counts the step's bytes)."""
-    mesh, rank, op = run.bound.mesh, run.bound.rank, step.op or "sum"
-    g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
-                  if a not in step.after.partial_axes)
+    mesh, rank = run.bound.mesh, run.bound.rank
     out_shape = step.after.local_shape(mesh, run.shape, rank)
     tree = tree_run(step, rank, run.members(step), x.device)
-    work = tree_work(tree, x, out_shape, op)
-    sent = received = 0
-    for r, ex in enumerate(tree.rounds):
-        if r == step.merge_rounds:
-            work = tree_finished(tree, work, op, g)
-        rows = send_buffer(ex, work)
-        y, call = (wire.all_to_all(rows, run.group(step), wait=run.wait) if ex.even else
-                   wire.all_to_all(rows, run.group(step), ex.recv_splits, ex.send_splits,
+    moved = [0, 0]
+
+    def exchange(r: int, buffers: list[Tensor]) -> list[Tensor]:
+        ex = tree.rounds[r]
+        y, call = (wire.all_to_all(buffers[0], run.group(step), wait=run.wait) if ex.even else
+                   wire.all_to_all(buffers[0], run.group(step), ex.recv_splits, ex.send_splits,
                                    wait=run.wait))
-        sent, received = sent + call.sent, received + call.received
-        work = tree_received(tree, r, work, y, op)
-    if step.rounds == step.merge_rounds:
-        work = tree_finished(tree, work, op, g)
+        moved[0], moved[1] = moved[0] + call.sent, moved[1] + call.received
+        return [y]
+
+    [y] = run_tree(step, mesh, [tree], [x], [out_shape], exchange)
     if run.trace is not None:
-        run.trace.add(step.kind, step.axes, sent * x.element_size(),
-                      received * x.element_size())
-    return tree_output(work, x.numel(), out_shape)
+        run.trace.add(step.kind, step.axes, moved[0] * x.element_size(),
+                      moved[1] * x.element_size())
+    return y
 
 
 def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,

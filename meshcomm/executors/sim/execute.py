@@ -6,7 +6,6 @@ the reference the torch.distributed executor must match bit for bit.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,12 +21,9 @@ from ..local import (
     pack,
     rank_transfers,
     received,
+    run_tree,
     send_buffer,
-    tree_finished,
-    tree_output,
-    tree_received,
     tree_run,
-    tree_work,
     unpack,
 )
 from . import collectives as coll
@@ -181,25 +177,20 @@ def _send_recv(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...])
 
 def _tree(step: Step, mesh: Mesh, xs: list[Tensor], shape: tuple[int, ...]) -> SimResult:
     """A tree step: its rounds, each one all_to_all over the mesh (`executors.local`)."""
-    op = step.op or "sum"
-    g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
-                  if a not in step.after.partial_axes)
     outs = [step.after.local_shape(mesh, shape, r) for r in mesh.ranks]
     runs = [tree_run(step, r, mesh, x.device) for r, x in zip(mesh.ranks, xs)]
-    works = [tree_work(run, x, out, op) for run, x, out in zip(runs, xs, outs)]
     trace = SimResult.noop(xs)
     group = (tuple(range(mesh.size)),)
-    for r in range(step.rounds):
-        if r == step.merge_rounds:
-            works = [tree_finished(run, w, op, g) for run, w in zip(runs, works)]
-        res = coll.all_to_all([send_buffer(run.rounds[r], w) for run, w in zip(runs, works)],
-                              group, input_splits=[run.rounds[r].send_splits for run in runs])
+
+    def exchange(r: int, buffers: list[Tensor]) -> tuple[Tensor, ...]:
+        nonlocal trace
+        res = coll.all_to_all(buffers, group,
+                              input_splits=[run.rounds[r].send_splits for run in runs])
         trace = trace.then(res)
-        works = [tree_received(run, r, w, flat, op)
-                 for run, w, flat in zip(runs, works, res.outputs)]
-    if step.rounds == step.merge_rounds:
-        works = [tree_finished(run, w, op, g) for run, w in zip(runs, works)]
-    return _with(trace, [tree_output(w, x.numel(), out) for w, x, out in zip(works, xs, outs)])
+        return res.outputs
+
+    outputs = run_tree(step, mesh, runs, xs, outs, exchange)
+    return _with(trace, outputs)
 
 
 def _with(res: SimResult, outputs: list[Tensor]) -> SimResult:
