@@ -171,3 +171,33 @@ def test_fully_shard_reduces_an_uneven_small_gradient_with_one_collective() -> N
     spec = param_spec(mc.Mesh("fsdp=4"), "fsdp", "embed", (10,))
     assert [s.kind for s in spec.reduce_plan().steps] == ["reduce_scatter"]
     assert _tree_steps(mc.plan(spec.mesh, spec.shape, spec.grad, spec.stored))
+
+
+def test_equal_steps_on_different_shapes_do_not_share_cached_index_tensors() -> None:
+    """(2, 4) float32 and (2, 8) float16 give steps that compare equal (same layouts, same
+    byte counts), but their blocks differ: the executors' caches are keyed on what the blocks
+    are computed from (a review found the second plan reusing the first one's)."""
+    mesh = mc.Mesh("tp=4")
+    plans = [mc.plan(mesh, shape, "a b | sum(tp)", "(tp a) b", dtype=dtype)
+             for shape, dtype in (((2, 4), torch.float32), ((2, 8), torch.float16))]
+    assert plans[0].steps[0] == plans[1].steps[0] and _tree_steps(plans[0])
+    for p in plans:
+        x = torch.arange(1, 1 + p.shape[0] * p.shape[1]).reshape(p.shape).to(p.dtype)
+        res = mc.sim.execute(p, mc.sim.scatter(x, mesh, p.src))
+        for got, want in zip(res.outputs, mc.sim.scatter(x, mesh, p.dst)):
+            assert torch.equal(got, want)
+
+
+def test_a_complex_average_divides_part_by_part_as_the_collectives_do() -> None:
+    """A complex avg over 3 partials: the tree divides real and imaginary parts apart, as
+    `op_reduce` does, so it matches a collectives-only plan bit for bit (a review found
+    torch's complex division off by one ulp)."""
+    mesh, dt = mc.Mesh("dp=2 tp=3"), torch.complex64
+    p = mc.plan(mesh, (1,), "i | avg(tp)", "(dp tp i)", dtype=dt)
+    q = mc.plan(mesh, (1,), "i | avg(tp)", "(dp tp i)", dtype=dt,
+                cost_model=mc.CostModel(trees=False))
+    assert _tree_steps(p) and not _tree_steps(q)
+    parts = [complex(-10, 3), complex(-8, -4), complex(-7, -6)]
+    xs = [torch.tensor([parts[mesh.coords(r)["tp"]]], dtype=dt) for r in mesh.ranks]
+    for a, b in zip(mc.sim.execute(p, xs).outputs, mc.sim.execute(q, xs).outputs):
+        assert torch.equal(a, b)

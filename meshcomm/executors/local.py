@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
-from ..core.reduce_ops import identity_like, op_reduce
+from ..core.reduce_ops import divide, identity_like, op_reduce
 from ..core.untraced import tracing, untraced
 from ..planner.values import Step, Transfer
 
@@ -204,7 +204,7 @@ def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[in
     worked out outside the mode, like `rank_transfers`, and the index tensors made in it: a
     cached tensor would not be one of the trace's fake tensors."""
     if not tracing() and not torch.compiler.is_compiling():
-        return _exchange(step, rank, order, mesh, in_shape, out_shape, device)
+        return _exchange(step, blocks_key(step), rank, order, mesh, in_shape, out_shape, device)
     host, send, recv = untraced(_host_exchange, step, rank, order, mesh, in_shape, out_shape)
     return host._replace(
         send=None if send is None else torch.tensor(send, dtype=torch.long, device=device),
@@ -214,13 +214,24 @@ def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[in
 def _host_exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
                    out_shape: tuple[int, ...]) -> tuple[Exchange, list[int] | None, list[int]]:
     """The Exchange on the host, and its positions as lists."""
-    host = _exchange(step, rank, order, mesh, in_shape, out_shape, torch.device("cpu"))
+    host = _exchange(step, blocks_key(step), rank, order, mesh, in_shape, out_shape,
+                     torch.device("cpu"))
     return host, None if host.send is None else host.send.tolist(), host.recv.tolist()
 
 
+def blocks_key(step: Step) -> object:
+    """What a step's per-rank blocks are computed from (the arguments of `step.blocks_of`:
+    layouts or states, with the global shape), for caches keyed on the step: two steps on
+    different global shapes may compare equal (equal layouts and byte counts) while their
+    blocks differ."""
+    found = step.blocks_of
+    return found.args if isinstance(found, functools.partial) else None
+
+
 @functools.lru_cache(maxsize=4096)
-def _exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
-              out_shape: tuple[int, ...], device: torch.device) -> Exchange:
+def _exchange(step: Step, key: object, rank: int, order: Order, mesh: Mesh,
+              in_shape: tuple[int, ...], out_shape: tuple[int, ...],
+              device: torch.device) -> Exchange:
     transfers = step.rank_transfers(rank)
     where = _positions(order)
     resolve = [a for a in step.before.partial_axes if a not in step.after.partial_axes]
@@ -296,8 +307,8 @@ def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeR
     """`rank`'s TreeRun for `step` (positions over `order`), built once per step, rank and
     device (cached), or made in the trace while torch.compile traces (like `exchange`)."""
     if not tracing() and not torch.compiler.is_compiling():
-        return _tree_run(step, rank, order, device)
-    host = untraced(_tree_run, step, rank, order, torch.device("cpu"))
+        return _tree_run(step, blocks_key(step), rank, order, device)
+    host = untraced(_tree_run, step, blocks_key(step), rank, order, torch.device("cpu"))
     sends = untraced(lambda: [None if ex.send is None else ex.send.tolist() for ex in host.rounds])
     lists = untraced(lambda: [ex.recv.tolist() for ex in host.rounds]
                      + [host.keep_src.tolist(), host.keep_dst.tolist()])
@@ -311,7 +322,8 @@ def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeR
 
 
 @functools.lru_cache(maxsize=4096)
-def _tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeRun:
+def _tree_run(step: Step, key: object, rank: int, order: Order,
+              device: torch.device) -> TreeRun:
     transfers = step.rank_transfers(rank)
     where = _positions(order)
     rounds = []
@@ -384,7 +396,7 @@ def _tree_finished(run: TreeRun, work: Tensor, op: str, g: int) -> Tensor:
     """The work buffer once every partial is combined: an average divided by the g partials,
     and each root's values copied into its output."""
     if op == "avg":
-        work = work / g
+        work = divide(work, g)
     return work.index_put((run.keep_dst,), work[run.keep_src])
 
 
