@@ -19,6 +19,7 @@ from ..core.layout import chunk_range
 from ..core.mesh import Mesh
 from ..core.reduce_ops import divide, identity_like, op_reduce
 from ..core.untraced import tracing, untraced
+from ..planner.blocks import block_flat
 from ..planner.values import Step, Transfer
 
 Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)
@@ -240,13 +241,13 @@ def _exchange(step: Step, key: object, rank: int, order: Order, mesh: Mesh,
     send_splits, recv_splits = [0] * len(where), [0] * len(where)
     sent, got = [], []
     for t in sorted((t for t in transfers if t.src == rank), key=lambda t: where[t.dst]):
-        sent.append(_flat(t.src_index, in_shape))
+        sent.append(block_flat(t.src_index, in_shape))
         send_splits[where[t.dst]] += t.numel
     for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: where[t.src]):
         slot = 0
         for a, n in zip(resolve, sizes):
             slot = slot * n + mesh.coords(t.src)[a]
-        got.append(_flat(t.dst_index, out_shape) + slot * numel)
+        got.append(block_flat(t.dst_index, out_shape) + slot * numel)
         recv_splits[where[t.src]] += t.numel
     slots = math.prod(sizes)
     recv = torch.cat(got) if got else torch.zeros(0, dtype=torch.long)
@@ -255,17 +256,6 @@ def _exchange(step: Step, key: object, rank: int, order: Order, mesh: Mesh,
     even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1
     return Exchange(_to(torch.cat(sent), device) if sent else None, send_splits, recv_splits,
                     _to(recv, device), slots, even)
-
-
-def _flat(index: Index, shape: tuple[int, ...]) -> Tensor:
-    """Flat positions (C order) of the cartesian block `index` of a tensor of `shape`; the
-    whole tensor when `index` is empty."""
-    if not index:
-        return torch.arange(math.prod(shape), dtype=torch.long)
-    flat = torch.zeros((), dtype=torch.long)
-    for ix, size in zip(index, shape):
-        flat = flat.unsqueeze(-1) * size + positions(ix)
-    return flat.reshape(-1)
 
 
 def _to(index: Tensor, device: torch.device) -> Tensor:

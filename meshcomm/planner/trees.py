@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.mesh import AxisName, Mesh
-from .blocks import in_mesh_order
+from .blocks import block_flat, in_mesh_order, own_and_need
 from .bounds import state_bound
 from .moves import Move, block_indices
 from .states import State
@@ -40,6 +40,8 @@ from .transfers import resolved_axes
 from .values import Transfer
 
 TREE_LIMIT = 1 << 16   # elements x ranks above which no tree is drawn (planning time)
+TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
+                       # over the step's group, whose host cost grows with its size
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +104,11 @@ def tree_axes(state: State, goal: State, mesh: Mesh) -> tuple[AxisName, ...]:
 
 def applies(state: State, goal: State, mesh: Mesh) -> bool:
     """Whether a tree step may go from `state` to `goal`: it resolves pending axes of more
-    than one rank, keeps the others, adds none, and the tensor is small enough."""
+    than one rank, keeps the others, adds none, and the tensor and mesh are small enough."""
     resolve = resolved_axes(state, goal)
     if not resolve or math.prod(mesh.axis_size(a) for a in resolve) == 1:
+        return False
+    if mesh.size > TREE_RANKS:
         return False
     numel = math.prod(d.size for d in state.dims)
     return 0 < numel and numel * mesh.size <= TREE_LIMIT
@@ -115,9 +119,13 @@ def tree_estimate(state: State, goal: State, mesh: Mesh) -> Move | None:
     search draws its schedule (`tree_move`) only when the step may be on the best path."""
     if not applies(state, goal, mesh):
         return None
-    bound = state_bound(state, goal, mesh)
+    # every rank receives at least one message per element it needs (a delivery, or as
+    # a root its last combine), and the busiest at least the bound: a lower bound of the
+    # step's time, received bytes and every rank's peak
+    _, need = own_and_need(state, goal, mesh)
     return Move("send_recv", tree_axes(state, goal, mesh), goal, action="tree", op=state.op,
-                indexed=True, estimate=True, send=bound, recv=bound)
+                indexed=True, estimate=True, send=state_bound(state, goal, mesh),
+                recv=tuple(need.tolist()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -135,13 +143,6 @@ def tree_move(state: State, goal: State, mesh: Mesh) -> Move | None:
                 merge_rounds=s.merges)
 
 
-def _global_flat(index: tuple[tuple[int, ...], ...], shape: tuple[int, ...]) -> torch.Tensor:
-    flat = torch.zeros((), dtype=torch.long)
-    for ix, size in zip(index, shape):
-        flat = flat.unsqueeze(-1) * size + torch.tensor(ix, dtype=torch.long)
-    return flat.reshape(-1)
-
-
 def _members(state: State, mesh: Mesh) -> list[list[int]]:
     """Per element (global flat), the mesh positions holding it in `state`, ascending. Ranks
     that agree on the axes sharding `state` hold the same block: each block is listed once."""
@@ -153,7 +154,7 @@ def _members(state: State, mesh: Mesh) -> list[list[int]]:
         c = mesh.coords(r)
         key = tuple(c[a] for a in sharding)
         if key not in blocks:
-            blocks[key] = _global_flat(block_indices(state, mesh, r), shape)
+            blocks[key] = block_flat(block_indices(state, mesh, r), shape)
         mask[blocks[key], i] = True
     cols = mask.nonzero()[:, 1].tolist()
     out, at = [], 0
@@ -256,11 +257,10 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
 def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
     """Lower the busiest rank while it can be: move a child of it to the least busy node of
     the same tree, or, failing that, hand one of its children and one more (its own or
-    another node's) to an idle rank of the reduction (holding and needing nothing of the
-    element), which combines them and sends one value where the second came from (a
-    message more in all, one fewer at the busiest rank). The greedy pass
-    placed elements one at a time, before it knew the later ones. Edits the trees, `recv`
-    and `sent` in place."""
+    another node's) to a combiner: a rank of the reduction holding no partial of the
+    element, which combines the two and sends one value on (a message more in all, one
+    fewer at the busiest rank). The greedy pass placed elements one at a time, before it
+    knew the later ones. Edits the trees, `recv` and `sent` in place."""
     where: dict[int, list[int]] = defaultdict(list)   # rank -> trees it has spare children in
     for t, tree in enumerate(trees):
         for i, d in tree.degree.items():
@@ -300,10 +300,9 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
         if tree.degree[j] == tree.floor(j) + 1:
             where[j].append(t)
         return True
-    # a combiner c takes a child of b and one more (of b again, or of another node j),
-    # and becomes a child of the node the second came from: b has one child fewer
-    if tree.degree[b] < 2 and not any(d for i, d in tree.degree.items() if i != b):
-        return False
+    # a combiner c takes two children (two of b's, or one of b's and one of another node's)
+    # and is a child itself: b has one child fewer, c two (`_tree` lays the tree out again
+    # from the degrees)
     c = min((i for i in tree.members if i not in tree.taken and i not in tree.degree),
             key=lambda i: (recv[i], i), default=None)
     if c is None or recv[c] + 3 > recv[b]:
@@ -363,12 +362,13 @@ def _tree(root: int, degree: dict[int, int], e: int) -> list[tuple[int, int, int
 def tree_transfers(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[Transfer, ...]:
     """The transfers `rank` sends or receives in the tree step, one per round and peer.
 
-    Positions are flat, in a rank's work buffer: its input tensor (where partials combine),
-    then its output tensor (where finished values land). A combine (round < the step's
-    first delivery round) reads the sender's input and adds into the receiver's; a delivery
-    reads the sender's input (its root) or output (a forward) and writes the receiver's
-    output. A root that needs its element copies it (src == dst, in the first delivery
-    round)."""
+    Positions are flat, in a rank's work buffer: its input tensor, its output tensor, then
+    its scratch (`Schedule.scratch`). A value is read where the sender has it and combined
+    (round < `Schedule.merges`) or written (a delivery) where the receiver keeps it: a
+    holder's partial in its input, a root holding no partial in its output, a combiner's in
+    its scratch; deliveries land in outputs and forwards read them there. A root holding a
+    partial of an element it needs copies it from its input to its output (src == dst, in
+    the first delivery round)."""
     s = schedule(state, goal, mesh)
     me = mesh.ranks.index(rank)
     groups: dict[tuple[int, int, int], list[tuple[int, int, int]]] = defaultdict(list)
@@ -404,5 +404,5 @@ def _work(state: State, goal: State, mesh: Mesh, rank: int,
 def _local_positions(state: State, rank: int, shape: tuple[int, ...], mesh: Mesh,
                      offset: int = 0) -> dict[int, int]:
     """Global flat element -> `offset` + flat position in `rank`'s local tensor of `state`."""
-    flat = _global_flat(block_indices(state, mesh, rank), shape)
+    flat = block_flat(block_indices(state, mesh, rank), shape)
     return {e: offset + i for i, e in enumerate(flat.tolist())}
