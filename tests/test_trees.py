@@ -206,3 +206,21 @@ def test_a_complex_average_divides_part_by_part_as_the_collectives_do() -> None:
     xs = [torch.tensor([parts[mesh.coords(r)["tp"]]], dtype=dt) for r in mesh.ranks]
     for a, b in zip(mc.sim.execute(p, xs).outputs, mc.sim.execute(q, xs).outputs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec, shape, src, dst", [
+    ("dp=2 tp=4", (5, 3), "i (dp j) | sum(tp)", "i j"),
+    ("a=2 b=2 c=2", (5, 5), "i (b c j) | avg(a)", "(b i) (c j)"),
+    ("dp=8 tp=8", (6, 8, 12), "i j (tp k) | max(dp)", "(dp tp i) j k"),
+])
+def test_trees_with_combiners_are_exact(spec: str, shape: tuple[int, ...], src: str,
+                                        dst: str) -> None:
+    """Cases whose trees use combiners (scratch slots), the first two also run on gloo
+    (tests/dist/test_reshard.py NAMED)."""
+    mesh = mc.Mesh(spec)
+    p = mc.plan(mesh, shape, src, dst)
+    [step] = _tree_steps(p)
+    s = trees.schedule(from_layout(step.before, mesh, shape), from_layout(step.after, mesh, shape),
+                       mesh)
+    assert any(s.scratch)
+    _check_exact(p, _data(shape))
