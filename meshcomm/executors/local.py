@@ -17,9 +17,9 @@ from torch import Tensor
 
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
+from ..core.positions import block_flat
 from ..core.reduce_ops import divide, identity_like, op_reduce
 from ..core.untraced import tracing, untraced
-from ..planner.blocks import block_flat
 from ..planner.values import Step, Transfer
 
 Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)

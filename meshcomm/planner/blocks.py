@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -406,21 +406,4 @@ def flat_index(coords: torch.Tensor, mesh: Mesh, axes: tuple[AxisName, ...]) -> 
     for a in axes:
         out = out * mesh.axis_size(a) + coords[:, mesh.axis_names.index(a)]
     return out
-
-
-def block_flat(index: Sequence[Sequence[int]], shape: Sequence[int]) -> torch.Tensor:
-    """Flat positions (C order) of the cartesian block `index` (per dim, the positions) of a
-    tensor of `shape`; the whole tensor when `index` is empty.
-
-    >>> block_flat(((1,), range(0, 2)), (2, 3)).tolist()
-    [3, 4]
-    """
-    if not index:
-        return torch.arange(math.prod(shape), dtype=torch.long)
-    flat = torch.zeros((), dtype=torch.long)
-    for ix, size in zip(index, shape):
-        at = (torch.arange(ix.start, ix.stop, ix.step, dtype=torch.long) if isinstance(ix, range)
-              else torch.tensor(list(ix), dtype=torch.long))
-        flat = flat.unsqueeze(-1) * size + at
-    return flat.reshape(-1)
 

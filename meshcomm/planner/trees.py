@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from ..core.mesh import AxisName, Mesh
-from .blocks import block_flat, in_mesh_order, own_and_need
+from ..core.positions import block_flat
+from .blocks import in_mesh_order, own_and_need
 from .bounds import state_bound
 from .moves import Move, block_indices
 from .states import State
