@@ -238,22 +238,42 @@ def _exchange(step: Step, key: object, rank: int, order: Order, mesh: Mesh,
     resolve = [a for a in step.before.partial_axes if a not in step.after.partial_axes]
     sizes = [mesh.axis_size(a) for a in resolve]
     numel = math.prod(out_shape)
-    send_splits, recv_splits = [0] * len(where), [0] * len(where)
-    sent, got = [], []
-    for t in sorted((t for t in transfers if t.src == rank), key=lambda t: where[t.dst]):
-        sent.append(block_flat(t.src_index, in_shape))
-        send_splits[where[t.dst]] += t.numel
-    for t in sorted((t for t in transfers if t.dst == rank), key=lambda t: where[t.src]):
-        slot = 0
+
+    def slot(src: int) -> int:     # which of the g partials a sender's block is
+        out = 0
         for a, n in zip(resolve, sizes):
-            slot = slot * n + mesh.coords(t.src)[a]
-        got.append(block_flat(t.dst_index, out_shape) + slot * numel)
-        recv_splits[where[t.src]] += t.numel
+            out = out * n + mesh.coords(src)[a]
+        return out
+
+    sent, send_splits = _by_peer((t for t in transfers if t.src == rank), where, sending=True,
+                                 place=lambda t: block_flat(t.src_index, in_shape))
+    got, recv_splits = _by_peer((t for t in transfers if t.dst == rank), where, sending=False,
+                                place=lambda t: block_flat(t.dst_index, out_shape)
+                                + slot(t.src) * numel)
     slots = math.prod(sizes)
-    recv = torch.cat(got) if got else torch.zeros(0, dtype=torch.long)
-    assert len(recv) == slots * numel, f"{step}: rank {rank} receives {len(recv)} of" \
+    ex = _made(sent, send_splits, got, recv_splits, slots, device)
+    assert len(ex.recv) == slots * numel, f"{step}: rank {rank} receives {len(ex.recv)} of" \
         f" {slots} x {numel} elements"
+    return ex
+
+
+def _by_peer(transfers: Iterable[Transfer], where: dict[int, int], sending: bool,
+             place: Callable[[Transfer], Tensor]) -> tuple[list[Tensor], list[int]]:
+    """The positions (`place`) of the transfers a rank sends (or receives), in the order of
+    the peer's group position, and the elements per peer."""
+    splits = [0] * len(where)
+    parts = []
+    for t in sorted(transfers, key=lambda t: where[t.dst if sending else t.src]):
+        parts.append(place(t))
+        splits[where[t.dst if sending else t.src]] += t.numel
+    return parts, splits
+
+
+def _made(sent: list[Tensor], send_splits: list[int], got: list[Tensor],
+          recv_splits: list[int], slots: int, device: torch.device) -> Exchange:
+    """An Exchange from the positions `_by_peer` gives, on `device`."""
     even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1
+    recv = torch.cat(got) if got else torch.zeros(0, dtype=torch.long)
     return Exchange(_to(torch.cat(sent), device) if sent else None, send_splits, recv_splits,
                     _to(recv, device), slots, even)
 
@@ -298,10 +318,7 @@ def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeR
     device (cached), or made in the trace while torch.compile traces (like `exchange`)."""
     if not tracing() and not torch.compiler.is_compiling():
         return _tree_run(step, blocks_key(step), rank, order, device)
-    host = untraced(_tree_run, step, blocks_key(step), rank, order, torch.device("cpu"))
-    sends = untraced(lambda: [None if ex.send is None else ex.send.tolist() for ex in host.rounds])
-    lists = untraced(lambda: [ex.recv.tolist() for ex in host.rounds]
-                     + [host.keep_src.tolist(), host.keep_dst.tolist()])
+    host, sends, lists = untraced(_host_tree_run, step, rank, order)
 
     def made(ix: list[int]) -> Tensor:
         return torch.tensor(ix, dtype=torch.long, device=device)
@@ -311,28 +328,39 @@ def tree_run(step: Step, rank: int, order: Order, device: torch.device) -> TreeR
     return TreeRun(rounds, host.merges, made(lists[-2]), made(lists[-1]), host.size)
 
 
+def _host_tree_run(step: Step, rank: int, order: Order
+                   ) -> tuple[TreeRun, list[list[int] | None], list[list[int]]]:
+    """The TreeRun on the host, and its positions as lists: each round's sent (None: none)
+    and received ones, then the root's copies from and to."""
+    host = _tree_run(step, blocks_key(step), rank, order, torch.device("cpu"))
+    sends = [None if ex.send is None else ex.send.tolist() for ex in host.rounds]
+    return host, sends, [ex.recv.tolist() for ex in host.rounds] + [
+        host.keep_src.tolist(), host.keep_dst.tolist()]
+
+
 @functools.lru_cache(maxsize=4096)
 def _tree_run(step: Step, key: object, rank: int, order: Order,
               device: torch.device) -> TreeRun:
     transfers = step.rank_transfers(rank)
     where = _positions(order)
+    by_round: list[list[Transfer]] = [[] for _ in range(step.rounds)]
+    keep = []
+    for t in transfers:
+        if t.src == t.dst:
+            keep.append(t)
+        else:
+            by_round[t.round].append(t)
+
+    def flat(ix: Sequence[int]) -> Tensor:
+        return torch.tensor(list(ix), dtype=torch.long)
+
     rounds = []
-    for r in range(step.rounds):
-        send_splits, recv_splits = [0] * len(where), [0] * len(where)
-        sent: list[int] = []
-        got: list[int] = []
-        for t in sorted((t for t in transfers if t.round == r and t.src == rank != t.dst),
-                        key=lambda t: where[t.dst]):
-            sent += t.src_index[0]
-            send_splits[where[t.dst]] += t.numel
-        for t in sorted((t for t in transfers if t.round == r and t.dst == rank != t.src),
-                        key=lambda t: where[t.src]):
-            got += t.dst_index[0]
-            recv_splits[where[t.src]] += t.numel
-        even = len(set(send_splits)) == 1 and len(set(recv_splits)) == 1
-        rounds.append(Exchange(_index(sent, device) if sent else None, send_splits,
-                               recv_splits, _index(got, device), 1, even))
-    keep = [t for t in transfers if t.src == t.dst == rank]
+    for ts in by_round:
+        sent, send_splits = _by_peer((t for t in ts if t.src == rank), where, sending=True,
+                                     place=lambda t: flat(t.src_index[0]))
+        got, recv_splits = _by_peer((t for t in ts if t.dst == rank), where, sending=False,
+                                    place=lambda t: flat(t.dst_index[0]))
+        rounds.append(_made(sent, send_splits, got, recv_splits, 1, device))
     size = 1 + max([p for t in transfers if t.src == rank for p in t.src_index[0]]
                    + [p for t in transfers if t.dst == rank for p in t.dst_index[0]], default=-1)
     return TreeRun(tuple(rounds), step.merge_rounds,

@@ -33,7 +33,7 @@ import torch
 
 from ..core.mesh import AxisName, Mesh
 from ..core.positions import block_flat
-from .blocks import in_mesh_order, own_and_need
+from .blocks import coords_table, flat_index, in_mesh_order, own_and_need
 from .bounds import state_bound
 from .moves import Move, block_indices
 from .states import State
@@ -165,25 +165,14 @@ def _members(state: State, mesh: Mesh) -> list[list[int]]:
     return out
 
 
-def _coordinate(mesh: Mesh, axes: list[AxisName]) -> list[int]:
-    """Per mesh position, its coordinate on `axes` as one number."""
-    out = []
-    for r in mesh.ranks:
-        c = mesh.coords(r)
-        v = 0
-        for a in axes:
-            v = v * mesh.axis_size(a) + c[a]
-        out.append(v)
-    return out
-
-
 @functools.lru_cache(maxsize=64)
 def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     """The messages of the tree step from `state` to `goal` (`applies` must hold)."""
     resolve = list(resolved_axes(state, goal) or ())
     g = math.prod(mesh.axis_size(a) for a in resolve)
-    part = _coordinate(mesh, resolve)                 # which partial a position holds
-    kept = _coordinate(mesh, list(goal.partial))      # which reduction it takes part in
+    coords = coords_table(mesh)
+    part = flat_index(coords, mesh, tuple(resolve)).tolist()   # which partial a rank holds
+    kept = flat_index(coords, mesh, goal.partial).tolist()     # which reduction it is in
     by_kept: dict[int, list[int]] = defaultdict(list)
     for i, k in enumerate(kept):
         by_kept[k].append(i)
