@@ -9,6 +9,8 @@ Run on a GPU machine with `python -m pytest tests/test_cuda.py -rA`. What runs:
   a `parallelize` + `vocab_parallel_cross_entropy` step, each repeated under
   `torch.cuda.set_sync_debug_mode("error")`, which raises at any host sync (`.item()`,
   `.tolist()`, a blocking copy between host and GPU): a step must launch its work and return;
+  then rank 3 of a 64-rank job runs reduction trees (`send_recv` steps of action "tree",
+  planned only on meshes of up to 256 ranks) the same way;
 - a one-GPU NCCL job (world size 1): collectives over the NCCL group, `fully_shard` training
   equal to the same model in one process (float32, then bf16 mixed precision within bf16's
   rounding), `parallelize`, and a checkpoint saved and loaded on the GPU.
@@ -66,6 +68,15 @@ SCALE_CASES = [((2048, 64), "(dp a) (tp b)", "a b"),
                ((2047, 64), "(dp tp a) b", "(tp dp a) b"),
                ((2048, 64), "a b", "(dp a) b | sum(tp)"),
                ((2048, 64), "(dp a) b | max(tp)", "a (dp b)")]
+
+
+# Trees whose rank 3 sends something in every round: torch's fake process group fills an
+# all_to_all's output from the rank's own input and raises where that input is empty (a real
+# group takes an empty send; the gloo tests run such rounds).
+TREE_MESH = "dp=8 tp=8"
+TREE_CASES = [((24, 5), "(dp a) b | sum(tp)", "(tp a) (dp b)"),
+              ((24, 5), "(dp a) b | avg(tp)", "(tp a) (dp b)"),
+              ((48, 3), "a b | sum(tp)", "(tp dp a) b")]
 
 
 def no_sync(where: str, step: Any, problems: list[str]) -> None:
@@ -139,6 +150,22 @@ def fake_rank_worker(device: str = "cuda") -> dict[str, Any]:
         mc.nn.vocab_parallel_cross_entropy(local, target, bound, "tp",
                                            vocab_size=512).backward()
     no_sync("parallelize + vocab_parallel_cross_entropy step", tp_step, problems)
+    dist.destroy_process_group()
+
+    # reduction trees run only on meshes of up to 256 ranks: rank 3 of 64
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=64)
+    small = mc.init_mesh(TREE_MESH, backend="fake")
+    for shape, src, dst in TREE_CASES:
+        if [s.action for s in mc.plan(small.mesh, shape, src, dst).steps] != ["tree"]:
+            problems.append(f"{src} -> {dst} on {TREE_MESH} is no longer one tree step")
+        x = torch.randn(mc.Layout(src).local_shape(small.mesh, shape, 3), device=device)
+        want = mc.Layout(dst).local_shape(small.mesh, shape, 3)
+        got: list[torch.Tensor] = []
+        no_sync(f'tree {shape} "{src}" -> "{dst}"',
+                lambda x=x, shape=shape, src=src, dst=dst: got.append(
+                    mc.reshard(x, small, src, dst, shape=shape)), problems)
+        if got and (got[-1].device.type != device or tuple(got[-1].shape) != want):
+            problems.append(f"{src} -> {dst}: {got[-1].device} {tuple(got[-1].shape)}")
     dist.destroy_process_group()
     return {"problems": problems}
 
