@@ -190,16 +190,23 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         for k, want in wanting.items():
             held = [i for i in holders[e] if kept[i] == k]
             trees.append(_draw(e, want, held, by_kept[k], part, g, recv, sent))
+    _augment(trees, recv)
     _rebalance(trees, recv, sent)
-    merges: list[Row] = []
-    for tree in trees:
-        merges += [(t, a, b, tree.elem, tree.region(a), tree.region(b))
-                   for t, a, b, _ in _tree(tree.root, tree.degree, tree.elem)]
-    first = 1 + max((m[0] for m in merges), default=-1)
-    rows = list(merges)
-    for tree in trees:       # each finished value reaches its needers
-        rows += _deliveries(tree.root, tree.want, tree.elem, first, sent,
-                            tree.region(tree.root))
+    _augment(trees, recv)
+    rows: list[Row] = []
+    owner: list[int] = []    # the tree of each row
+    for k, tree in enumerate(trees):
+        made = _tree(tree.root, tree.degree, tree.elem)
+        rows += [(t, a, b, tree.elem, tree.region(a), tree.region(b)) for t, a, b, _ in made]
+        owner += [k] * len(made)
+    merged = len(rows)
+    first = 1 + max((m[0] for m in rows), default=-1)
+    for k, tree in enumerate(trees):       # each finished value reaches its needers
+        made = _deliveries(tree.root, tree.want, tree.elem, first, sent,
+                           tree.region(tree.root))
+        rows += made
+        owner += [k] * len(made)
+    _augment_sends(rows, owner, merged, trees, part, first, sent)
     rounds = max(first, 1 + max(r[0] for r in rows))
     round_, src, dst, elem, src_region, dst_region = (
         (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
@@ -221,7 +228,7 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
     both = [i for i in want if i in holding]
     # the root: a rank needing the element (its first message replaces its delivery), one
     # holding a partial if any; one that holds none combines in its output
-    root = min(both or want, key=lambda i: (recv[i], sent[i], i))
+    root = min(both or want, key=lambda i: (sent[i], recv[i], i))
     nodes: dict[int, int] = {part[root]: root} if both else {}
     for i in held:    # one holder of each partial: the least busy (received, then sent)
         j = nodes.get(part[i])
@@ -241,6 +248,8 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
         heapq.heappush(heap, (recv[i], i))
     for i in tree.degree:
         sent[i] += i != root
+    if tree.want:     # the root sends the first delivery (`_deliveries` takes it from here)
+        sent[root] += 1
     return tree
 
 
@@ -306,14 +315,150 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
     return True
 
 
+def _augment(trees: list[_Tree], recv: list[int]) -> None:
+    """Lower the busiest rank along chains of moves: a message moves off it to another node
+    of one of its trees, which hands one of its own messages (in another tree) on, and so
+    on, until a rank at least two below the busiest takes one. Each rank on the chain but
+    its ends keeps its load. This finds what one move (`_relieve`) cannot: with the trees'
+    nodes fixed, the loads it stops at have the least possible maximum (an augmenting path
+    argument, as in a max-flow). Edits the trees and `recv` in place."""
+    spare: dict[int, set[int]] = defaultdict(set)   # rank -> trees it has a spare child in
+    for t, tree in enumerate(trees):
+        for i, d in tree.degree.items():
+            if d > tree.floor(i):
+                spare[i].add(t)
+    stuck: set[int] = set()
+    while True:
+        top = max(recv)
+        busiest = [i for i, r in enumerate(recv) if r == top and i not in stuck]
+        if not busiest:
+            return
+        b = busiest[0]
+        came: dict[int, tuple[int, int]] = {}
+        seen_trees: set[int] = set()
+        frontier, end = [b], -1
+        while frontier and end < 0:
+            nxt = []
+            for i in frontier:
+                for t in spare[i]:
+                    if t in seen_trees:
+                        continue
+                    seen_trees.add(t)
+                    for j in trees[t].degree:
+                        if j == b or j in came:
+                            continue
+                        came[j] = (i, t)
+                        if recv[j] + 2 <= top:
+                            end = j
+                            break
+                        nxt.append(j)
+                    if end >= 0:
+                        break
+                if end >= 0:
+                    break
+            frontier = nxt
+        if end < 0:
+            return          # the busiest rank cannot be lowered: neither can the maximum
+        j = end
+        while j != b:
+            i, t = came[j]
+            tree = trees[t]
+            tree.degree[i] -= 1
+            tree.degree[j] += 1
+            if tree.degree[i] <= tree.floor(i):
+                spare[i].discard(t)
+            if tree.degree[j] > tree.floor(j):
+                spare[j].add(t)
+            j = i
+        recv[b] -= 1
+        recv[end] += 1
+
+
+def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_Tree],
+                   part: list[int], first: int, sent: list[int]) -> None:
+    """Lower the busiest sender along chains of moves, as `_augment` does for receivers,
+    with what can change sender without changing who receives what when: a delivery may
+    come from any rank holding the finished value before its round (the root from round
+    `first`, a needer once it received it), and a leaf of a tree (rows before `merged`:
+    a node with no children, which sends its partial on) may be another rank holding the
+    same partial (`part`). Edits `rows` and `sent` in place."""
+    ready: list[dict[int, int]] = [{tree.root: first} for tree in trees]
+    nodes: list[set[int]] = [set(tree.degree) | tree.combiners for tree in trees]
+    parents: list[set[int]] = [set() for _ in trees]
+    for k, (t, _src, dst, *_rest) in enumerate(rows):
+        if k < merged:
+            parents[owner[k]].add(dst)
+        else:
+            ready[owner[k]][dst] = t + 1
+    by_sender: dict[int, set[int]] = defaultdict(set)
+    for k, row in enumerate(rows):
+        if k >= merged or (row[1] not in parents[owner[k]]
+                           and row[1] not in trees[owner[k]].combiners):
+            by_sender[row[1]].add(k)
+
+    def others(k: int) -> list[int]:
+        t, src, dst = rows[k][:3]
+        tree = trees[owner[k]]
+        if k < merged:
+            return [c for c in tree.taken if part[c] == part[src] and c not in nodes[owner[k]]]
+        return [c for c, at in ready[owner[k]].items() if at <= t and c != dst]
+
+    while by_sender:
+        top = max(sent)
+        b = sent.index(top)
+        came: dict[int, tuple[int, int]] = {}     # rank -> (rank it relieves, row)
+        seen: set[int] = set()
+        frontier, end = [b], -1
+        while frontier and end < 0:
+            nxt = []
+            for a in frontier:
+                for k in by_sender[a]:
+                    if k in seen:
+                        continue
+                    seen.add(k)
+                    for c in others(k):
+                        if c == b or c in came:
+                            continue
+                        came[c] = (a, k)
+                        if sent[c] + 2 <= top:
+                            end = c
+                            break
+                        nxt.append(c)
+                    if end >= 0:
+                        break
+                if end >= 0:
+                    break
+            frontier = nxt
+        if end < 0:
+            return
+        c = end
+        while c != b:
+            a, k = came[c]
+            t, _, dst, e, region, dst_region = rows[k]
+            tree = trees[owner[k]]
+            if k < merged:     # another holder of the same partial sends it, from its input
+                nodes[owner[k]].discard(a)
+                nodes[owner[k]].add(c)
+            else:
+                region = tree.region(c) if c == tree.root else OUTPUT
+            rows[k] = (t, c, dst, e, region, dst_region)
+            by_sender[a].discard(k)
+            by_sender[c].add(k)
+            c = a
+        sent[b] -= 1
+        sent[end] += 1
+
+
 def _deliveries(root: int, want: list[int], e: int, first: int, sent: list[int],
                 region: int) -> list[Row]:
     """One element's deliveries from `root` (ready in round `first`, its value in `region`)
     to the ranks in `want`: each from the least busy sender among those holding the value
     already (a rank forwards what it received, from its output, in a later round)."""
-    heap = [(sent[root], first, root)]     # senders: (sent so far, ready in round, rank)
+    # senders: (sent so far, ready in round, rank); the root's first send was counted when
+    # its tree was drawn (`_draw`)
+    heap = [(sent[root] - bool(want), first, root)]
     out = []
-    for i in want:
+    for i in sorted(want, key=lambda i: (sent[i], i)):   # the least busy first: they forward
         n, t, src = heapq.heappop(heap)
         sent[src] = n + 1
         out.append((t, src, i, e, region if src == root else OUTPUT, OUTPUT))
