@@ -196,9 +196,9 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     rows: list[Row] = []
     owner: list[int] = []    # the tree of each row
     for k, tree in enumerate(trees):
-        made = _tree(tree.root, tree.degree, tree.elem)
-        rows += [(t, a, b, tree.elem, tree.region(a), tree.region(b)) for t, a, b, _ in made]
-        owner += [k] * len(made)
+        edges = _tree(tree.root, tree.degree, tree.elem)
+        rows += [(t, a, b, tree.elem, tree.region(a), tree.region(b)) for t, a, b, _ in edges]
+        owner += [k] * len(edges)
     merged = len(rows)
     first = 1 + max((m[0] for m in rows), default=-1)
     for k, tree in enumerate(trees):       # each finished value reaches its needers
