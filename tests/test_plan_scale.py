@@ -381,9 +381,9 @@ SCALED = [
     # multiple of 16 (with 6 rows per rank the overlap is 2 or 1, not a quarter)
     (M24, (16, 8), (16 * 4096, 8), "(tp b) s", "(b tp) s"),
     (M222, (8, 8), (8 * 64, 8 * 64), "(dp tp b) (cp s)", "b s"),
-    # above trees.TREE_LIMIT (elements x ranks): per-element reduction trees, drawn only on
-    # small tensors, are the one documented dependence of a plan on the element count
-    (mc.Mesh("dp=4 tp=1 pp=2"), (64, 160), (64 * 64, 160 * 64), "(dp b) s | sum(pp)",
+    # above trees.ELEMENT_LIMIT (elements x ranks): reduction trees, drawn only on tensors
+    # below it, are the one documented dependence of a plan on the element count
+    (mc.Mesh("dp=4 tp=1 pp=2"), (512, 1280), (512 * 64, 1280 * 64), "(dp b) s | sum(pp)",
      "(pp tp b) (dp s)"),
 ]
 

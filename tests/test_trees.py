@@ -6,6 +6,7 @@ model (latency per round, collectives only) and the size limit."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
@@ -103,9 +104,12 @@ def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
         assert t > last_in.get((src_, e), -1), (t, src_, e)
     delivered = Counter((d, e) for t, _, d, e, _ in rows if t >= s.merges)
     roots = {(i, e) for i, e, _ in s.roots}
-    need = trees._members(b, mesh)
-    for e, ranks in enumerate(need):
-        for i in ranks:
+    # items partition the elements, and each item's elements share their needers
+    assert sorted(x for item in s.items for x in item) == list(range(math.prod(shape)))
+    needs = trees._mask(b, mesh)
+    for e, item in enumerate(s.items):
+        assert bool((needs[list(item)] == needs[item[0]]).all()), e
+        for i in needs[item[0]].nonzero().flatten().tolist():
             assert delivered[(i, e)] + ((i, e) in roots) == 1, (i, e)
     assert max(s.round) < s.rounds
     into_scratch = Counter((d, e) for t, _, d, e, region in rows if region == trees.SCRATCH)
@@ -130,7 +134,7 @@ def test_collectives_only_large_tensors_and_large_meshes_get_no_tree() -> None:
     native = tuple(k for k in mc.CostModel().native if k != "send_recv")
     p = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=mc.CostModel(native=native))
     assert not _tree_steps(p)
-    big = (trees.TREE_LIMIT // mesh.size + 1,)
+    big = (trees.ELEMENT_LIMIT // mesh.size + 1,)
     a = from_layout(mc.Layout("a | min(cp)"), mesh, big)
     b = from_layout(mc.Layout("(cp pp a)"), mesh, big)
     assert not trees.applies(a, b, mesh) and trees.tree_move(a, b, mesh) is None

@@ -1,13 +1,16 @@
 """Reduction trees: a pending reduction resolved by point-to-point messages in rounds.
 
 This module never communicates. Where the layout steps cannot reach the counting bound
-(`bounds._reduction`), one element at a time can: each element's g partial values combine
-along a tree of ranks, one holder of each partial, rooted at a rank that needs the element
-(one holding a partial where there is one: its delivery is then its own combine). The
-trees are drawn greedily, element by element, so that the rank receiving the least so far
-takes the next message; a second pass moves messages off the busiest rank, to the least
-busy node of the same tree or to a *combiner* (a rank holding no partial of the element,
-which combines two values in scratch and sends one), while that lowers it.
+(`bounds._reduction`), trees of messages can. Elements with the same holders and needers
+are interchangeable: each such class is cut into *items* of near-equal size (about
+`TREE_LIMIT` / ranks items in all), and each item's g partial values combine along a tree
+of ranks, one holder of each partial, rooted at a rank that needs the item (one holding a
+partial where there is one: its delivery is then its own combine). The trees are drawn
+greedily, item by item, so that the rank receiving the least so far takes the next
+message; then chains of moves lower the busiest rank (`_augment`: with the nodes fixed,
+to the least possible maximum), and a *combiner* (a rank holding no partial of the item,
+which combines two values in scratch and sends one) may relieve it further. Sends are
+balanced along chains too (`_augment_sends`).
 
 A tree step runs as rounds of one all_to_all each: in a round every rank receives at most
 one value per element it combines, and adds it to the value it has, so the result does not
@@ -15,10 +18,10 @@ depend on the order messages arrive in; a rank sends a value once it has all its
 children's. Then rounds deliver each finished value from its root to the other ranks that
 need it (a rank forwards what it received).
 
-Schedules are per element, so they apply to small tensors only (`TREE_LIMIT`); on larger
-ones the layout steps plan alone. Cost: the busiest rank's received elements over all
-rounds (the rounds of a tree pipeline), plus one latency per round in a CostModel with
-latency.
+Finding the classes looks at every element, so trees apply to tensors of at most
+`ELEMENT_LIMIT` elements x ranks; on larger ones the layout steps plan alone. Cost: the
+busiest rank's received elements over all rounds (the rounds of a tree pipeline), plus one
+latency per round in a CostModel with latency.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import functools
 import heapq
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,15 +44,17 @@ from .states import State
 from .transfers import resolved_axes
 from .values import Transfer
 
-TREE_LIMIT = 1 << 16   # elements x ranks above which no tree is drawn (planning time)
+TREE_LIMIT = 1 << 16   # items x ranks: elements are grouped into at most this / ranks items
+ELEMENT_LIMIT = 1 << 22   # elements x ranks above which no tree is drawn (planning time)
 TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
                        # over the step's group, whose host cost grows with its size
 
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """Every message of a tree step: row i sends element `elem[i]` (global flat index) from
-    mesh position `src[i]` to `dst[i]` in round `round[i]`. Rounds before `merges` combine
+    """Every message of a tree step: row i sends item `elem[i]` (the global flat elements
+    `items[elem[i]]`, which share their holders and needers) from mesh position `src[i]` to
+    `dst[i]` in round `round[i]`. Rounds before `merges` combine
     partials; the others deliver finished values. A value lives in a rank's input (a
     holder's partial), its output (a root that holds no partial combines there; delivered
     values land there) or its scratch (a combiner: a rank holding no partial of the
@@ -64,8 +70,9 @@ class Schedule:
     round: tuple[int, ...]
     src_region: tuple[int, ...]    # where the sender reads the value
     dst_region: tuple[int, ...]    # where the receiver combines (merge) or writes (delivery)
-    roots: tuple[tuple[int, int, bool], ...]   # (position, element, holds a partial of it)
-    scratch: tuple[tuple[int, ...], ...]       # per position: the elements it combines for
+    roots: tuple[tuple[int, int, bool], ...]   # (position, item, holds a partial of it)
+    scratch: tuple[tuple[int, ...], ...]       # per position: the items it combines for
+    items: tuple[tuple[int, ...], ...]         # per item: its global flat elements
 
 
 INPUT, OUTPUT, SCRATCH = 0, 1, 2
@@ -79,6 +86,7 @@ class _Tree:
 
     root: int
     elem: int
+    weight: int              # the item's elements
     want: list[int]          # ranks needing the element, the root aside
     root_holds: bool         # the root holds a partial (else it combines in its output)
     degree: dict[int, int]
@@ -112,7 +120,7 @@ def applies(state: State, goal: State, mesh: Mesh) -> bool:
     if mesh.size > TREE_RANKS:
         return False
     numel = math.prod(d.size for d in state.dims)
-    return 0 < numel and numel * mesh.size <= TREE_LIMIT
+    return 0 < numel and numel * mesh.size <= ELEMENT_LIMIT
 
 
 def tree_estimate(state: State, goal: State, mesh: Mesh) -> Move | None:
@@ -136,17 +144,19 @@ def tree_move(state: State, goal: State, mesh: Mesh) -> Move | None:
         return None
     s = schedule(state, goal, mesh)
     send, recv = [0] * mesh.size, [0] * mesh.size
-    for a, b in zip(s.src, s.dst):
-        send[a] += 1
-        recv[b] += 1
+    for a, b, e in zip(s.src, s.dst, s.elem):
+        w = len(s.items[e])
+        send[a] += w
+        recv[b] += w
     return Move("send_recv", tree_axes(state, goal, mesh), goal, action="tree", op=state.op,
                 indexed=True, send=tuple(send), recv=tuple(recv), rounds=s.rounds,
                 merge_rounds=s.merges)
 
 
-def _members(state: State, mesh: Mesh) -> list[list[int]]:
-    """Per element (global flat), the mesh positions holding it in `state`, ascending. Ranks
-    that agree on the axes sharding `state` hold the same block: each block is listed once."""
+def _mask(state: State, mesh: Mesh) -> torch.Tensor:
+    """Elements (global flat) x mesh positions: which positions hold which elements in
+    `state`. Ranks that agree on the axes sharding `state` hold the same block: each block
+    is listed once."""
     shape = tuple(d.size for d in state.dims)
     mask = torch.zeros(math.prod(shape), mesh.size, dtype=torch.bool)
     sharding = [a for d in state.dims for a in d.axes]
@@ -157,12 +167,35 @@ def _members(state: State, mesh: Mesh) -> list[list[int]]:
         if key not in blocks:
             blocks[key] = block_flat(block_indices(state, mesh, r), shape)
         mask[blocks[key], i] = True
-    cols = mask.nonzero()[:, 1].tolist()
-    out, at = [], 0
-    for n in mask.sum(1).tolist():
-        out.append(cols[at:at + n])
-        at += n
-    return out
+    return mask
+
+
+def _items(state: State, goal: State, mesh: Mesh, budget: int
+           ) -> tuple[list[tuple[int, ...]], list[list[int]], list[list[int]]]:
+    """The elements grouped into items, with each item's holders (in `state`) and needers
+    (in `goal`), as mesh positions. Elements with the same holders and needers are
+    interchangeable: each such class is cut into items of near-equal size, about `budget`
+    items in all (at least one a class), so a schedule's size follows the layouts, not the
+    tensor's."""
+    hold, need = _mask(state, mesh), _mask(goal, mesh)
+    _, cls = torch.unique(torch.cat([hold, need], 1), dim=0, return_inverse=True)
+    order = torch.argsort(cls, stable=True)
+    numel = cls.numel()
+    items: list[tuple[int, ...]] = []
+    holders: list[list[int]] = []
+    needers: list[list[int]] = []
+    at = 0
+    for c in torch.bincount(cls).tolist():
+        elems = order[at:at + c]
+        at += c
+        first = int(elems[0])
+        h = hold[first].nonzero().flatten().tolist()
+        n = need[first].nonzero().flatten().tolist()
+        for chunk in torch.tensor_split(elems, max(1, min(c, budget * c // numel))):
+            items.append(tuple(chunk.tolist()))
+            holders.append(h)
+            needers.append(n)
+    return items, holders, needers
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,12 +209,12 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     by_kept: dict[int, list[int]] = defaultdict(list)
     for i, k in enumerate(kept):
         by_kept[k].append(i)
-    holders, needers = _members(state, mesh), _members(goal, mesh)
+    items, holders, needers = _items(state, goal, mesh, max(1, TREE_LIMIT // mesh.size))
     recv = [0] * mesh.size       # elements received so far: every needer one per element
     sent = [0] * mesh.size
-    for ns in needers:
+    for e, ns in enumerate(needers):
         for i in ns:
-            recv[i] += 1
+            recv[i] += len(items[e])
     trees: list[_Tree] = []
     for e, ns in enumerate(needers):
         wanting: dict[int, list[int]] = defaultdict(list)
@@ -189,7 +222,8 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             wanting[kept[i]].append(i)
         for k, want in wanting.items():
             held = [i for i in holders[e] if kept[i] == k]
-            trees.append(_draw(e, want, held, by_kept[k], part, g, recv, sent))
+            trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
+                               sent))
     _augment(trees, recv)
     _rebalance(trees, recv, sent)
     _augment(trees, recv)
@@ -202,8 +236,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     merged = len(rows)
     first = 1 + max((m[0] for m in rows), default=-1)
     for k, tree in enumerate(trees):       # each finished value reaches its needers
-        made = _deliveries(tree.root, tree.want, tree.elem, first, sent,
-                           tree.region(tree.root))
+        made = _deliveries(tree, first, sent)
         rows += made
         owner += [k] * len(made)
     _augment_sends(rows, owner, merged, trees, part, first, sent)
@@ -216,14 +249,14 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             scratch[i].add(tree.elem)
     return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
                     tuple((t.root, t.elem, t.root_holds) for t in trees),
-                    tuple(tuple(sorted(x)) for x in scratch))
+                    tuple(tuple(sorted(x)) for x in scratch), tuple(items))
 
 
-def _draw(e: int, want: list[int], held: list[int], members: list[int], part: list[int],
-          g: int, recv: list[int], sent: list[int]) -> _Tree:
-    """One element's tree among the ranks of one reduction (`members`): the root, a holder
-    of each partial, and the children of each node, dealt out one at a time to the least
-    busy node. Updates `recv` and `sent`."""
+def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
+          part: list[int], g: int, recv: list[int], sent: list[int]) -> _Tree:
+    """The tree of item `e` (`w` elements) among the ranks of one reduction (`members`): the
+    root, a holder of each partial, and the children of each node, dealt out one at a time
+    to the least busy node. Updates `recv` and `sent` (in elements)."""
     holding = set(held)
     both = [i for i in want if i in holding]
     # the root: a rank needing the element (its first message replaces its delivery), one
@@ -236,7 +269,7 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
                 max(sent[j], recv[j]), recv[j], sent[j]):
             nodes[part[i]] = i
     assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
-    tree = _Tree(root, e, [i for i in want if i != root], bool(both),
+    tree = _Tree(root, e, w, [i for i in want if i != root], bool(both),
                  dict.fromkeys(nodes.values(), 0), set(), members, holding)
     tree.degree[root] = 1
     heap = [(recv[i], i) for i in tree.degree]
@@ -244,12 +277,12 @@ def _draw(e: int, want: list[int], held: list[int], members: list[int], part: li
     for _ in range(len(tree.degree) - 2):   # a tree has one message per node but the root
         _, i = heapq.heappop(heap)
         tree.degree[i] += 1
-        recv[i] += 1
+        recv[i] += w
         heapq.heappush(heap, (recv[i], i))
     for i in tree.degree:
-        sent[i] += i != root
+        sent[i] += w * (i != root)
     if tree.want:     # the root sends the first delivery (`_deliveries` takes it from here)
-        sent[root] += 1
+        sent[root] += w
     return tree
 
 
@@ -290,12 +323,13 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
     """One message fewer at node `b` of `tree` where that lowers it (see `_rebalance`)."""
     if tree.degree[b] <= tree.floor(b):
         return False
+    w = tree.weight
     j = min(tree.degree, key=lambda i: (recv[i], i))
-    if recv[j] + 2 <= recv[b]:
+    if recv[j] + w < recv[b]:
         tree.degree[b] -= 1
         tree.degree[j] += 1
-        recv[b] -= 1
-        recv[j] += 1
+        recv[b] -= w
+        recv[j] += w
         if tree.degree[j] == tree.floor(j) + 1:
             where[j].append(t)
         return True
@@ -304,64 +338,44 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
     # from the degrees)
     c = min((i for i in tree.members if i not in tree.taken and i not in tree.degree),
             key=lambda i: (recv[i], i), default=None)
-    if c is None or recv[c] + 3 > recv[b]:
+    if c is None or recv[c] + 2 * w >= recv[b]:
         return False
     tree.degree[b] -= 1
     tree.degree[c] = 2
     tree.combiners.add(c)
-    recv[b] -= 1
-    recv[c] += 2
-    sent[c] += 1
+    recv[b] -= w
+    recv[c] += 2 * w
+    sent[c] += w
     return True
 
 
 def _augment(trees: list[_Tree], recv: list[int]) -> None:
     """Lower the busiest rank along chains of moves: a message moves off it to another node
-    of one of its trees, which hands one of its own messages (in another tree) on, and so
-    on, until a rank at least two below the busiest takes one. Each rank on the chain but
-    its ends keeps its load. This finds what one move (`_relieve`) cannot: with the trees'
-    nodes fixed, the loads it stops at have the least possible maximum (an augmenting path
-    argument, as in a max-flow). Edits the trees and `recv` in place."""
+    of one of its trees, which hands one of its own messages (in another tree of the same
+    weight) on, and so on, until a rank that stays below the busiest takes one. Each rank
+    on the chain but its ends keeps its load. This finds what one move (`_relieve`) cannot:
+    with the trees' nodes fixed and items of one size, the loads it stops at have the least
+    possible maximum (an augmenting path argument, as in a max-flow). Edits the trees and
+    `recv` in place."""
     spare: dict[int, set[int]] = defaultdict(set)   # rank -> trees it has a spare child in
     for t, tree in enumerate(trees):
         for i, d in tree.degree.items():
             if d > tree.floor(i):
                 spare[i].add(t)
-    stuck: set[int] = set()
     while True:
         top = max(recv)
-        busiest = [i for i, r in enumerate(recv) if r == top and i not in stuck]
-        if not busiest:
-            return
-        b = busiest[0]
-        came: dict[int, tuple[int, int]] = {}
-        seen_trees: set[int] = set()
-        frontier, end = [b], -1
-        while frontier and end < 0:
-            nxt = []
-            for i in frontier:
-                for t in spare[i]:
-                    if t in seen_trees:
-                        continue
-                    seen_trees.add(t)
-                    for j in trees[t].degree:
-                        if j == b or j in came:
-                            continue
-                        came[j] = (i, t)
-                        if recv[j] + 2 <= top:
-                            end = j
-                            break
-                        nxt.append(j)
-                    if end >= 0:
-                        break
-                if end >= 0:
-                    break
-            frontier = nxt
-        if end < 0:
+        b = recv.index(top)
+        path = None
+        for w in sorted({trees[t].weight for t in spare[b]}, reverse=True):
+
+            def moves(i: int, w: int = w) -> Iterable[tuple[int, Iterable[int]]]:
+                return ((t, trees[t].degree) for t in spare[i] if trees[t].weight == w)
+            path = _search(b, top, recv, w, moves)
+            if path:
+                break
+        if not path:
             return          # the busiest rank cannot be lowered: neither can the maximum
-        j = end
-        while j != b:
-            i, t = came[j]
+        for i, j, t in path:
             tree = trees[t]
             tree.degree[i] -= 1
             tree.degree[j] += 1
@@ -369,9 +383,42 @@ def _augment(trees: list[_Tree], recv: list[int]) -> None:
                 spare[i].discard(t)
             if tree.degree[j] > tree.floor(j):
                 spare[j].add(t)
-            j = i
-        recv[b] -= 1
-        recv[end] += 1
+        w = trees[path[0][2]].weight
+        recv[b] -= w
+        recv[path[-1][1]] += w
+
+
+def _search(b: int, top: int, load: list[int], w: int,
+            moves: Callable[[int], Iterable[tuple[int, Iterable[int]]]]
+            ) -> list[tuple[int, int, int]] | None:
+    """A shortest chain from rank `b` (at load `top`): `moves(i)` gives, for each unit of
+    weight `w` that rank i may hand on, the unit and the ranks that may take it. The chain
+    ends at a rank whose load stays below `top` once it takes w more. As (giver, taker,
+    unit), from b; None if none."""
+    came: dict[int, tuple[int, int]] = {}
+    seen: set[int] = set()
+    frontier = [b]
+    while frontier:
+        nxt = []
+        for i in frontier:
+            for unit, takers in moves(i):
+                if unit in seen:     # its takers do not depend on its giver: once is enough
+                    continue
+                seen.add(unit)
+                for j in takers:
+                    if j == b or j in came:
+                        continue
+                    came[j] = (i, unit)
+                    if load[j] + w < top:
+                        out = []
+                        while j != b:
+                            i, unit = came[j]
+                            out.append((i, j, unit))
+                            j = i
+                        return out[::-1]
+                    nxt.append(j)
+        frontier = nxt
+    return None
 
 
 def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_Tree],
@@ -403,37 +450,21 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
             return [c for c in tree.taken if part[c] == part[src] and c not in nodes[owner[k]]]
         return [c for c, at in ready[owner[k]].items() if at <= t and c != dst]
 
-    while by_sender:
+    while True:
         top = max(sent)
         b = sent.index(top)
-        came: dict[int, tuple[int, int]] = {}     # rank -> (rank it relieves, row)
-        seen: set[int] = set()
-        frontier, end = [b], -1
-        while frontier and end < 0:
-            nxt = []
-            for a in frontier:
-                for k in by_sender[a]:
-                    if k in seen:
-                        continue
-                    seen.add(k)
-                    for c in others(k):
-                        if c == b or c in came:
-                            continue
-                        came[c] = (a, k)
-                        if sent[c] + 2 <= top:
-                            end = c
-                            break
-                        nxt.append(c)
-                    if end >= 0:
-                        break
-                if end >= 0:
-                    break
-            frontier = nxt
-        if end < 0:
+        path = None
+        for w in sorted({trees[owner[k]].weight for k in by_sender[b]}, reverse=True):
+
+            def moves(i: int, w: int = w) -> Iterable[tuple[int, Iterable[int]]]:
+                return ((k, others(k)) for k in by_sender[i]
+                        if trees[owner[k]].weight == w)
+            path = _search(b, top, sent, w, moves)
+            if path:
+                break
+        if not path:
             return
-        c = end
-        while c != b:
-            a, k = came[c]
+        for a, c, k in path:
             t, _, dst, e, region, dst_region = rows[k]
             tree = trees[owner[k]]
             if k < merged:     # another holder of the same partial sends it, from its input
@@ -444,25 +475,26 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
             rows[k] = (t, c, dst, e, region, dst_region)
             by_sender[a].discard(k)
             by_sender[c].add(k)
-            c = a
-        sent[b] -= 1
-        sent[end] += 1
+        w = trees[owner[path[0][2]]].weight
+        sent[b] -= w
+        sent[path[-1][1]] += w
 
 
-def _deliveries(root: int, want: list[int], e: int, first: int, sent: list[int],
-                region: int) -> list[Row]:
-    """One element's deliveries from `root` (ready in round `first`, its value in `region`)
-    to the ranks in `want`: each from the least busy sender among those holding the value
-    already (a rank forwards what it received, from its output, in a later round)."""
+def _deliveries(tree: _Tree, first: int, sent: list[int]) -> list[Row]:
+    """The deliveries of `tree`'s finished value (ready at its root in round `first`) to
+    the ranks in `tree.want`: each from the least busy sender among those holding the value
+    already (a rank forwards what it received, from its output, in a later round). The
+    least busy needers are served first, so that they forward."""
+    root, w, region = tree.root, tree.weight, tree.region(tree.root)
     # senders: (sent so far, ready in round, rank); the root's first send was counted when
     # its tree was drawn (`_draw`)
-    heap = [(sent[root] - bool(want), first, root)]
+    heap = [(sent[root] - w * bool(tree.want), first, root)]
     out = []
-    for i in sorted(want, key=lambda i: (sent[i], i)):   # the least busy first: they forward
+    for i in sorted(tree.want, key=lambda i: (sent[i], i)):
         n, t, src = heapq.heappop(heap)
-        sent[src] = n + 1
-        out.append((t, src, i, e, region if src == root else OUTPUT, OUTPUT))
-        heapq.heappush(heap, (n + 1, t, src))
+        sent[src] = n + w
+        out.append((t, src, i, tree.elem, region if src == root else OUTPUT, OUTPUT))
+        heapq.heappush(heap, (n + w, t, src))
         heapq.heappush(heap, (sent[i], t + 1, i))
     return out
 
@@ -503,7 +535,7 @@ def tree_transfers(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[Tr
     holder's partial in its input, a root holding no partial in its output, a combiner's in
     its scratch; deliveries land in outputs and forwards read them there. A root holding a
     partial of an element it needs copies it from its input to its output (src == dst, in
-    the first delivery round)."""
+    the first delivery round). Items are listed element by element, in item order."""
     s = schedule(state, goal, mesh)
     me = mesh.ranks.index(rank)
     groups: dict[tuple[int, int, int], list[tuple[int, int, int]]] = defaultdict(list)
@@ -514,30 +546,43 @@ def tree_transfers(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[Tr
     if keep:
         groups[(s.merges, me, me)] = keep
     out = []
-    for (t, a, b), elems in sorted(groups.items()):
-        elems.sort()
-        src_at = _work(state, goal, mesh, mesh.ranks[a], s.scratch[a])
-        dst_at = _work(state, goal, mesh, mesh.ranks[b], s.scratch[b])
-        out.append(Transfer(mesh.ranks[a], mesh.ranks[b],
-                            (tuple(src_at[ra][e] for e, ra, _ in elems),),
-                            (tuple(dst_at[rb][e] for e, _, rb in elems),), round=t))
+    for (t, a, b), units in sorted(groups.items()):
+        units.sort()
+        src_at = _work(state, goal, mesh, mesh.ranks[a], s.scratch[a], s.items)
+        dst_at = _work(state, goal, mesh, mesh.ranks[b], s.scratch[b], s.items)
+        src_pos = torch.cat([src_at[ra][_elements(s.items, e)] for e, ra, _ in units])
+        dst_pos = torch.cat([dst_at[rb][_elements(s.items, e)] for e, _, rb in units])
+        out.append(Transfer(mesh.ranks[a], mesh.ranks[b], (tuple(src_pos.tolist()),),
+                            (tuple(dst_pos.tolist()),), round=t))
     return tuple(out)
 
 
-def _work(state: State, goal: State, mesh: Mesh, rank: int,
-          scratch: tuple[int, ...]) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
-    """Global flat element -> position in `rank`'s work buffer: in its input, its output,
-    its scratch (the elements it combines for others, after its output)."""
+def _elements(items: tuple[tuple[int, ...], ...], e: int) -> torch.Tensor:
+    return torch.tensor(items[e], dtype=torch.long)
+
+
+def _work(state: State, goal: State, mesh: Mesh, rank: int, scratch: tuple[int, ...],
+          items: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per region of `rank`'s work buffer, global flat element -> its position there (-1
+    where it has none): its input, its output, its scratch (the elements of the items it
+    combines for others, after its output)."""
     shape = tuple(d.size for d in state.dims)
     held = _local_positions(state, rank, shape, mesh)
-    made = _local_positions(goal, rank, shape, mesh, len(held))
-    at = len(held) + len(made)
-    return held, made, {e: at + j for j, e in enumerate(scratch)}
+    made = _local_positions(goal, rank, shape, mesh, int((held >= 0).sum()))
+    extra = torch.full_like(held, -1)
+    if scratch:
+        elems = torch.cat([_elements(items, e) for e in scratch])
+        extra[elems] = int((held >= 0).sum()) + int((made >= 0).sum()) + torch.arange(
+            elems.numel())
+    return held, made, extra
 
 
 @functools.lru_cache(maxsize=1024)
 def _local_positions(state: State, rank: int, shape: tuple[int, ...], mesh: Mesh,
-                     offset: int = 0) -> dict[int, int]:
-    """Global flat element -> `offset` + flat position in `rank`'s local tensor of `state`."""
+                     offset: int = 0) -> torch.Tensor:
+    """Global flat element -> `offset` + flat position in `rank`'s local tensor of `state`
+    (-1 where `rank` does not hold it)."""
     flat = block_flat(block_indices(state, mesh, rank), shape)
-    return {e: offset + i for i, e in enumerate(flat.tolist())}
+    out = torch.full((math.prod(shape),), -1, dtype=torch.long)
+    out[flat] = offset + torch.arange(flat.numel())
+    return out
