@@ -91,7 +91,7 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     numel = math.prod(shape)
     needers: dict[tuple[int, ...], torch.Tensor] = {}    # per kept coordinate, per element
     combines: dict[tuple[int, ...], torch.Tensor] = {}   # a needer holds a partial there
-    busiest, idle, lacking = 0, 0, []
+    busiest, idle, lacking, needs, empty = 0, 0, [], [], []
     for r in mesh.ranks:
         c = tuple(mesh.coords(r)[a] for a in keep)
         need, hold = _mask(mesh, shape, d, r), _mask(mesh, shape, s, r)
@@ -100,23 +100,34 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
         busiest = max(busiest, int(need.sum()))
         idle += not bool(need.any()) and not bool(hold.any())
         lacking.append(int((need & ~hold).sum()))
+        needs.append(int(need.sum()))
+        if not hold.any():
+            empty.append(int(need.sum()))
     messages = sum(int(((g - 1 + n - h.long()) * (n > 0)).sum())
                    for n, h in zip(needers.values(), combines.values()))
     unions = sum(int((n > 0).sum()) for n in needers.values()) * (g - 1)
+    rootless = sum(int(((n > 0) & ~h).sum()) for n, h in zip(needers.values(), combines.values()))
     load = max(-(-messages // mesh.size), busiest)
-    while not _carries(load, messages, unions, lacking, idle, g, mesh.size):
+    while not _carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
+                       rootless):
         load += 1
     return load
 
 
 def _carries(load: int, messages: int, unions: int, lacking: list[int], idle: int, g: int,
-             ranks: int) -> bool:
+             ranks: int, needs: list[int], empty: list[int], rootless: int) -> bool:
     """Whether ranks receiving at most `load` messages each can receive `messages`, `unions`
     of them adding to a value the receiver has (an idle rank copies its first message of an
-    element; a rank lacking an element it needs copies it)."""
+    element; a rank lacking an element it needs copies it); and the messages beyond one per
+    element each rank needs, where a rank holding nothing (what it needs: `empty`) spends
+    one of every g it receives beyond its needs on a copy, except as the root of an item
+    that no needer holds a partial of (`rootless` of them)."""
     wasted = idle * -(-load // g)
+    copies = sum(-(-max(0, load - n) // g) for n in empty)
     return (ranks * load - wasted >= messages
-            and sum(max(0, load - n) for n in lacking) - wasted >= unions)
+            and sum(max(0, load - n) for n in lacking) - wasted >= unions
+            and sum(max(0, load - n) for n in needs) - max(0, copies - rootless)
+            >= messages - sum(needs))
 
 
 PARTIAL_MESHES = ("dp=4 tp=2", "dp=2 tp=2 pp=2", "a=2 b=3 c=2", "dp=4 pp=2 ep=4", "sp=4 dp=4 pp=2",

@@ -97,23 +97,36 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
     own, need = own_and_need(start, goal, mesh)
     unions = k * total * (g - 1)
     messages = unions + int(need.sum()) - k * _held_where_needed(start, goal, mesh, own)
-    idle = int(((local_numels_tensor(start, mesh).reshape(-1) == 0) & (need == 0)).sum())
+    empty = local_numels_tensor(start, mesh).reshape(-1) == 0
+    idle = int((empty & (need == 0)).sum())
+    # items no needer holds a partial of: their root may be a rank holding nothing
+    rootless = k * total - k * _held_where_needed(start, goal, mesh, own)
     # every rank receives at least one message per element of its block
-    share = busiest_share(messages, unions, need, need - own, idle, g, mesh.size)
+    share = busiest_share(messages, unions, need, need - own, idle, g, mesh.size,
+                          need[empty], rootless)
     return tuple(torch.clamp(need, min=share).tolist())
 
 
 def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch.Tensor,
-                  idle: int, g: int, ranks: int) -> int:
+                  idle: int, g: int, ranks: int, empty_need: torch.Tensor,
+                  rootless: int) -> int:
     """The least L such that ranks receiving at most L messages each can carry `messages`
     and `unions` (see the module doc): `need` and `lacking` are per rank, `idle` ranks hold
-    and need nothing. (`meshcomm.testing.counting_bound` counts the same apart, element by
-    element.)"""
+    and need nothing, `empty_need` is what each rank holding nothing needs, and `rootless`
+    items have no needer holding a partial. (`meshcomm.testing.counting_bound` counts the
+    same apart, element by element.)"""
+    beyond = messages - int(need.sum())     # messages beyond one per element a rank needs
 
     def fits(L: int) -> bool:
         wasted = idle * -(-L // g)          # an idle rank's first message per element
+        # A rank holding nothing copies before it combines: of the e messages it receives
+        # beyond its needs, at least ceil(e / g) (one an item it works on) add nothing the
+        # count `beyond` has, but the root of a rootless item, whose copy is its delivery.
+        extra = torch.clamp(L - need, min=0)
+        empty = int((-(-torch.clamp(L - empty_need, min=0) // g)).sum())
         return (ranks * L - wasted >= messages
-                and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions)
+                and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
+                and int(extra.sum()) - max(0, empty - rootless) >= beyond)
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):
