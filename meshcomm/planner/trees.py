@@ -224,9 +224,9 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             held = [i for i in holders[e] if kept[i] == k]
             trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
                                sent))
-    _augment(trees, recv)
+    _augment(trees, recv, sent, part)
     _rebalance(trees, recv, sent)
-    _augment(trees, recv)
+    _augment(trees, recv, sent, part)
     rows: list[Row] = []
     owner: list[int] = []    # the tree of each row
     for k, tree in enumerate(trees):
@@ -349,19 +349,30 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
     return True
 
 
-def _augment(trees: list[_Tree], recv: list[int]) -> None:
+def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[int]) -> None:
     """Lower the busiest rank along chains of moves: a message moves off it to another node
     of one of its trees, which hands one of its own messages (in another tree of the same
     weight) on, and so on, until a rank that stays below the busiest takes one. Each rank
-    on the chain but its ends keeps its load. This finds what one move (`_relieve`) cannot:
-    with the trees' nodes fixed and items of one size, the loads it stops at have the least
-    possible maximum (an augmenting path argument, as in a max-flow). Edits the trees and
-    `recv` in place."""
+    on the chain but its ends keeps its load. A node with one child may also hand its place
+    in the tree to another rank holding the same partial (`part`), which takes the child
+    and sends in its stead. This finds what one move (`_relieve`) cannot: with the trees'
+    nodes fixed and items of one size, the loads it stops at have the least possible
+    maximum (an augmenting path argument, as in a max-flow). Edits the trees, `recv` and
+    `sent` in place."""
     spare: dict[int, set[int]] = defaultdict(set)   # rank -> trees it has a spare child in
     for t, tree in enumerate(trees):
         for i, d in tree.degree.items():
             if d > tree.floor(i):
                 spare[i].add(t)
+
+    def takers(t: int, i: int) -> list[int]:
+        tree = trees[t]
+        out = list(tree.degree)
+        if tree.degree[i] == 1 and i != tree.root and i not in tree.combiners:
+            out += [c for c in tree.taken if part[c] == part[i] and c not in tree.degree
+                    and c not in tree.combiners]
+        return out
+
     while True:
         top = max(recv)
         b = recv.index(top)
@@ -369,21 +380,27 @@ def _augment(trees: list[_Tree], recv: list[int]) -> None:
         for w in sorted({trees[t].weight for t in spare[b]}, reverse=True):
 
             def moves(i: int, w: int = w) -> Iterable[tuple[int, Iterable[int]]]:
-                return ((t, trees[t].degree) for t in spare[i] if trees[t].weight == w)
+                return ((t, takers(t, i)) for t in spare[i] if trees[t].weight == w)
             path = _search(b, top, recv, w, moves)
             if path:
                 break
         if not path:
             return          # the busiest rank cannot be lowered: neither can the maximum
+        w = trees[path[0][2]].weight
         for i, j, t in path:
             tree = trees[t]
-            tree.degree[i] -= 1
-            tree.degree[j] += 1
-            if tree.degree[i] <= tree.floor(i):
+            if j in tree.degree:
+                tree.degree[i] -= 1
+                tree.degree[j] += 1
+            else:            # j holds i's partial too and takes i's place (and child)
+                del tree.degree[i]
+                tree.degree[j] = 1
+                sent[i] -= w
+                sent[j] += w
+            if tree.degree.get(i, 0) <= tree.floor(i):
                 spare[i].discard(t)
             if tree.degree[j] > tree.floor(j):
                 spare[j].add(t)
-        w = trees[path[0][2]].weight
         recv[b] -= w
         recv[path[-1][1]] += w
 
