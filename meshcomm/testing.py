@@ -92,9 +92,12 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     needers: dict[tuple[int, ...], torch.Tensor] = {}    # per kept coordinate, per element
     combines: dict[tuple[int, ...], torch.Tensor] = {}   # a needer holds a partial there
     busiest, idle, lacking, needs, empty = 0, 0, [], [], []
+    holds, wants = [], []
     for r in mesh.ranks:
         c = tuple(mesh.coords(r)[a] for a in keep)
         need, hold = _mask(mesh, shape, d, r), _mask(mesh, shape, s, r)
+        holds.append(hold)
+        wants.append(need)
         needers[c] = needers.get(c, torch.zeros(numel, dtype=torch.long)) + need
         combines[c] = combines.get(c, torch.zeros(numel, dtype=torch.bool)) | (need & hold)
         busiest = max(busiest, int(need.sum()))
@@ -107,11 +110,67 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
                    for n, h in zip(needers.values(), combines.values()))
     unions = sum(int((n > 0).sum()) for n in needers.values()) * (g - 1)
     rootless = sum(int(((n > 0) & ~h).sum()) for n, h in zip(needers.values(), combines.values()))
+    classes = (_item_classes(mesh, keep, resolve, holds, wants)
+               if numel * mesh.size <= CLASS_LIMIT else [])
     load = max(-(-messages // mesh.size), busiest)
-    while not _carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
-                       rootless):
+    while not (_carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
+                        rootless)
+               and all(_class_carries(load, needs, g, *c) for c in classes)):
         load += 1
     return load
+
+
+def _item_classes(mesh: Mesh, keep: list[str], resolve: list[str], holds: list[torch.Tensor],
+                  wants: list[torch.Tensor]) -> list[tuple[int, int, list[list[int]], list[int],
+                                                          list[int]]]:
+    """Items (element, kept coordinate) grouped by who holds and who needs them: per group,
+    its size, the unions each item needs beyond one message per needer, the ranks holding
+    each partial, the ranks of the reduction holding none, and which of those may be a root
+    without wasting a copy (the needers, where no needer holds a partial)."""
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], int] = {}
+    for e in range(holds[0].numel()):
+        at: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+        for i, r in enumerate(mesh.ranks):
+            c = tuple(mesh.coords(r)[a] for a in keep)
+            have, want = at.setdefault(c, ([], []))
+            if holds[i][e]:
+                have.append(i)
+            if wants[i][e]:
+                want.append(i)
+        for c, (held, needed) in at.items():
+            if needed:
+                key = (c, tuple(held), tuple(needed))
+                groups[key] = groups.get(key, 0) + 1
+    out = []
+    for (c, h, n), count in groups.items():
+        members = [i for i, r in enumerate(mesh.ranks)
+                   if tuple(mesh.coords(r)[a] for a in keep) == c]
+        both = any(i in n for i in h)
+        by_partial: dict[tuple[int, ...], list[int]] = {}
+        for i in h:
+            by_partial.setdefault(tuple(mesh.coords(mesh.ranks[i])[a] for a in resolve),
+                                  []).append(i)
+        others = [i for i in members if i not in h]
+        g = math.prod(mesh.axis_size(a) for a in resolve)
+        out.append((count, g - 1 - both, list(by_partial.values()), others,
+                    [] if both else [i for i in others if i in n]))
+    return out
+
+
+CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classes of items
+
+
+def _class_carries(load: int, needs: list[int], g: int, count: int, free: int,
+                   partials: list[list[int]], others: list[int], roots: list[int]) -> bool:
+    """Whether one class of items can make its unions with ranks receiving at most `load`:
+    one node per partial value an item, taking at most g - 1 unions; a rank holding no
+    partial copies once an item it works on (but as the root of an item no needer holds)."""
+    spare = [max(0, load - n) for n in needs]
+    made = sum(min(sum(spare[i] for i in p), count * min(g - 1, max(spare[i] for i in p)))
+               for p in partials)
+    made += sum(spare[i] - -(-spare[i] // g) for i in others)
+    made += sum(-(-spare[i] // g) for i in roots)
+    return made >= count * free
 
 
 def _carries(load: int, messages: int, unions: int, lacking: list[int], idle: int, g: int,

@@ -106,7 +106,7 @@ def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
     roots = {(i, e) for i, e, _ in s.roots}
     # items partition the elements, and each item's elements share their needers
     assert sorted(x for item in s.items for x in item) == list(range(math.prod(shape)))
-    needs = trees._mask(b, mesh)
+    needs = trees.element_mask(b, mesh)
     for e, item in enumerate(s.items):
         assert bool((needs[list(item)] == needs[item[0]]).all()), e
         for i in needs[item[0]].nonzero().flatten().tolist():

@@ -45,12 +45,15 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
-from .blocks import own_and_need, summed_overlap
+from ..core.positions import block_flat
+from .blocks import coords_table, flat_index, own_and_need, summed_overlap
+from .moves import block_indices
 from .states import State, from_layout, local_numels, local_numels_tensor
 
 
@@ -101,15 +104,17 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
     idle = int((empty & (need == 0)).sum())
     # items no needer holds a partial of: their root may be a rank holding nothing
     rootless = k * total - k * _held_where_needed(start, goal, mesh, own)
+    classes = (_classes(start, goal, mesh, g)
+               if total * mesh.size <= CLASS_LIMIT else ())
     # every rank receives at least one message per element of its block
     share = busiest_share(messages, unions, need, need - own, idle, g, mesh.size,
-                          need[empty], rootless)
+                          need[empty], rootless, classes)
     return tuple(torch.clamp(need, min=share).tolist())
 
 
 def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch.Tensor,
                   idle: int, g: int, ranks: int, empty_need: torch.Tensor,
-                  rootless: int) -> int:
+                  rootless: int, classes: tuple[ItemClass, ...] = ()) -> int:
     """The least L such that ranks receiving at most L messages each can carry `messages`
     and `unions` (see the module doc): `need` and `lacking` are per rank, `idle` ranks hold
     and need nothing, `empty_need` is what each rank holding nothing needs, and `rootless`
@@ -126,7 +131,8 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
         empty = int((-(-torch.clamp(L - empty_need, min=0) // g)).sum())
         return (ranks * L - wasted >= messages
                 and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
-                and int(extra.sum()) - max(0, empty - rootless) >= beyond)
+                and int(extra.sum()) - max(0, empty - rootless) >= beyond
+                and all(c.fits(extra, g) for c in classes))
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):
@@ -138,6 +144,86 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
+
+
+CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classes of items
+
+
+@dataclass(frozen=True)
+class ItemClass:
+    """Items (elements, at one coordinate on the kept pending axes) that share their holders
+    and needers: `count` of them, each needing `free` unions beyond one message per rank
+    needing it (g - 1, less one where a needer holds a partial: its last union is its
+    delivery). `partials` lists, per partial value, the ranks holding it; `others` the
+    ranks of the reduction holding none (`roots` of them may be the root of an item without
+    a copy to waste: the needers, where no needer holds a partial)."""
+
+    count: int
+    free: int
+    partials: tuple[torch.Tensor, ...]
+    others: torch.Tensor
+    roots: torch.Tensor
+
+    def fits(self, extra: torch.Tensor, g: int) -> bool:
+        """Whether ranks with `extra` messages each beyond their needs can make the class's
+        unions. Each item takes one node per partial value, which receives at most g - 1
+        of them: a partial's holders make at most `count` x the most one of them can, and
+        at most all they can together. A rank holding none copies first: of e messages it
+        makes e - ceil(e / g) unions (all e as the root of an item no needer holds)."""
+        made = 0
+        for holders in self.partials:
+            e = extra[holders]
+            made += min(int(e.sum()), self.count * min(g - 1, int(e.max())))
+        e = extra[self.others]
+        made += int(e.sum()) - int((-(-e // g)).sum()) + int((-(-extra[self.roots] // g)).sum())
+        return made >= self.count * self.free
+
+
+def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, ...]:
+    """The classes of items of a reduction (see `ItemClass`), element by element: only for
+    small tensors (`CLASS_LIMIT`), where few items share a class and the class's own
+    capacity binds before the ranks' total does."""
+    resolve = tuple(a for a in start.partial if a not in goal.partial)
+    coords = coords_table(mesh)
+    part = flat_index(coords, mesh, resolve)
+    kept = flat_index(coords, mesh, goal.partial)
+    hold, need = element_mask(start, mesh), element_mask(goal, mesh)
+    out = []
+    for k in torch.unique(kept).tolist():
+        group = kept == k
+        h, n = hold & group, need & group
+        patterns, counts = torch.unique(torch.cat([h, n], 1), dim=0, return_counts=True)
+        for row, c in zip(patterns, counts.tolist()):
+            holders, needers = row[:mesh.size], row[mesh.size:]
+            if not needers.any():
+                continue
+            both = bool((holders & needers).any())
+            others = group & ~holders
+            out.append(ItemClass(
+                c, g - 1 - both,
+                tuple(holders.logical_and(part == j).nonzero().flatten()
+                      for j in torch.unique(part[holders]).tolist()),
+                others.nonzero().flatten(),
+                (others & needers).nonzero().flatten() if not both
+                else torch.zeros(0, dtype=torch.long)))
+    return tuple(out)
+
+
+def element_mask(state: State, mesh: Mesh) -> torch.Tensor:
+    """Elements (global flat) x mesh positions: which positions hold which elements in
+    `state`. Ranks that agree on the axes sharding `state` hold the same block: each block
+    is listed once."""
+    shape = tuple(d.size for d in state.dims)
+    mask = torch.zeros(math.prod(shape), mesh.size, dtype=torch.bool)
+    sharding = [a for d in state.dims for a in d.axes]
+    blocks: dict[tuple[int, ...], torch.Tensor] = {}
+    for i, r in enumerate(mesh.ranks):
+        c = mesh.coords(r)
+        key = tuple(c[a] for a in sharding)
+        if key not in blocks:
+            blocks[key] = block_flat(block_indices(state, mesh, r), shape)
+        mask[blocks[key], i] = True
+    return mask
 
 
 def _held_where_needed(start: State, goal: State, mesh: Mesh, own: torch.Tensor) -> int:

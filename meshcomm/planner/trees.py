@@ -38,7 +38,7 @@ import torch
 from ..core.mesh import AxisName, Mesh
 from ..core.positions import block_flat
 from .blocks import coords_table, flat_index, in_mesh_order, own_and_need
-from .bounds import state_bound
+from .bounds import element_mask, state_bound
 from .moves import Move, block_indices
 from .states import State
 from .transfers import resolved_axes
@@ -153,23 +153,6 @@ def tree_move(state: State, goal: State, mesh: Mesh) -> Move | None:
                 merge_rounds=s.merges)
 
 
-def _mask(state: State, mesh: Mesh) -> torch.Tensor:
-    """Elements (global flat) x mesh positions: which positions hold which elements in
-    `state`. Ranks that agree on the axes sharding `state` hold the same block: each block
-    is listed once."""
-    shape = tuple(d.size for d in state.dims)
-    mask = torch.zeros(math.prod(shape), mesh.size, dtype=torch.bool)
-    sharding = [a for d in state.dims for a in d.axes]
-    blocks: dict[tuple[int, ...], torch.Tensor] = {}
-    for i, r in enumerate(mesh.ranks):
-        c = mesh.coords(r)
-        key = tuple(c[a] for a in sharding)
-        if key not in blocks:
-            blocks[key] = block_flat(block_indices(state, mesh, r), shape)
-        mask[blocks[key], i] = True
-    return mask
-
-
 def _items(state: State, goal: State, mesh: Mesh, budget: int
            ) -> tuple[list[tuple[int, ...]], list[list[int]], list[list[int]]]:
     """The elements grouped into items, with each item's holders (in `state`) and needers
@@ -177,7 +160,7 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
     interchangeable: each such class is cut into items of near-equal size, about `budget`
     items in all (at least one a class), so a schedule's size follows the layouts, not the
     tensor's."""
-    hold, need = _mask(state, mesh), _mask(goal, mesh)
+    hold, need = element_mask(state, mesh), element_mask(goal, mesh)
     _, cls = torch.unique(torch.cat([hold, need], 1), dim=0, return_inverse=True)
     order = torch.argsort(cls, stable=True)
     numel = cls.numel()
