@@ -115,7 +115,7 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     load = max(-(-messages // mesh.size), busiest)
     while not (_carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
                         rootless)
-               and all(_class_carries(load, needs, g, *c) for c in classes)):
+               and all(_class_carries(load, needs, *c) for c in classes)):
         load += 1
     return load
 
@@ -160,16 +160,19 @@ def _item_classes(mesh: Mesh, keep: list[str], resolve: list[str], holds: list[t
 CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classes of items
 
 
-def _class_carries(load: int, needs: list[int], g: int, count: int, free: int,
+def _class_carries(load: int, needs: list[int], count: int, free: int,
                    partials: list[list[int]], others: list[int], roots: list[int]) -> bool:
     """Whether one class of items can make its unions with ranks receiving at most `load`:
-    one node per partial value an item, taking at most g - 1 unions; a rank holding no
-    partial copies once an item it works on (but as the root of an item no needer holds)."""
+    one node per partial value an item, taking at most the item's `free` unions; a rank
+    holding no partial copies once an item it works on (but as the root of an item no
+    needer holds)."""
+    if free <= 0:
+        return True
     spare = [max(0, load - n) for n in needs]
-    made = sum(min(sum(spare[i] for i in p), count * min(g - 1, max(spare[i] for i in p)))
+    made = sum(min(sum(spare[i] for i in p), count * min(free, max(spare[i] for i in p)))
                for p in partials)
-    made += sum(spare[i] - -(-spare[i] // g) for i in others)
-    made += sum(-(-spare[i] // g) for i in roots)
+    made += sum(spare[i] - -(-spare[i] // (free + 1)) for i in others)
+    made += sum(-(-spare[i] // (free + 1)) for i in roots)
     return made >= count * free
 
 

@@ -132,7 +132,7 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
         return (ranks * L - wasted >= messages
                 and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
                 and int(extra.sum()) - max(0, empty - rootless) >= beyond
-                and all(c.fits(extra, g) for c in classes))
+                and all(c.fits(extra) for c in classes))
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):
@@ -164,18 +164,22 @@ class ItemClass:
     others: torch.Tensor
     roots: torch.Tensor
 
-    def fits(self, extra: torch.Tensor, g: int) -> bool:
+    def fits(self, extra: torch.Tensor) -> bool:
         """Whether ranks with `extra` messages each beyond their needs can make the class's
-        unions. Each item takes one node per partial value, which receives at most g - 1
-        of them: a partial's holders make at most `count` x the most one of them can, and
-        at most all they can together. A rank holding none copies first: of e messages it
-        makes e - ceil(e / g) unions (all e as the root of an item no needer holds)."""
+        unions. Each item takes one node per partial value, which makes at most all of the
+        item's `free` unions: a partial's holders make at most `count` x the most one of
+        them can, and at most all they can together. A rank holding none copies first: of
+        e messages it makes at most e - ceil(e / (free + 1)) unions (one copy an item, at
+        most `free` unions after it; all e as the root of an item no needer holds)."""
+        if self.free <= 0:
+            return True
         made = 0
         for holders in self.partials:
             e = extra[holders]
-            made += min(int(e.sum()), self.count * min(g - 1, int(e.max())))
+            made += min(int(e.sum()), self.count * min(self.free, int(e.max())))
         e = extra[self.others]
-        made += int(e.sum()) - int((-(-e // g)).sum()) + int((-(-extra[self.roots] // g)).sum())
+        made += int(e.sum()) - int((-(-e // (self.free + 1))).sum())
+        made += int((-(-extra[self.roots] // (self.free + 1))).sum())
         return made >= self.count * self.free
 
 
