@@ -112,6 +112,9 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     rootless = sum(int(((n > 0) & ~h).sum()) for n, h in zip(needers.values(), combines.values()))
     classes = (_item_classes(mesh, keep, resolve, holds, wants)
                if numel * mesh.size <= CLASS_LIMIT else [])
+    if classes:   # a root saves a copy only where it holds nothing at all
+        nothing = {i for i, hold in enumerate(holds) if not hold.any()}
+        rootless = sum(c[0] for c in classes if nothing & set(c[4]))
     load = max(-(-messages // mesh.size), busiest)
     while not (_carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
                         rootless)

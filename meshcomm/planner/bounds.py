@@ -106,6 +106,8 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
     rootless = k * total - k * _held_where_needed(start, goal, mesh, own)
     classes = (_classes(start, goal, mesh, g)
                if total * mesh.size <= CLASS_LIMIT else ())
+    if classes:   # only a rank holding nothing saves a copy as a root
+        rootless = sum(c.count for c in classes if bool(empty[c.roots].any()))
     # every rank receives at least one message per element of its block
     share = busiest_share(messages, unions, need, need - own, idle, g, mesh.size,
                           need[empty], rootless, classes)
