@@ -198,8 +198,10 @@ def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, 
     for k in torch.unique(kept).tolist():
         group = kept == k
         h, n = hold & group, need & group
-        patterns, counts = torch.unique(torch.cat([h, n], 1), dim=0, return_counts=True)
-        for row, c in zip(patterns, counts.tolist()):
+        both_masks = torch.cat([h, n], 1)
+        ids = row_ids(both_masks)
+        first, counts = _firsts(ids)
+        for row, c in zip(both_masks[first], counts.tolist()):
             holders, needers = row[:mesh.size], row[mesh.size:]
             if not needers.any():
                 continue
@@ -215,10 +217,36 @@ def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, 
     return tuple(out)
 
 
+def row_ids(mask: torch.Tensor) -> torch.Tensor:
+    """Per row of a bool matrix, a number shared exactly by the rows equal to it: the rows'
+    bits packed into 63-bit words, then numbered by `torch.unique` (on one word, or on the
+    few words of a wide matrix)."""
+    rows, cols = mask.shape
+    words = -(-cols // 63)
+    padded = torch.zeros(rows, words * 63, dtype=torch.long)
+    padded[:, :cols] = mask
+    packed = (padded.reshape(rows, words, 63) << torch.arange(63)).sum(-1)
+    if words == 1:
+        _, ids = torch.unique(packed[:, 0], return_inverse=True)
+    else:
+        _, ids = torch.unique(packed, dim=0, return_inverse=True)
+    out: torch.Tensor = ids
+    return out
+
+
+def _firsts(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per id (0, 1, ...): the first row with it and how many rows have it."""
+    counts = torch.bincount(ids)
+    first = torch.full((counts.numel(),), ids.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, ids, torch.arange(ids.numel()), "amin")
+    return first, counts
+
+
+@functools.lru_cache(maxsize=256)
 def element_mask(state: State, mesh: Mesh) -> torch.Tensor:
     """Elements (global flat) x mesh positions: which positions hold which elements in
     `state`. Ranks that agree on the axes sharding `state` hold the same block: each block
-    is listed once."""
+    is listed once. Cached: callers must not modify it."""
     shape = tuple(d.size for d in state.dims)
     mask = torch.zeros(math.prod(shape), mesh.size, dtype=torch.bool)
     sharding = [a for d in state.dims for a in d.axes]

@@ -38,14 +38,15 @@ import torch
 from ..core.mesh import AxisName, Mesh
 from ..core.positions import block_flat
 from .blocks import coords_table, flat_index, in_mesh_order, own_and_need
-from .bounds import element_mask, state_bound
+from .bounds import element_mask, row_ids, state_bound
 from .moves import Move, block_indices
 from .states import State
 from .transfers import resolved_axes
 from .values import Transfer
 
-TREE_LIMIT = 1 << 16   # items x ranks: elements are grouped into at most this / ranks items
+TREE_LIMIT = 1 << 15   # items x ranks: elements are grouped into at most this / ranks items
 ELEMENT_LIMIT = 1 << 22   # elements x ranks above which no tree is drawn (planning time)
+ITEMS_PER_CLASS = 4       # items a class a rank at most (x ranks): enough to balance it
 TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
                        # over the step's group, whose host cost grows with its size
 
@@ -161,7 +162,7 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
     items in all (at least one a class), so a schedule's size follows the layouts, not the
     tensor's."""
     hold, need = element_mask(state, mesh), element_mask(goal, mesh)
-    _, cls = torch.unique(torch.cat([hold, need], 1), dim=0, return_inverse=True)
+    cls = row_ids(torch.cat([hold, need], 1))
     order = torch.argsort(cls, stable=True)
     numel = cls.numel()
     items: list[tuple[int, ...]] = []
@@ -174,7 +175,8 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
         first = int(elems[0])
         h = hold[first].nonzero().flatten().tolist()
         n = need[first].nonzero().flatten().tolist()
-        for chunk in torch.tensor_split(elems, max(1, min(c, budget * c // numel))):
+        cut = max(1, min(c, budget * c // numel, ITEMS_PER_CLASS * mesh.size))
+        for chunk in torch.tensor_split(elems, cut):
             items.append(tuple(chunk.tolist()))
             holders.append(h)
             needers.append(n)
@@ -207,9 +209,10 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             held = [i for i in holders[e] if kept[i] == k]
             trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
                                sent))
-    _augment(trees, recv, sent, part)
+    floor = max(state_bound(state, goal, mesh))     # no schedule receives less
+    _augment(trees, recv, sent, part, floor)
     _rebalance(trees, recv, sent)
-    _augment(trees, recv, sent, part)
+    _augment(trees, recv, sent, part, floor)
     rows: list[Row] = []
     owner: list[int] = []    # the tree of each row
     for k, tree in enumerate(trees):
@@ -222,7 +225,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         made = _deliveries(tree, first, sent)
         rows += made
         owner += [k] * len(made)
-    _augment_sends(rows, owner, merged, trees, part, first, sent)
+    _augment_sends(rows, owner, merged, trees, part, first, sent, max(recv))
     rounds = max(first, 1 + max(r[0] for r in rows))
     round_, src, dst, elem, src_region, dst_region = (
         (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
@@ -332,7 +335,8 @@ def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
     return True
 
 
-def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[int]) -> None:
+def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[int],
+             floor: int) -> None:
     """Lower the busiest rank along chains of moves: a message moves off it to another node
     of one of its trees, which hands one of its own messages (in another tree of the same
     weight) on, and so on, until a rank that stays below the busiest takes one. Each rank
@@ -340,8 +344,8 @@ def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[in
     in the tree to another rank holding the same partial (`part`), which takes the child
     and sends in its stead. This finds what one move (`_relieve`) cannot: with the trees'
     nodes fixed and items of one size, the loads it stops at have the least possible
-    maximum (an augmenting path argument, as in a max-flow). Edits the trees, `recv` and
-    `sent` in place."""
+    maximum (an augmenting path argument, as in a max-flow). It stops at `floor`, a lower
+    bound. Edits the trees, `recv` and `sent` in place."""
     spare: dict[int, set[int]] = defaultdict(set)   # rank -> trees it has a spare child in
     for t, tree in enumerate(trees):
         for i, d in tree.degree.items():
@@ -356,14 +360,15 @@ def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[in
                     and c not in tree.combiners]
         return out
 
-    while True:
+    while max(recv) > floor:
         top = max(recv)
         b = recv.index(top)
         path = None
         for w in sorted({trees[t].weight for t in spare[b]}, reverse=True):
 
-            def moves(i: int, w: int = w) -> Iterable[tuple[int, Iterable[int]]]:
-                return ((t, takers(t, i)) for t in spare[i] if trees[t].weight == w)
+            def moves(i: int, w: int = w) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+                return ((t, functools.partial(takers, t, i)) for t in spare[i]
+                        if trees[t].weight == w)
             path = _search(b, top, recv, w, moves)
             if path:
                 break
@@ -389,10 +394,11 @@ def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[in
 
 
 def _search(b: int, top: int, load: list[int], w: int,
-            moves: Callable[[int], Iterable[tuple[int, Iterable[int]]]]
+            moves: Callable[[int], Iterable[tuple[int, Callable[[], list[int]]]]]
             ) -> list[tuple[int, int, int]] | None:
     """A shortest chain from rank `b` (at load `top`): `moves(i)` gives, for each unit of
-    weight `w` that rank i may hand on, the unit and the ranks that may take it. The chain
+    weight `w` that rank i may hand on, the unit and what lists the ranks that may take
+    it (called once a unit). The chain
     ends at a rank whose load stays below `top` once it takes w more. As (giver, taker,
     unit), from b; None if none."""
     came: dict[int, tuple[int, int]] = {}
@@ -405,7 +411,7 @@ def _search(b: int, top: int, load: list[int], w: int,
                 if unit in seen:     # its takers do not depend on its giver: once is enough
                     continue
                 seen.add(unit)
-                for j in takers:
+                for j in takers():
                     if j == b or j in came:
                         continue
                     came[j] = (i, unit)
@@ -422,13 +428,15 @@ def _search(b: int, top: int, load: list[int], w: int,
 
 
 def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_Tree],
-                   part: list[int], first: int, sent: list[int]) -> None:
+                   part: list[int], first: int, sent: list[int], floor: int) -> None:
     """Lower the busiest sender along chains of moves, as `_augment` does for receivers,
     with what can change sender without changing who receives what when: a delivery may
     come from any rank holding the finished value before its round (the root from round
     `first`, a needer once it received it), and a leaf of a tree (rows before `merged`:
     a node with no children, which sends its partial on) may be another rank holding the
-    same partial (`part`). Edits `rows` and `sent` in place."""
+    same partial (`part`). It stops once no rank sends more than `floor` (the busiest
+    receiver's load: a step's time is its busiest rank's larger of the two). Edits `rows`
+    and `sent` in place."""
     ready: list[dict[int, int]] = [{tree.root: first} for tree in trees]
     nodes: list[set[int]] = [set(tree.degree) | tree.combiners for tree in trees]
     parents: list[set[int]] = [set() for _ in trees]
@@ -450,14 +458,14 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
             return [c for c in tree.taken if part[c] == part[src] and c not in nodes[owner[k]]]
         return [c for c, at in ready[owner[k]].items() if at <= t and c != dst]
 
-    while True:
+    while max(sent) > floor:
         top = max(sent)
         b = sent.index(top)
         path = None
         for w in sorted({trees[owner[k]].weight for k in by_sender[b]}, reverse=True):
 
-            def moves(i: int, w: int = w) -> Iterable[tuple[int, Iterable[int]]]:
-                return ((k, others(k)) for k in by_sender[i]
+            def moves(i: int, w: int = w) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+                return ((k, functools.partial(others, k)) for k in by_sender[i]
                         if trees[owner[k]].weight == w)
             path = _search(b, top, sent, w, moves)
             if path:
