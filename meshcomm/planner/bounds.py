@@ -34,6 +34,15 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   reduce_scatter this is (g - 1)/g of the input, for an all_reduce 2(g - 1)/g:
   the ring algorithms meet it. (Where the destination also has new pending
   axes, n_x counts its reduction groups needing x, and h_x = 1.)
+  Two more conditions on L. Beyond one message per element a rank needs, the
+  items need `F = sum_x (g - 1 - h_x)` unions; a rank holding nothing at all
+  copies once per item it works on, so of the e = max(0, L - need_r) messages
+  it receives beyond its needs at least ceil(e / g) add nothing to F, but as
+  the root of an item no needer holds a partial of (one an item, where such a
+  rank needs it): `sum_r e_r - (wasted - refunds) >= F`. And on small tensors
+  (`CLASS_LIMIT`) per class of items sharing holders and needers
+  (`ItemClass.fits`): an item takes one node per partial value, so a class
+  cannot use more of a partial's holders than one node an item can take.
 
 The first bound holds for every rank. The other two are shared out evenly,
 so they bound the busiest rank of the group (the max over ranks), which is

@@ -41,8 +41,9 @@ CASES = (
     Case("all_gather", "all_gather", "tp=4", (8, 6), "(tp a) b", "a b"),
     Case("all_gather", "all_to_all", "tp=4", (10, 6), "(tp a) b", "a b"),
     Case("reduce_scatter", "reduce_scatter", "tp=4", (8, 6), "a b | sum(tp)", "(tp a) b"),
-    # large enough for no tree step (trees.TREE_LIMIT): those beat an uneven reduce_scatter
-    Case("reduce_scatter", "all_to_all", "tp=4", (10, 1700), "a b | max(tp)", "(tp a) b"),
+    # large enough for no tree step (trees.ELEMENT_LIMIT: elements x ranks above 2^22):
+    # those beat an uneven reduce_scatter
+    Case("reduce_scatter", "all_to_all", "tp=4", (10, 104900), "a b | max(tp)", "(tp a) b"),
     Case("all_reduce", "all_reduce", "tp=4", (5, 3), "a b | sum(tp)", "a b"),
     Case("all_to_all", "all_to_all", "tp=4", (8, 16), "(tp a) b", "a (tp b)"),
     Case("collective_permute", "all_to_all", "dp=2 tp=2", (8, 8, 4), "(dp b) (tp s) h",
