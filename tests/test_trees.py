@@ -12,6 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import in_fresh_interpreter
 from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
@@ -228,3 +229,19 @@ def test_trees_with_combiners_are_exact(spec: str, shape: tuple[int, ...], src: 
                        mesh)
     assert any(s.scratch)
     _check_exact(p, _data(shape))
+
+
+def fake_rank_cpu_worker() -> dict[str, object]:
+    """tests/test_cuda.py's rank 3 of a 1,024-rank then a 64-rank fake job, on the CPU."""
+    import test_cuda
+
+    return test_cuda.fake_rank_worker("cpu")
+
+
+def test_trees_run_on_the_fake_process_group_where_a_rank_sends_nothing() -> None:
+    """Rank 3 of 64 under torch's fake process group: in some rounds of these trees it
+    receives without sending, and the fake group cannot take an empty input
+    (`wire.all_to_all` sends the rank one row of its own); every block runs and returns
+    the destination's local shape."""
+    problems = in_fresh_interpreter("test_trees", "fake_rank_cpu_worker")["problems"]
+    assert not problems, "\n".join(problems)

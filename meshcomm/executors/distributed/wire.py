@@ -91,11 +91,29 @@ def broadcast(x: Tensor, root: int, group: Group, *, wait: bool = True) -> tuple
 def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = None,
                in_splits: Sequence[int] | None = None, *,
                wait: bool = True) -> tuple[Tensor, Wire]:
-    """all_to_all_single along dim 0 (splits in rows of dim 0, group order)."""
+    """all_to_all_single along dim 0 (splits in rows of dim 0, group order).
+
+    A rank that sends nothing but receives sends itself one row of zeros and drops it from
+    what it receives: every backend takes that, and torch's fake process group (which
+    fills a receive from the rank's own input, to time host work) cannot take an empty
+    input. The row never leaves the rank."""
     rows = rows.contiguous()
+    sent, heard = rows, out_splits
+    padded = (in_splits is not None and out_splits is not None and rows.shape[0] == 0
+              and any(out_splits))
+    if padded:
+        assert in_splits is not None and out_splits is not None
+        rows = rows.new_zeros((1, *rows.shape[1:]))
+        in_splits = [n + (i == group.pos) for i, n in enumerate(in_splits)]
+        out_splits = [n + (i == group.pos) for i, n in enumerate(out_splits)]
     y = call(funcol.all_to_all_single, rows,
              None if out_splits is None else list(out_splits),
              None if in_splits is None else list(in_splits), group.name, wait=wait)
+    if padded:
+        assert out_splits is not None
+        at = sum(out_splits[:group.pos])
+        y = torch.cat([y[:at], y[at + 1:]])
+        rows, in_splits, out_splits = sent, [0] * len(out_splits), heard
     if out_splits is not None and torch.compiler.is_compiling():
         # traced, uneven splits give the output an unknown length; it is their sum, and
         # saying so lets the compiler slice it without guarding on data
