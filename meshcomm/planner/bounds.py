@@ -77,6 +77,13 @@ def sharding_axes(state: State) -> frozenset[AxisName]:
 
 
 @functools.lru_cache(maxsize=4096)
+def busiest_bound(start: State, goal: State, mesh: Mesh) -> int:
+    """The largest of `state_bound`: what the busiest rank must receive (the search's A*
+    asks it of every state it queues)."""
+    return max(state_bound(start, goal, mesh))
+
+
+@functools.lru_cache(maxsize=4096)
 def state_bound(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     """`lower_bound_elements` between two planner states."""
     resolve = [a for a in start.partial if a not in goal.partial]
@@ -108,11 +115,12 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
     k = math.prod(mesh.axis_size(a) for a in goal.partial)
     own, need = own_and_need(start, goal, mesh)
     unions = k * total * (g - 1)
-    messages = unions + int(need.sum()) - k * _held_where_needed(start, goal, mesh, own)
+    held = k * _held_where_needed(start, goal, mesh, own)
+    messages = unions + int(need.sum()) - held
     empty = local_numels_tensor(start, mesh).reshape(-1) == 0
     idle = int((empty & (need == 0)).sum())
     # items no needer holds a partial of: their root may be a rank holding nothing
-    rootless = k * total - k * _held_where_needed(start, goal, mesh, own)
+    rootless = k * total - held
     classes = (_classes(start, goal, mesh, g)
                if total * mesh.size <= CLASS_LIMIT else ())
     if classes:   # only a rank holding nothing saves a copy as a root

@@ -144,7 +144,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
     def ahead(key: Key, state: State) -> Key:
         if not guided:
             return key
-        rest = max(bounds.state_bound(state, goal, mesh)) * itemsize   # bytes still received
+        rest = bounds.busiest_bound(state, goal, mesh) * itemsize   # bytes still received
         return ((round(key[0][0] + rest * per_byte, 15), key[0][1] + rest),) + key[1:]
 
     heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None]] = [
