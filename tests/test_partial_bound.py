@@ -42,8 +42,8 @@ def test_our_bound_is_the_counting_bound(even: bool) -> None:
 
 def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
     """150 partial-source transitions on meshes of up to 64 ranks, every dim divisible by
-    the mesh: each plan exact in simulation; at least 75% at the counting bound (the
-    measured share is 79%), none above 1.5x."""
+    the mesh: each plan exact in simulation; at least 90% at the counting bound (the
+    measured share is 92.7%; 95-98% on other seeds, see docs/plans.md), none above 1.5x."""
     ratios = []
     for mesh, shape, src, dst in _sample(150, 2, even=True):
         p = mc.plan(mesh, shape, src, dst)
@@ -51,28 +51,28 @@ def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
         ratios.append((max(p.recv_bytes) / (counting_bound(mesh, shape, src, dst) * 4), str(p)))
     at = sum(r <= 1.0 for r, _ in ratios) / len(ratios)
     worst = max(ratios)
-    assert at >= 0.75, f"{at:.0%} at the bound"
+    assert at >= 0.90, f"{at:.0%} at the bound"
     assert worst[0] <= 1.5, worst[1]
 
 
 def test_partial_sources_on_small_shapes_are_exact() -> None:
     """Small shapes (torch.chunk leaves ranks empty): every plan exact and at or above the
-    bound; at least 70% at it (the measured share is 77%; tree steps reach most of them,
-    see docs/plans.md), none above 2.5x."""
+    bound; at least 95% at it (the measured share is 98.8%; tree steps reach most of them,
+    see docs/plans.md), none above 1.5x."""
     ratios = []
     for mesh, shape, src, dst in _sample(80, 3, even=False):
         p = mc.plan(mesh, shape, src, dst)
         _check_exact(p, _data(p.shape))
         assert max(p.recv_bytes) >= max(p.lower_bound_bytes), str(p)
         ratios.append((p.bound_ratio, str(p)))
-    assert sum(r <= 1.0 for r, _ in ratios) >= 0.70 * len(ratios)
-    assert max(ratios)[0] <= 2.5, max(ratios)[1]
+    assert sum(r <= 1.0 for r, _ in ratios) >= 0.95 * len(ratios)
+    assert max(ratios)[0] <= 1.5, max(ratios)[1]
 
 
 # The worst cases of the issue's fuzz, and the ratio each plan had then -> has now.
 LISTED = [
     ("dp=4 pp=2 ep=4", (10, 4, 9, 10), "(pp a) b c d | sum(dp)", "(dp ep a) b c d",
-     torch.float32, 6.8, 2.0),
+     torch.float32, 6.8, 1.003),
     ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)",
      torch.float64, 7.0, 1.0),
     ("pp=2 sp=4 dp=4", (13, 2), "(sp a) b | sum(dp)", "(dp pp sp a) b", torch.int16, 4.7, 1.34),
