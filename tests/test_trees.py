@@ -232,10 +232,11 @@ def test_trees_with_combiners_are_exact(spec: str, shape: tuple[int, ...], src: 
 
 
 def fake_rank_cpu_worker() -> dict[str, object]:
-    """tests/test_cuda.py's rank 3 of a 1,024-rank then a 64-rank fake job, on the CPU."""
+    """tests/test_cuda.py's rank 3 of a 1,024-rank then a 64-rank fake job, on the device
+    the fake backend computes on (the CPU here; a GPU where there is one)."""
     import test_cuda
 
-    return test_cuda.fake_rank_worker("cpu")
+    return test_cuda.fake_rank_worker("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_trees_run_on_the_fake_process_group_where_a_rank_sends_nothing() -> None:
