@@ -101,6 +101,21 @@ def no_sync(where: str, step: Any, problems: list[str]) -> None:
             torch.cuda.synchronize()
 
 
+def _reshards(bound: Any, cases: list[tuple[tuple[int, ...], str, str]], device: str,
+              problems: list[str]) -> None:
+    """Each case through `mc.reshard` as rank 3 (`no_sync`), and its output's device and
+    local shape checked."""
+    for shape, src, dst in cases:
+        x = torch.randn(mc.Layout(src).local_shape(bound.mesh, shape, 3), device=device)
+        want = mc.Layout(dst).local_shape(bound.mesh, shape, 3)
+        out: list[torch.Tensor] = []
+        no_sync(f'reshard {shape} "{src}" -> "{dst}"',
+                lambda x=x, shape=shape, src=src, dst=dst: out.append(
+                    mc.reshard(x, bound, src, dst, shape=shape)), problems)
+        if out and (out[-1].device.type != device or tuple(out[-1].shape) != want):
+            problems.append(f"{src} -> {dst}: {out[-1].device} {tuple(out[-1].shape)}")
+
+
 def fake_rank_worker(device: str = "cuda") -> dict[str, Any]:
     """Runs in a fresh interpreter (the fake process group is process-wide)."""
     import torch.distributed as dist
@@ -112,15 +127,7 @@ def fake_rank_worker(device: str = "cuda") -> dict[str, Any]:
     problems: list[str] = []
     if bound.device.type != device:
         problems.append(f"init_mesh on the fake backend computes on {bound.device}")
-    for shape, src, dst in SCALE_CASES:
-        x = torch.randn(mc.Layout(src).local_shape(bound.mesh, shape, 3), device=device)
-        want = mc.Layout(dst).local_shape(bound.mesh, shape, 3)
-        out: list[torch.Tensor] = []
-        no_sync(f'reshard {shape} "{src}" -> "{dst}"',
-                lambda x=x, shape=shape, src=src, dst=dst: out.append(
-                    mc.reshard(x, bound, src, dst, shape=shape)), problems)
-        if out and (out[-1].device.type != device or tuple(out[-1].shape) != want):
-            problems.append(f"{src} -> {dst}: {out[-1].device} {tuple(out[-1].shape)}")
+    _reshards(bound, SCALE_CASES, device, problems)
 
     dp = mc.init_mesh("dp=1024", backend="fake")
     torch.manual_seed(0)
@@ -159,14 +166,7 @@ def fake_rank_worker(device: str = "cuda") -> dict[str, Any]:
     for shape, src, dst in TREE_CASES:
         if [s.action for s in mc.plan(small.mesh, shape, src, dst).steps] != ["tree"]:
             problems.append(f"{src} -> {dst} on {TREE_MESH} is no longer one tree step")
-        x = torch.randn(mc.Layout(src).local_shape(small.mesh, shape, 3), device=device)
-        want = mc.Layout(dst).local_shape(small.mesh, shape, 3)
-        got: list[torch.Tensor] = []
-        no_sync(f'tree {shape} "{src}" -> "{dst}"',
-                lambda x=x, shape=shape, src=src, dst=dst: got.append(
-                    mc.reshard(x, small, src, dst, shape=shape)), problems)
-        if got and (got[-1].device.type != device or tuple(got[-1].shape) != want):
-            problems.append(f"{src} -> {dst}: {got[-1].device} {tuple(got[-1].shape)}")
+    _reshards(small, TREE_CASES, device, problems)
     dist.destroy_process_group()
     return {"problems": problems}
 
