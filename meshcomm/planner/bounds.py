@@ -259,7 +259,7 @@ def _firsts(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, counts
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=16)
 def element_mask(state: State, mesh: Mesh) -> torch.Tensor:
     """Elements (global flat) x mesh positions: which positions hold which elements in
     `state`. Ranks that agree on the axes sharding `state` hold the same block: each block

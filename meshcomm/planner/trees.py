@@ -585,7 +585,7 @@ def _work(state: State, goal: State, mesh: Mesh, rank: int, scratch: tuple[int, 
     return held, made, extra
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=256)
 def _local_positions(state: State, rank: int, shape: tuple[int, ...], mesh: Mesh,
                      offset: int = 0) -> torch.Tensor:
     """Global flat element -> `offset` + flat position in `rank`'s local tensor of `state`
