@@ -103,7 +103,7 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
               and any(out_splits))
     if padded:
         assert in_splits is not None and out_splits is not None
-        rows = rows.new_zeros((1, *rows.shape[1:]))
+        rows = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])   # keeps autograd
         in_splits = [n + (i == group.pos) for i, n in enumerate(in_splits)]
         out_splits = [n + (i == group.pos) for i, n in enumerate(out_splits)]
     y = call(funcol.all_to_all_single, rows,
