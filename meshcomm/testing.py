@@ -12,6 +12,7 @@ import torch
 
 from .core.layout import Layout
 from .core.mesh import Mesh
+from .planner.bounds import unions_fit
 
 
 def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
@@ -118,7 +119,10 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     load = max(-(-messages // mesh.size), busiest)
     while not (_carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
                         rootless)
-               and all(_class_carries(load, needs, *c) for c in classes)):
+               and all(_class_carries(load, needs, *c) for c in classes)
+               and (not classes or unions_fit(
+                   [(c[0] * c[1], c[1], sorted({i for p in c[2] for i in p} | set(c[4])),
+                     c[3]) for c in classes], [max(0, load - n) for n in needs]))):
         load += 1
     return load
 

@@ -75,7 +75,7 @@ LISTED = [
      torch.float32, 6.8, 1.003),
     ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)",
      torch.float64, 7.0, 1.0),
-    ("pp=2 sp=4 dp=4", (13, 2), "(sp a) b | sum(dp)", "(dp pp sp a) b", torch.int16, 4.7, 1.34),
+    ("pp=2 sp=4 dp=4", (13, 2), "(sp a) b | sum(dp)", "(dp pp sp a) b", torch.int16, 4.7, 1.0),
     ("sp=4 dp=4 pp=2", (12,), "a | sum(dp)", "(dp sp pp a)", torch.float64, 4.5, 1.0),
     ("pp=4 cp=4", (5,), "a | min(cp)", "(cp pp a)", torch.float32, 6.0, 1.0),
     ("a=2 b=3 c=2", (4, 4), "(a i) j | sum(b, c)", "(c i) j", torch.float32, 1.57, 1.0),

@@ -151,7 +151,10 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
         return (ranks * L - wasted >= messages
                 and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
                 and int(extra.sum()) - max(0, empty - rootless) >= beyond
-                and all(c.fits(extra) for c in classes))
+                and all(c.fits(extra) for c in classes)
+                and (not classes or unions_fit(
+                    [(c.count * c.free, c.free, _ranks(c.partials, c.roots), c.others.tolist())
+                     for c in classes], extra.tolist())))
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):
@@ -200,6 +203,75 @@ class ItemClass:
         made += int(e.sum()) - int((-(-e // (self.free + 1))).sum())
         made += int((-(-extra[self.roots] // (self.free + 1))).sum())
         return made >= self.count * self.free
+
+
+def _ranks(partials: tuple[torch.Tensor, ...], roots: torch.Tensor) -> list[int]:
+    return sorted({int(i) for t in (*partials, roots) for i in t.tolist()})
+
+
+def unions_fit(classes: list[tuple[int, int, list[int], list[int]]], extra: list[int]) -> bool:
+    """Whether ranks with `extra` messages each beyond their needs can make every class's
+    unions at once: per class (unions needed, unions an item, ranks that take them without
+    a copy, ranks that copy first). A rank takes at most its extra in all; of what it takes
+    for classes it holds no partial of, at most e - ceil(e / (f + 1)) are unions (a copy an
+    item, f the most unions an item). A max-flow (Dinic) over classes and ranks: a lower
+    bound's condition, so the relaxations only let more through."""
+    demand = sum(d for d, *_ in classes)
+    if demand == 0:
+        return True
+    f = max(free for _, free, *_ in classes)
+    n, ranks = len(classes), len(extra)
+    source, sink = 0, 1
+    size = 2 + n + 2 * ranks
+    graph: list[list[list[int]]] = [[] for _ in range(size)]   # edges: [to, cap, rev]
+
+    def edge(a: int, b: int, cap: int) -> None:
+        graph[a].append([b, cap, len(graph[b])])
+        graph[b].append([a, 0, len(graph[a]) - 1])
+
+    for k, (d, _, takers, others) in enumerate(classes):
+        edge(source, 2 + k, d)
+        for r in takers:
+            edge(2 + k, 2 + n + r, d)
+        for r in others:
+            edge(2 + k, 2 + n + ranks + r, d)
+    for r, e in enumerate(extra):
+        edge(2 + n + r, sink, e)
+        edge(2 + n + ranks + r, 2 + n + r, e - -(-e // (f + 1)))
+    flow = 0
+    while flow < demand:
+        level = [-1] * size
+        level[source] = 0
+        queue = [source]
+        for a in queue:
+            for b, cap, _ in graph[a]:
+                if cap > 0 and level[b] < 0:
+                    level[b] = level[a] + 1
+                    queue.append(b)
+        if level[sink] < 0:
+            return False
+        at = [0] * size
+
+        def push(a: int, limit: int) -> int:
+            if a == sink:
+                return limit
+            while at[a] < len(graph[a]):
+                e = graph[a][at[a]]
+                b, cap, rev = e
+                if cap > 0 and level[b] == level[a] + 1:
+                    got = push(b, min(limit, cap))
+                    if got:
+                        e[1] -= got
+                        graph[b][rev][1] += got
+                        return got
+                at[a] += 1
+            return 0
+
+        while (got := push(source, demand - flow)):
+            flow += got
+            if flow >= demand:
+                break
+    return True
 
 
 def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, ...]:
