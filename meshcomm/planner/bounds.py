@@ -42,7 +42,9 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   rank needs it): `sum_r e_r - (wasted - refunds) >= F`. And on small tensors
   (`CLASS_LIMIT`) per class of items sharing holders and needers
   (`ItemClass.fits`): an item takes one node per partial value, so a class
-  cannot use more of a partial's holders than one node an item can take.
+  cannot use more of a partial's holders than one node an item can take; and
+  all classes at once (`unions_fit`, a max-flow): a rank's unions of classes
+  it holds no partial of cost a copy an item.
 
 The first bound holds for every rank. The other two are shared out evenly,
 so they bound the busiest rank of the group (the max over ranks), which is
