@@ -12,7 +12,7 @@ import torch
 
 from .core.layout import Layout
 from .core.mesh import Mesh
-from .planner.bounds import unions_fit
+from .planner.bounds import CLASS_LIMIT, unions_fit
 
 
 def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
@@ -116,13 +116,13 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     if classes:   # a root saves a copy only where it holds nothing at all
         nothing = {i for i, hold in enumerate(holds) if not hold.any()}
         rootless = sum(c[0] for c in classes if nothing & set(c[4]))
+    flow = [(c[0] * c[1], c[1], sorted({i for p in c[2] for i in p} | set(c[4])), c[3])
+            for c in classes]
     load = max(-(-messages // mesh.size), busiest)
     while not (_carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
                         rootless)
                and all(_class_carries(load, needs, *c) for c in classes)
-               and (not classes or unions_fit(
-                   [(c[0] * c[1], c[1], sorted({i for p in c[2] for i in p} | set(c[4])),
-                     c[3]) for c in classes], [max(0, load - n) for n in needs]))):
+               and (not flow or unions_fit(flow, [max(0, load - n) for n in needs]))):
         load += 1
     return load
 
@@ -162,9 +162,6 @@ def _item_classes(mesh: Mesh, keep: list[str], resolve: list[str], holds: list[t
         out.append((count, g - 1 - both, list(by_partial.values()), others,
                     [] if both else [i for i in others if i in n]))
     return out
-
-
-CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classes of items
 
 
 def _class_carries(load: int, needs: list[int], count: int, free: int,

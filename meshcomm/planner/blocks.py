@@ -406,4 +406,3 @@ def flat_index(coords: torch.Tensor, mesh: Mesh, axes: tuple[AxisName, ...]) -> 
     for a in axes:
         out = out * mesh.axis_size(a) + coords[:, mesh.axis_names.index(a)]
     return out
-

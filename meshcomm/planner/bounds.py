@@ -142,6 +142,8 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
     items have no needer holding a partial. (`meshcomm.testing.counting_bound` counts the
     same apart, element by element.)"""
     beyond = messages - int(need.sum())     # messages beyond one per element a rank needs
+    flow = [(c.count * c.free, c.free, _ranks(c.partials, c.roots), c.others.tolist())
+            for c in classes]
 
     def fits(L: int) -> bool:
         wasted = idle * -(-L // g)          # an idle rank's first message per element
@@ -154,9 +156,7 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
                 and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
                 and int(extra.sum()) - max(0, empty - rootless) >= beyond
                 and all(c.fits(extra) for c in classes)
-                and (not classes or unions_fit(
-                    [(c.count * c.free, c.free, _ranks(c.partials, c.roots), c.others.tolist())
-                     for c in classes], extra.tolist())))
+                and (not flow or unions_fit(flow, extra.tolist())))
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):

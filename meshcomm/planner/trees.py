@@ -360,21 +360,10 @@ def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[in
                     and c not in tree.combiners]
         return out
 
-    while max(recv) > floor:
-        top = max(recv)
-        b = recv.index(top)
-        path = None
-        for w in sorted({trees[t].weight for t in spare[b]}, reverse=True):
+    def moves(i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+        return ((t, functools.partial(takers, t, i)) for t in spare[i] if trees[t].weight == w)
 
-            def moves(i: int, w: int = w) -> Iterable[tuple[int, Callable[[], list[int]]]]:
-                return ((t, functools.partial(takers, t, i)) for t in spare[i]
-                        if trees[t].weight == w)
-            path = _search(b, top, recv, w, moves)
-            if path:
-                break
-        if not path:
-            return          # the busiest rank cannot be lowered: neither can the maximum
-        w = trees[path[0][2]].weight
+    def move(path: list[tuple[int, int, int]], w: int) -> None:
         for i, j, t in path:
             tree = trees[t]
             if j in tree.degree:
@@ -389,25 +378,45 @@ def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[in
                 spare[i].discard(t)
             if tree.degree[j] > tree.floor(j):
                 spare[j].add(t)
-        recv[b] -= w
-        recv[path[-1][1]] += w
+
+    _lower(recv, floor, lambda b: {trees[t].weight for t in spare[b]}, moves, move)
+
+
+def _lower(load: list[int], floor: int, weights: Callable[[int], set[int]],
+           moves: Callable[[int, int], Iterable[tuple[int, Callable[[], list[int]]]]],
+           move: Callable[[list[tuple[int, int, int]], int], None]) -> None:
+    """While the busiest rank's `load` is above `floor`, lower it along a shortest chain
+    (`_search`) of units of one weight (`weights(b)`: those it has, the heaviest tried
+    first; `moves(i, w)`: rank i's units of weight w and who may take each); `move` applies
+    the chain. Stops where the busiest rank cannot be lowered (nor can the maximum)."""
+    while max(load) > floor:
+        top = max(load)
+        b = load.index(top)
+        for w in sorted(weights(b), reverse=True):
+            path = _search(b, top, load, w, moves)
+            if path:
+                break
+        else:
+            return
+        move(path, w)
+        load[b] -= w
+        load[path[-1][1]] += w
 
 
 def _search(b: int, top: int, load: list[int], w: int,
-            moves: Callable[[int], Iterable[tuple[int, Callable[[], list[int]]]]]
+            moves: Callable[[int, int], Iterable[tuple[int, Callable[[], list[int]]]]]
             ) -> list[tuple[int, int, int]] | None:
-    """A shortest chain from rank `b` (at load `top`): `moves(i)` gives, for each unit of
-    weight `w` that rank i may hand on, the unit and what lists the ranks that may take
-    it (called once a unit). The chain
-    ends at a rank whose load stays below `top` once it takes w more. As (giver, taker,
-    unit), from b; None if none."""
+    """A shortest chain from rank `b` (at load `top`): `moves(i, w)` gives, for each unit
+    of weight `w` that rank i may hand on, the unit and what lists the ranks that may take
+    it (called once a unit). The chain ends at a rank whose load stays below `top` once it
+    takes w more. As (giver, taker, unit), from b; None if none."""
     came: dict[int, tuple[int, int]] = {}
     seen: set[int] = set()
     frontier = [b]
     while frontier:
         nxt = []
         for i in frontier:
-            for unit, takers in moves(i):
+            for unit, takers in moves(i, w):
                 if unit in seen:     # its takers do not depend on its giver: once is enough
                     continue
                 seen.add(unit)
@@ -458,20 +467,11 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
             return [c for c in tree.taken if part[c] == part[src] and c not in nodes[owner[k]]]
         return [c for c, at in ready[owner[k]].items() if at <= t and c != dst]
 
-    while max(sent) > floor:
-        top = max(sent)
-        b = sent.index(top)
-        path = None
-        for w in sorted({trees[owner[k]].weight for k in by_sender[b]}, reverse=True):
+    def moves(i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+        return ((k, functools.partial(others, k)) for k in by_sender[i]
+                if trees[owner[k]].weight == w)
 
-            def moves(i: int, w: int = w) -> Iterable[tuple[int, Callable[[], list[int]]]]:
-                return ((k, functools.partial(others, k)) for k in by_sender[i]
-                        if trees[owner[k]].weight == w)
-            path = _search(b, top, sent, w, moves)
-            if path:
-                break
-        if not path:
-            return
+    def move(path: list[tuple[int, int, int]], w: int) -> None:
         for a, c, k in path:
             t, _, dst, e, region, dst_region = rows[k]
             tree = trees[owner[k]]
@@ -483,9 +483,8 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
             rows[k] = (t, c, dst, e, region, dst_region)
             by_sender[a].discard(k)
             by_sender[c].add(k)
-        w = trees[owner[path[0][2]]].weight
-        sent[b] -= w
-        sent[path[-1][1]] += w
+
+    _lower(sent, floor, lambda b: {trees[owner[k]].weight for k in by_sender[b]}, moves, move)
 
 
 def _deliveries(tree: _Tree, first: int, sent: list[int]) -> list[Row]:
@@ -576,12 +575,12 @@ def _work(state: State, goal: State, mesh: Mesh, rank: int, scratch: tuple[int, 
     combines for others, after its output)."""
     shape = tuple(d.size for d in state.dims)
     held = _local_positions(state, rank, shape, mesh)
-    made = _local_positions(goal, rank, shape, mesh, int((held >= 0).sum()))
+    n_in = int((held >= 0).sum())
+    made = _local_positions(goal, rank, shape, mesh, n_in)
     extra = torch.full_like(held, -1)
     if scratch:
         elems = torch.cat([_elements(items, e) for e in scratch])
-        extra[elems] = int((held >= 0).sum()) + int((made >= 0).sum()) + torch.arange(
-            elems.numel())
+        extra[elems] = n_in + int((made >= 0).sum()) + torch.arange(elems.numel())
     return held, made, extra
 
 

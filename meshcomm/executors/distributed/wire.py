@@ -98,22 +98,17 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
     fills a receive from the rank's own input, to time host work) cannot take an empty
     input. The row never leaves the rank."""
     rows = rows.contiguous()
-    sent, heard = rows, out_splits
-    padded = (in_splits is not None and out_splits is not None and rows.shape[0] == 0
-              and any(out_splits))
-    if padded:
-        assert in_splits is not None and out_splits is not None
-        rows = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])   # keeps autograd
-        in_splits = [n + (i == group.pos) for i, n in enumerate(in_splits)]
-        out_splits = [n + (i == group.pos) for i, n in enumerate(out_splits)]
-    y = call(funcol.all_to_all_single, rows,
-             None if out_splits is None else list(out_splits),
-             None if in_splits is None else list(in_splits), group.name, wait=wait)
-    if padded:
-        assert out_splits is not None
-        at = sum(out_splits[:group.pos])
-        y = torch.cat([y[:at], y[at + 1:]])
-        rows, in_splits, out_splits = sent, [0] * len(out_splits), heard
+    send, ins, outs, own = rows, in_splits, out_splits, None
+    if in_splits is not None and out_splits is not None and rows.shape[0] == 0 \
+            and any(out_splits):
+        own = sum(out_splits[:group.pos])      # where the row comes back
+        send = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])   # keeps autograd
+        ins = [n + (i == group.pos) for i, n in enumerate(in_splits)]
+        outs = [n + (i == group.pos) for i, n in enumerate(out_splits)]
+    y = call(funcol.all_to_all_single, send, None if outs is None else list(outs),
+             None if ins is None else list(ins), group.name, wait=wait)
+    if own is not None:
+        y = torch.cat([y[:own], y[own + 1:]])
     if out_splits is not None and torch.compiler.is_compiling():
         # traced, uneven splits give the output an unknown length; it is their sum, and
         # saying so lets the compiler slice it without guarding on data
