@@ -47,6 +47,7 @@ from .values import Transfer
 TREE_LIMIT = 1 << 15   # items x ranks: elements are grouped into at most this / ranks items
 ELEMENT_LIMIT = 1 << 22   # elements x ranks above which no tree is drawn (planning time)
 ITEMS_PER_CLASS = 4       # items a class a rank at most (x ranks): enough to balance it
+FREEING = 16          # chains that may fail making room for combiners, a schedule
 TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
                        # over the step's group, whose host cost grows with its size
 
@@ -210,9 +211,10 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
                                sent))
     floor = max(state_bound(state, goal, mesh))     # no schedule receives less
-    _augment(trees, recv, sent, part, floor)
-    _rebalance(trees, recv, sent)
-    _augment(trees, recv, sent, part, floor)
+    rx = _Receivers(trees, items, recv, sent, part)
+    _augment(rx, floor)
+    _rebalance(rx)
+    _augment(rx, floor)
     rows: list[Row] = []
     owner: list[int] = []    # the tree of each row
     for k, tree in enumerate(trees):
@@ -272,18 +274,15 @@ def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
     return tree
 
 
-def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
+def _rebalance(rx: _Receivers) -> None:
     """Lower the busiest rank while it can be: move a child of it to the least busy node of
     the same tree, or, failing that, hand one of its children and one more (its own or
     another node's) to a combiner: a rank of the reduction holding no partial of the
     element, which combines the two and sends one value on (a message more in all, one
     fewer at the busiest rank). The greedy pass placed elements one at a time, before it
     knew the later ones. Edits the trees, `recv` and `sent` in place."""
-    where: dict[int, list[int]] = defaultdict(list)   # rank -> trees it has spare children in
-    for t, tree in enumerate(trees):
-        for i, d in tree.degree.items():
-            if d > tree.floor(i):
-                where[i].append(t)
+    where: dict[int, list[int]] = {i: sorted(ts) for i, ts in rx.spare.items() if ts}
+    recv = rx.recv
     while where:
         busiest = max(where, key=lambda i: (recv[i], i))
         # A tree that cannot relieve the busiest rank now will not later either (its other
@@ -292,9 +291,9 @@ def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
         for t in where[busiest]:
             if relieved:
                 kept.append(t)
-            elif _relieve(trees[t], busiest, recv, sent, where, t):
+            elif _relieve(rx, t, busiest, where):
                 relieved = True
-                if trees[t].degree[busiest] > trees[t].floor(busiest):
+                if t in rx.spare[busiest]:
                     kept.append(t)
         if not relieved:
             return
@@ -304,103 +303,181 @@ def _rebalance(trees: list[_Tree], recv: list[int], sent: list[int]) -> None:
             del where[busiest]
 
 
-def _relieve(tree: _Tree, b: int, recv: list[int], sent: list[int],
-             where: dict[int, list[int]], t: int) -> bool:
-    """One message fewer at node `b` of `tree` where that lowers it (see `_rebalance`)."""
-    if tree.degree[b] <= tree.floor(b):
+def _relieve(rx: _Receivers, t: int, b: int, where: dict[int, list[int]]) -> bool:
+    """One message fewer at node `b` of tree `t` where that lowers it (see `_rebalance`)."""
+    tree, recv = rx.trees[t], rx.recv
+    if t not in rx.spare[b]:
         return False
     w = tree.weight
     j = min(tree.degree, key=lambda i: (recv[i], i))
     if recv[j] + w < recv[b]:
+        had = t in rx.spare[j]
         tree.degree[b] -= 1
         tree.degree[j] += 1
         recv[b] -= w
         recv[j] += w
-        if tree.degree[j] == tree.floor(j) + 1:
-            where[j].append(t)
+        rx.update(t, b)
+        rx.update(t, j)
+        if not had and t in rx.spare[j]:
+            where.setdefault(j, []).append(t)
         return True
     # a combiner c takes two children (two of b's, or one of b's and one of another node's)
     # and is a child itself: b has one child fewer, c two (`_tree` lays the tree out again
-    # from the degrees)
+    # from the degrees). Where the least busy candidate is too busy, chains of moves may
+    # first lower it far enough (`_Receivers.lower`, every other rank kept below b).
     c = min((i for i in tree.members if i not in tree.taken and i not in tree.degree),
             key=lambda i: (recv[i], i), default=None)
-    if c is None or recv[c] + 2 * w >= recv[b]:
+    if c is None:
         return False
+    if recv[c] + 2 * w >= recv[b]:
+        if recv[c] + 2 * w - recv[b] >= 2 * w or rx.freeing <= 0:
+            return False      # too far to free (chains are dear; few succeed)
+        while recv[c] + 2 * w >= recv[b]:
+            if not rx.lower(c, recv[b], cut=False):
+                rx.freeing -= 1
+                return False
     tree.degree[b] -= 1
     tree.degree[c] = 2
     tree.combiners.add(c)
     recv[b] -= w
     recv[c] += 2 * w
-    sent[c] += w
+    rx.sent[c] += w
+    rx.update(t, b)
     return True
 
 
-def _augment(trees: list[_Tree], recv: list[int], sent: list[int], part: list[int],
-             floor: int) -> None:
-    """Lower the busiest rank along chains of moves: a message moves off it to another node
-    of one of its trees, which hands one of its own messages (in another tree of the same
-    weight) on, and so on, until a rank that stays below the busiest takes one. Each rank
-    on the chain but its ends keeps its load. A node with one child may also hand its place
-    in the tree to another rank holding the same partial (`part`), which takes the child
-    and sends in its stead. This finds what one move (`_relieve`) cannot: with the trees'
-    nodes fixed and items of one size, the loads it stops at have the least possible
-    maximum (an augmenting path argument, as in a max-flow). It stops at `floor`, a lower
-    bound. Edits the trees, `recv` and `sent` in place."""
-    spare: dict[int, set[int]] = defaultdict(set)   # rank -> trees it has a spare child in
-    for t, tree in enumerate(trees):
-        for i, d in tree.degree.items():
-            if d > tree.floor(i):
-                spare[i].add(t)
+class _Receivers:
+    """The receive side of the trees while they are balanced: which trees each rank has a
+    spare child in (one it may hand on: `spare`), and chains of such moves that lower a
+    rank (`lower`). A move hands a child on to another node of the same tree; a node with
+    one child may also hand its place in the tree to another rank holding the same
+    partial (`part`), which takes the child and sends in its stead. Where no chain of
+    whole items lowers a rank, an item may be cut in two (`cut`: a new tree with the same
+    nodes takes part of its elements), so that a chain of lighter units can; `items`
+    grows with the cuts, at most as many as there were trees."""
 
-    def takers(t: int, i: int) -> list[int]:
-        tree = trees[t]
+    def __init__(self, trees: list[_Tree], items: list[tuple[int, ...]], recv: list[int],
+                 sent: list[int], part: list[int]) -> None:
+        self.trees, self.items, self.recv, self.sent, self.part = trees, items, recv, sent, part
+        self.spare: dict[int, set[int]] = defaultdict(set)
+        for t, tree in enumerate(trees):
+            for i in tree.degree:
+                self.update(t, i)
+        self.cuts = len(trees)      # items it may still cut in two
+        self.freeing = FREEING      # failed chains left to make room for a combiner
+        self.heavier = False        # whether a chain of weight w may cut heavier items
+
+    def update(self, t: int, i: int) -> None:
+        """Whether rank i has a spare child in tree t, after its degree changed."""
+        tree = self.trees[t]
+        if tree.degree.get(i, 0) > tree.floor(i):
+            self.spare[i].add(t)
+        else:
+            self.spare[i].discard(t)
+
+    def takers(self, t: int, i: int) -> list[int]:
+        tree = self.trees[t]
         out = list(tree.degree)
         if tree.degree[i] == 1 and i != tree.root and i not in tree.combiners:
-            out += [c for c in tree.taken if part[c] == part[i] and c not in tree.degree
-                    and c not in tree.combiners]
+            out += [c for c in tree.taken if self.part[c] == self.part[i]
+                    and c not in tree.degree and c not in tree.combiners]
         return out
 
-    def moves(i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
-        return ((t, functools.partial(takers, t, i)) for t in spare[i] if trees[t].weight == w)
+    def moves(self, i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+        return ((t, functools.partial(self.takers, t, i)) for t in self.spare[i]
+                if self.trees[t].weight == w or self.heavier and self.trees[t].weight > w)
 
-    def move(path: list[tuple[int, int, int]], w: int) -> None:
+    def weights(self, b: int) -> set[int]:
+        return {self.trees[t].weight for t in self.spare[b]}
+
+    def move(self, path: list[tuple[int, int, int]], w: int) -> None:
         for i, j, t in path:
-            tree = trees[t]
+            if self.trees[t].weight > w:
+                t = self.cut(t, w)
+            tree = self.trees[t]
             if j in tree.degree:
                 tree.degree[i] -= 1
                 tree.degree[j] += 1
             else:            # j holds i's partial too and takes i's place (and child)
                 del tree.degree[i]
                 tree.degree[j] = 1
-                sent[i] -= w
-                sent[j] += w
-            if tree.degree.get(i, 0) <= tree.floor(i):
-                spare[i].discard(t)
-            if tree.degree[j] > tree.floor(j):
-                spare[j].add(t)
+                self.sent[i] -= w
+                self.sent[j] += w
+            self.update(t, i)
+            self.update(t, j)
 
-    _lower(recv, floor, lambda b: {trees[t].weight for t in spare[b]}, moves, move)
+    def cut(self, t: int, w: int) -> int:
+        """A new tree, with tree t's nodes and degrees, for `w` of its item's elements (a
+        new item); tree t keeps the others (another new item: the old one may be shared
+        with trees of other reductions). Returns the new tree's index."""
+        tree = self.trees[t]
+        elems = self.items[tree.elem]
+        self.items += [elems[:w], elems[w:]]
+        piece = _Tree(tree.root, len(self.items) - 2, w, list(tree.want), tree.root_holds,
+                      dict(tree.degree), set(tree.combiners), tree.members, tree.taken)
+        tree.elem, tree.weight = len(self.items) - 1, tree.weight - w
+        self.trees.append(piece)
+        for i in piece.degree:
+            self.update(len(self.trees) - 1, i)
+        self.cuts -= 1
+        return len(self.trees) - 1
+
+    def lower(self, b: int, top: int, cut: bool = True) -> bool:
+        """Lower rank `b` by one unit along a chain ending at a rank that stays below `top`
+        (`_search`): whole items first, the heaviest first; then, while cuts are left,
+        pieces of half b's heaviest item, a quarter, ... down to one element."""
+        if _step(b, top, self.recv, self.weights, self.moves, self.move):
+            return True
+        if not cut:
+            return False
+        w = max(self.weights(b), default=0) // 2
+        self.heavier = True
+        try:
+            while w >= 1 and self.cuts > 0:
+                if _step(b, top, self.recv, lambda _: {w}, self.moves, self.move):
+                    return True
+                w //= 2
+        finally:
+            self.heavier = False
+        return False
 
 
-def _lower(load: list[int], floor: int, weights: Callable[[int], set[int]],
-           moves: Callable[[int, int], Iterable[tuple[int, Callable[[], list[int]]]]],
-           move: Callable[[list[tuple[int, int, int]], int], None]) -> None:
-    """While the busiest rank's `load` is above `floor`, lower it along a shortest chain
-    (`_search`) of units of one weight (`weights(b)`: those it has, the heaviest tried
-    first; `moves(i, w)`: rank i's units of weight w and who may take each); `move` applies
-    the chain. Stops where the busiest rank cannot be lowered (nor can the maximum)."""
+def _augment(rx: _Receivers, floor: int) -> None:
+    """Lower the busiest rank along chains of moves (`_Receivers.lower`): a message moves
+    off it to another node of one of its trees, which hands one of its own messages (in
+    another tree of the same weight) on, and so on, until a rank that stays below the
+    busiest takes one. Each rank on the chain but its ends keeps its load. This finds what
+    one move (`_relieve`) cannot: with the trees' nodes fixed and items of one size, the
+    loads it stops at have the least possible maximum (an augmenting path argument, as in
+    a max-flow); cutting items lowers it below what whole items allow. It stops at
+    `floor`, a lower bound. Edits the trees, `recv` and `sent` in place."""
+    _lower(rx.recv, floor, rx.lower)
+
+
+def _lower(load: list[int], floor: int, step: Callable[[int, int], bool]) -> None:
+    """While the busiest rank's `load` is above `floor`, lower it by one chain (`step(b,
+    top)`, which updates `load`). Stops where the busiest rank cannot be lowered (nor can
+    the maximum)."""
     while max(load) > floor:
         top = max(load)
-        b = load.index(top)
-        for w in sorted(weights(b), reverse=True):
-            path = _search(b, top, load, w, moves)
-            if path:
-                break
-        else:
+        if not step(load.index(top), top):
             return
-        move(path, w)
-        load[b] -= w
-        load[path[-1][1]] += w
+
+
+def _step(b: int, top: int, load: list[int], weights: Callable[[int], set[int]],
+          moves: Callable[[int, int], Iterable[tuple[int, Callable[[], list[int]]]]],
+          move: Callable[[list[tuple[int, int, int]], int], None]) -> bool:
+    """Lower rank `b` along a shortest chain (`_search`) of units of one weight
+    (`weights(b)`, the heaviest tried first; `moves(i, w)`: rank i's units of weight w and
+    who may take each) ending below `top`; `move` applies the chain. False where none."""
+    for w in sorted(weights(b), reverse=True):
+        path = _search(b, top, load, w, moves)
+        if path:
+            move(path, w)
+            load[b] -= w
+            load[path[-1][1]] += w
+            return True
+    return False
 
 
 def _search(b: int, top: int, load: list[int], w: int,
@@ -484,7 +561,10 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
             by_sender[a].discard(k)
             by_sender[c].add(k)
 
-    _lower(sent, floor, lambda b: {trees[owner[k]].weight for k in by_sender[b]}, moves, move)
+    def weights(b: int) -> set[int]:
+        return {trees[owner[k]].weight for k in by_sender[b]}
+
+    _lower(sent, floor, lambda b, top: _step(b, top, sent, weights, moves, move))
 
 
 def _deliveries(tree: _Tree, first: int, sent: list[int]) -> list[Row]:
