@@ -12,7 +12,7 @@ import torch
 
 from .core.layout import Layout
 from .core.mesh import Mesh
-from .planner.bounds import CLASS_LIMIT, unions_fit
+from .planner.bounds import CLASS_LIMIT, FLOW_TRIES, unions_fit
 
 
 def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
@@ -116,13 +116,12 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     if classes:   # a root saves a copy only where it holds nothing at all
         nothing = {i for i, hold in enumerate(holds) if not hold.any()}
         rootless = sum(c[0] for c in classes if nothing & set(c[4]))
-    flow = [(c[0] * c[1], c[1], sorted({i for p in c[2] for i in p} | set(c[4])), c[3])
-            for c in classes]
+    flow = [(c[0], c[1], c[2], c[4], c[3]) for c in classes]
     load = max(-(-messages // mesh.size), busiest)
     while not (_carries(load, messages, unions, lacking, idle, g, mesh.size, needs, empty,
                         rootless)
                and all(_class_carries(load, needs, *c) for c in classes)
-               and (not flow or unions_fit(flow, [max(0, load - n) for n in needs]))):
+               and (not flow or unions_fit(flow, [max(0, load - n) for n in needs], FLOW_TRIES))):
         load += 1
     return load
 

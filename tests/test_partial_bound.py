@@ -20,6 +20,7 @@ from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
 from meshcomm.executors.sim import execute, scatter
+from meshcomm.planner.bounds import FLOW_TRIES, unions_fit
 from meshcomm.testing import counting_bound, partial_transition
 
 
@@ -42,8 +43,8 @@ def test_our_bound_is_the_counting_bound(even: bool) -> None:
 
 def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
     """150 partial-source transitions on meshes of up to 64 ranks, every dim divisible by
-    the mesh: each plan exact in simulation; at least 90% at the counting bound (the
-    measured share is 92.7%; 95-98% on other seeds, see docs/plans.md), none above 1.5x."""
+    the mesh: each plan exact in simulation; at least 93% at the counting bound (the
+    measured share is 94.7%; 97.5-99% on other seeds, see docs/plans.md), none above 1.5x."""
     ratios = []
     for mesh, shape, src, dst in _sample(150, 2, even=True):
         p = mc.plan(mesh, shape, src, dst)
@@ -51,14 +52,14 @@ def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
         ratios.append((max(p.recv_bytes) / (counting_bound(mesh, shape, src, dst) * 4), str(p)))
     at = sum(r <= 1.0 for r, _ in ratios) / len(ratios)
     worst = max(ratios)
-    assert at >= 0.90, f"{at:.0%} at the bound"
+    assert at >= 0.93, f"{at:.0%} at the bound"
     assert worst[0] <= 1.5, worst[1]
 
 
 def test_partial_sources_on_small_shapes_are_exact() -> None:
     """Small shapes (torch.chunk leaves ranks empty): every plan exact and at or above the
-    bound; at least 95% at it (the measured share is 98.8%; tree steps reach most of them,
-    see docs/plans.md), none above 1.5x."""
+    bound; at least 95% at it (the measured share is 98.8%; tree steps reach most of them;
+    92.5-96.5% on other seeds, see docs/plans.md), none above 1.5x."""
     ratios = []
     for mesh, shape, src, dst in _sample(80, 3, even=False):
         p = mc.plan(mesh, shape, src, dst)
@@ -72,7 +73,7 @@ def test_partial_sources_on_small_shapes_are_exact() -> None:
 # The worst cases of the issue's fuzz, and the ratio each plan had then -> has now.
 LISTED = [
     ("dp=4 pp=2 ep=4", (10, 4, 9, 10), "(pp a) b c d | sum(dp)", "(dp ep a) b c d",
-     torch.float32, 6.8, 1.003),
+     torch.float32, 6.8, 1.0),
     ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)",
      torch.float64, 7.0, 1.0),
     ("pp=2 sp=4 dp=4", (13, 2), "(sp a) b | sum(dp)", "(dp pp sp a) b", torch.int16, 4.7, 1.0),
@@ -107,3 +108,47 @@ def test_idle_ranks_raise_the_bound() -> None:
     assert max(p.lower_bound_bytes) == 8 <= max(p.recv_bytes)
     # with no idle rank the refinement changes nothing: a plain reduce_scatter's bound
     assert counting_bound(mc.Mesh("tp=4"), (8,), "i | sum(tp)", "(tp i)") == 6
+
+
+def test_a_partial_s_node_takes_no_more_than_its_rank_can() -> None:
+    """docs/plans.md: 3 elements, each needed by 4 ranks with pp = 0, every rank holding one
+    of 8 partials. At one element a rank, the 12 needers receive nothing beyond their own;
+    each element's tree has 6 unions at 6 distinct ranks (one message each) among the 7
+    partials besides its root's, so at least 2 at holders of pp = 0 partials, and the only
+    such holders that need nothing are the 4 ranks with sp = 3: 6 > 4. The bound is 2
+    elements (it was 1: the flow let one rank make a union of every item)."""
+    mesh = mc.Mesh("sp=4 dp=4 pp=2")
+    args = (mesh, (3,), "i | min(dp, pp)", "(sp pp i)")
+    assert counting_bound(*args) == 2
+    p = mc.plan(*args)
+    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 8
+    _check_exact(p, _data(p.shape))
+
+
+def test_a_rank_combining_for_others_pays_its_copies() -> None:
+    """docs/plans.md: at 2 elements a rank, 12 messages are spare and 10 unions needed; rows
+    dp = 0 and 1 need 4 unions each but their holders spare only 3, so each needs one
+    union from a rank holding none of it, which copies first: only a rank with 2 spare
+    makes one. Of the four (tp = 3), those of rows 0 and 1 are spent on their rows, and
+    row 2's must make one of its row's 2 unions, leaving 1 (no union for others): 1 < 2,
+    so the bound is 3 elements (the flow alone let row 2's rank split its 2 between its
+    row and a copy-free union for another), and the plan receives 3."""
+    args = (mc.Mesh("dp=4 tp=4"), (5,), "(dp i) | sum(tp)", "(tp i)")
+    assert counting_bound(*args) == 3
+    p = mc.plan(*args)
+    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 12
+    _check_exact(p, _data(p.shape))
+
+
+def test_unions_fit_counts_copies_rank_by_rank() -> None:
+    """`bounds.unions_fit`: rank 2 holds a partial of item one (2 unions) and none of item two
+    (1 union); every other rank is full. As a holder it makes one's unions with 2
+    messages, but two's union it can only make as a combiner, after a copy: 4 messages,
+    not 3. The flow alone (one try, as the search's A* asks) lets 3 through."""
+    one = (1, 2, [[2], [1], [3]], [], [0])    # items, unions an item, partials, roots, others
+    two = (1, 1, [[4], [5]], [], [2])
+    spare = [0, 0, 3, 0, 0, 0]
+    assert unions_fit([one, two], spare, 1)
+    assert not unions_fit([one, two], spare, FLOW_TRIES)
+    assert unions_fit([one, two], [0, 0, 4, 0, 0, 0], FLOW_TRIES)
+    assert unions_fit([one], spare, FLOW_TRIES) and unions_fit([two], spare, FLOW_TRIES)

@@ -71,7 +71,8 @@ from .states import State, from_layout, local_numels, local_numels_tensor
 def lower_bound_elements(mesh: Mesh, shape: Shape, src: Layout, dst: Layout) -> tuple[int, ...]:
     """Per rank (mesh order), elements any correct plan must receive."""
     shape = tuple(shape)
-    return state_bound(from_layout(src, mesh, shape), from_layout(dst, mesh, shape), mesh)
+    return state_bound(from_layout(src, mesh, shape), from_layout(dst, mesh, shape), mesh,
+                       FLOW_TRIES)
 
 
 def sharding_axes(state: State) -> frozenset[AxisName]:
@@ -86,12 +87,15 @@ def busiest_bound(start: State, goal: State, mesh: Mesh) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def state_bound(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
-    """`lower_bound_elements` between two planner states."""
+def state_bound(start: State, goal: State, mesh: Mesh, tries: int = 1) -> tuple[int, ...]:
+    """`lower_bound_elements` between two planner states. `tries`: the max-flows each
+    test of the classes may run (`unions_fit`): the search's A* asks the bound of every
+    state it queues and takes one (a bound as valid, at most as tight); the plan's own
+    bound and trees take `FLOW_TRIES`."""
     resolve = [a for a in start.partial if a not in goal.partial]
     g = math.prod(mesh.axis_size(a) for a in resolve)
     if g > 1:
-        return _reduction(start, goal, mesh, g)
+        return _reduction(start, goal, mesh, g, tries)
     new = [a for a in goal.partial if a not in start.partial]
     if new and goal.op != "avg":   # an average needs the value on every member
         return _partial_destination(start, goal, mesh, tuple(new))
@@ -104,7 +108,7 @@ def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     return tuple((need - own).tolist())
 
 
-def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]:
+def _reduction(start: State, goal: State, mesh: Mesh, g: int, tries: int) -> tuple[int, ...]:
     total = math.prod(d.size for d in start.dims)
     if any(a not in start.partial for a in goal.partial):
         # Members of a pending group of the goal all need the same block: count it once.
@@ -129,21 +133,22 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int) -> tuple[int, ...]
         rootless = sum(c.count for c in classes if bool(empty[c.roots].any()))
     # every rank receives at least one message per element of its block
     share = busiest_share(messages, unions, need, need - own, idle, g, mesh.size,
-                          need[empty], rootless, classes)
+                          need[empty], rootless, classes, tries)
     return tuple(torch.clamp(need, min=share).tolist())
 
 
 def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch.Tensor,
                   idle: int, g: int, ranks: int, empty_need: torch.Tensor,
-                  rootless: int, classes: tuple[ItemClass, ...] = ()) -> int:
+                  rootless: int, classes: tuple[ItemClass, ...] = (),
+                  tries: int = 1) -> int:
     """The least L such that ranks receiving at most L messages each can carry `messages`
     and `unions` (see the module doc): `need` and `lacking` are per rank, `idle` ranks hold
     and need nothing, `empty_need` is what each rank holding nothing needs, and `rootless`
     items have no needer holding a partial. (`meshcomm.testing.counting_bound` counts the
     same apart, element by element.)"""
     beyond = messages - int(need.sum())     # messages beyond one per element a rank needs
-    flow = [(c.count * c.free, c.free, _ranks(c.partials, c.roots), c.others.tolist())
-            for c in classes]
+    flow: list[FlowClass] = [(c.count, c.free, [p.tolist() for p in c.partials],
+                              c.roots.tolist(), c.others.tolist()) for c in classes]
 
     def fits(L: int) -> bool:
         wasted = idle * -(-L // g)          # an idle rank's first message per element
@@ -156,7 +161,7 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
                 and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
                 and int(extra.sum()) - max(0, empty - rootless) >= beyond
                 and all(c.fits(extra) for c in classes)
-                and (not flow or unions_fit(flow, extra.tolist())))
+                and (not flow or unions_fit(flow, extra.tolist(), tries)))
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):
@@ -207,73 +212,142 @@ class ItemClass:
         return made >= self.count * self.free
 
 
-def _ranks(partials: tuple[torch.Tensor, ...], roots: torch.Tensor) -> list[int]:
-    return sorted({int(i) for t in (*partials, roots) for i in t.tolist()})
+FlowClass = tuple[int, int, list[list[int]], list[int], list[int]]
 
 
-def unions_fit(classes: list[tuple[int, int, list[int], list[int]]], extra: list[int]) -> bool:
+def unions_fit(classes: list[FlowClass], extra: list[int], tries: int) -> bool:
     """Whether ranks with `extra` messages each beyond their needs can make every class's
-    unions at once: per class (unions needed, unions an item, ranks that take them without
-    a copy, ranks that copy first). A rank takes at most its extra in all; of what it takes
-    for classes it holds no partial of, at most e - ceil(e / (f + 1)) are unions (a copy an
-    item, f the most unions an item). A max-flow (Dinic) over classes and ranks: a lower
-    bound's condition, so the relaxations only let more through."""
-    demand = sum(d for d, *_ in classes)
+    unions at once: per class (items, unions an item, the ranks holding each partial
+    value, ranks that take unions without a copy as roots, ranks that copy first). Each
+    item has one node per partial value, which makes at most `free` of the item's unions,
+    and no more than its rank's extra: a partial's holders make at most items x min(free,
+    the most extra one of them has). A rank takes at most its extra in all, less the
+    copies it makes: u unions of classes it holds no partial of take at least ceil(u / f)
+    copies (one an item it combines, f the most unions an item).
+
+    A max-flow (Dinic) over classes, their partials and ranks, first with no copies
+    counted (a rank's unions for others capped at e - ceil(e / (f + 1))). Where a rank's
+    flow for others needs more copies than counted, two cases are tried apart: it makes
+    at most f x its counted copies of them, or it makes one copy more (its capacity one
+    less). Every plan fits one of them, so the answer stays a lower bound's condition;
+    after `tries` flows the weaker answer (fits) stands."""
+    demand = sum(count * free for count, free, *_ in classes)
     if demand == 0:
         return True
     f = max(free for _, free, *_ in classes)
-    n, ranks = len(classes), len(extra)
-    source, sink = 0, 1
-    size = 2 + n + 2 * ranks
-    graph: list[list[list[int]]] = [[] for _ in range(size)]   # edges: [to, cap, rev]
-
-    def edge(a: int, b: int, cap: int) -> None:
-        graph[a].append([b, cap, len(graph[b])])
-        graph[b].append([a, 0, len(graph[a]) - 1])
-
-    for k, (d, _, takers, others) in enumerate(classes):
-        edge(source, 2 + k, d)
-        for r in takers:
-            edge(2 + k, 2 + n + r, d)
-        for r in others:
-            edge(2 + k, 2 + n + ranks + r, d)
-    for r, e in enumerate(extra):
-        edge(2 + n + r, sink, e)
-        edge(2 + n + ranks + r, 2 + n + r, e - -(-e // (f + 1)))
-    flow = 0
-    while flow < demand:
-        level = [-1] * size
-        level[source] = 0
-        queue = [source]
-        for a in queue:
-            for b, cap, _ in graph[a]:
-                if cap > 0 and level[b] < 0:
-                    level[b] = level[a] + 1
-                    queue.append(b)
-        if level[sink] < 0:
+    ranks = len(extra)
+    graph = _UnionGraph(classes, extra)
+    pending = [([0] * ranks, [e - -(-e // (f + 1)) for e in extra])]
+    for _ in range(tries):
+        if not pending:
             return False
-        at = [0] * size
+        copies, other = pending.pop()
+        got = graph.flow(copies, other, demand)
+        if got is None:
+            continue
+        bad = next((r for r, u in enumerate(got) if u > f * copies[r]), None)
+        if bad is None:
+            return True
+        fewer = list(other)
+        fewer[bad] = f * copies[bad]
+        more = list(copies)
+        more[bad] += 1
+        pending += [(more, other), (copies, fewer)]
+    return bool(pending)     # cases left untried: the weaker answer
 
-        def push(a: int, limit: int) -> int:
-            if a == sink:
-                return limit
-            while at[a] < len(graph[a]):
-                e = graph[a][at[a]]
-                b, cap, rev = e
-                if cap > 0 and level[b] == level[a] + 1:
-                    got = push(b, min(limit, cap))
-                    if got:
-                        e[1] -= got
-                        graph[b][rev][1] += got
-                        return got
-                at[a] += 1
-            return 0
 
-        while (got := push(source, demand - flow)):
-            flow += got
-            if flow >= demand:
-                break
-    return True
+FLOW_TRIES = 32   # max-flows a `unions_fit` call may run
+
+
+class _UnionGraph:
+    """The network of `unions_fit`, built once: source -> class -> (partial -> holder |
+    root | others-node of a rank) -> rank -> sink. Edges are numbered in pairs (an edge,
+    then its reverse); `flow` sets the two capacities per rank that change between
+    tries."""
+
+    def __init__(self, classes: list[FlowClass], extra: list[int]) -> None:
+        n, ranks = len(classes), len(extra)
+        self.ranks, self.extra = ranks, extra
+        self.rank_node = [2 + n + r for r in range(ranks)]
+        self.other_node = [2 + n + ranks + r for r in range(ranks)]
+        self.size = 2 + n + 2 * ranks + sum(len(c[2]) for c in classes)
+        self.out: list[list[int]] = [[] for _ in range(self.size)]
+        self.to: list[int] = []
+        self.cap: list[int] = []
+        node = 2 + n + 2 * ranks
+        for k, (count, free, partials, roots, others) in enumerate(classes):
+            self._edge(0, 2 + k, count * free)
+            for holders in partials:
+                self._edge(2 + k, node, count * min(free, max(extra[r] for r in holders)))
+                for r in holders:
+                    self._edge(node, self.rank_node[r], count * min(free, extra[r]))
+                node += 1
+            for r in roots:
+                self._edge(2 + k, self.rank_node[r], count * free)
+            for r in others:
+                if extra[r] > 1:
+                    self._edge(2 + k, self.other_node[r], count * free)
+        self.sink_edge = [self._edge(self.rank_node[r], 1, extra[r], keep=True)
+                          for r in range(ranks)]
+        self.other_edge = [self._edge(self.other_node[r], self.rank_node[r], 0, keep=True)
+                           for r in range(ranks)]
+
+    def _edge(self, a: int, b: int, cap: int, keep: bool = False) -> int:
+        if cap <= 0 and not keep:
+            return -1
+        e = len(self.to)
+        self.out[a].append(e)
+        self.out[b].append(e + 1)
+        self.to += [b, a]
+        self.cap += [cap, 0]
+        return e
+
+    def flow(self, copies: list[int], other: list[int], demand: int) -> list[int] | None:
+        """A max-flow with rank r taking at most extra[r] - copies[r] unions in all and
+        other[r] of classes it holds no partial of: None where it falls short of `demand`,
+        else what each rank takes for those classes."""
+        cap = list(self.cap)
+        for r in range(self.ranks):
+            room = self.extra[r] - copies[r]
+            cap[self.sink_edge[r]] = room
+            cap[self.other_edge[r]] = max(0, min(other[r], room))
+        to, out, sink = self.to, self.out, 1
+        total = 0
+        while total < demand:
+            level = [-1] * self.size
+            level[0] = 0
+            queue = [0]
+            for a in queue:
+                for e in out[a]:
+                    if cap[e] > 0 and level[to[e]] < 0:
+                        level[to[e]] = level[a] + 1
+                        queue.append(to[e])
+            if level[sink] < 0:
+                return None
+            at = [0] * self.size
+
+            def push(a: int, limit: int) -> int:
+                if a == sink:
+                    return limit
+                edges = out[a]
+                while at[a] < len(edges):
+                    e = edges[at[a]]
+                    b = to[e]
+                    if cap[e] > 0 and level[b] == level[a] + 1:
+                        got = push(b, min(limit, cap[e]))
+                        if got:
+                            cap[e] -= got
+                            cap[e ^ 1] += got
+                            return got
+                    at[a] += 1
+                return 0
+
+            while (got := push(0, demand - total)):
+                total += got
+                if total >= demand:
+                    break
+        # what went through a rank's node for others: its edge's reverse capacity
+        return [cap[e ^ 1] for e in self.other_edge]
 
 
 def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, ...]:
