@@ -320,10 +320,16 @@ def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
     own = torch.ones(mesh.size, dtype=torch.long)
     need = torch.ones(mesh.size, dtype=torch.long)
     for a, b in zip(state.dims, dst.dims):
-        n = rank_blocks(b, mesh)
-        own = own * counts_at(a, b, mesh, rank_blocks(a, mesh), n)
-        need = need * block_sizes(b, mesh)[n]
+        own = own * _rank_counts(a, b, mesh)
+        need = need * block_sizes(b, mesh)[rank_blocks(b, mesh)]
     return own, need
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
+    """Per rank, the size of its block of `a` ∩ its block of `b` (states of a search share
+    most dims, so each pair is counted once). Cached: callers must not modify it."""
+    return counts_at(a, b, mesh, rank_blocks(a, mesh), rank_blocks(b, mesh))
 
 
 def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisName],

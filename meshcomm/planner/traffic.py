@@ -49,6 +49,8 @@ def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
 def scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
                      outs: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = group_size(mesh, axes)
+    if uniform(ins) and uniform(outs):
+        return (ins[0] - outs[0],) * mesh.size, ((g - 1) * outs[0],) * mesh.size
     send = tuple(i - o for i, o in zip(ins, outs))
     recv = tuple((g - 1) * o for o in outs)
     return send, recv
@@ -79,4 +81,6 @@ def all_to_all_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                        sizes: tuple[int, ...]) -> tuple[int, ...]:
     """An even all_to_all: each rank keeps 1/g of its tensor and sends (receives) the rest."""
     g = group_size(mesh, axes)
+    if uniform(sizes):
+        return (sizes[0] - sizes[0] // g,) * len(sizes)
     return tuple(s - s // g for s in sizes)
