@@ -48,7 +48,7 @@ from .values import Transfer
 TREE_LIMIT = 1 << 15   # items x ranks: elements are grouped into at most this / ranks items
 ELEMENT_LIMIT = 1 << 22   # elements x ranks above which no tree is drawn (planning time)
 ITEMS_PER_CLASS = 4       # items a class a rank at most (x ranks): enough to balance it
-RESTARTS = 8          # other orders tried where a schedule stays above the bound
+RESTARTS = 8          # other orders (items, ties) tried where a schedule is above the bound
 RESTART_LIMIT = 1 << 12   # items x ranks up to which they are tried
 FREEING = 16          # chains that may fail making room for combiners, a schedule
 TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
@@ -200,14 +200,17 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         by_kept[k].append(i)
     items, holders, needers = _items(state, goal, mesh, max(1, TREE_LIMIT // mesh.size))
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
-    order = list(range(len(items)))
-    best = _balanced(order, items, holders, needers, kept, by_kept, part, g, mesh.size, floor)
+    order, tie = list(range(len(items))), list(range(mesh.size))
+    best = _balanced(order, tie, items, holders, needers, kept, by_kept, part, g, mesh.size,
+                     floor)
     if max(best[2]) > floor and len(items) * mesh.size <= RESTART_LIMIT:
-        # greedy draws depend on the order items come in: a few other orders, the best kept
+        # greedy draws depend on the order items come in and on ties between ranks: a few
+        # other orders of both, the best kept
         shuffle = random.Random(len(items)).shuffle
         for _ in range(RESTARTS):
             shuffle(order)
-            got = _balanced(order, items, holders, needers, kept, by_kept, part, g,
+            shuffle(tie)
+            got = _balanced(order, tie, items, holders, needers, kept, by_kept, part, g,
                             mesh.size, floor)
             if (max(got[2]), sum(got[2])) < (max(best[2]), sum(best[2])):
                 best = got
@@ -239,11 +242,13 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
                     tuple(tuple(sorted(x)) for x in scratch), tuple(items))
 
 
-def _balanced(order: list[int], items: list[tuple[int, ...]], holders: list[list[int]],
+def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
+              holders: list[list[int]],
               needers: list[list[int]], kept: list[int], by_kept: dict[int, list[int]],
               part: list[int], g: int, ranks: int, floor: int
               ) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
-    """Trees for every item, drawn greedily in `order` and balanced (`_augment`,
+    """Trees for every item, drawn greedily in `order` (ties between ranks to the least
+    `tie`) and balanced (`_augment`,
     `_rebalance`): the trees, the items (cut ones added), and the elements each rank
     receives and sends."""
     items = list(items)
@@ -260,7 +265,7 @@ def _balanced(order: list[int], items: list[tuple[int, ...]], holders: list[list
         for k, want in wanting.items():
             held = [i for i in holders[e] if kept[i] == k]
             trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
-                               sent))
+                               sent, tie))
     rx = _Receivers(trees, items, recv, sent, part)
     _augment(rx, floor)
     _rebalance(rx)
@@ -269,32 +274,33 @@ def _balanced(order: list[int], items: list[tuple[int, ...]], holders: list[list
 
 
 def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
-          part: list[int], g: int, recv: list[int], sent: list[int]) -> _Tree:
+          part: list[int], g: int, recv: list[int], sent: list[int], tie: list[int]) -> _Tree:
     """The tree of item `e` (`w` elements) among the ranks of one reduction (`members`): the
     root, a holder of each partial, and the children of each node, dealt out one at a time
-    to the least busy node. Updates `recv` and `sent` (in elements)."""
+    to the least busy node (ties to the least `tie`). Updates `recv` and `sent` (in
+    elements)."""
     holding = set(held)
     both = [i for i in want if i in holding]
     # the root: a rank needing the element (its first message replaces its delivery), one
     # holding a partial if any; one that holds none combines in its output
-    root = min(both or want, key=lambda i: (sent[i], recv[i], i))
+    root = min(both or want, key=lambda i: (sent[i], recv[i], tie[i]))
     nodes: dict[int, int] = {part[root]: root} if both else {}
     for i in held:    # one holder of each partial: the least busy (received, then sent)
         j = nodes.get(part[i])
-        if j is None or j != root and (max(sent[i], recv[i]), recv[i], sent[i]) < (
-                max(sent[j], recv[j]), recv[j], sent[j]):
+        if j is None or j != root and (max(sent[i], recv[i]), recv[i], sent[i], tie[i]) < (
+                max(sent[j], recv[j]), recv[j], sent[j], tie[j]):
             nodes[part[i]] = i
     assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
     tree = _Tree(root, e, w, [i for i in want if i != root], bool(both),
                  dict.fromkeys(nodes.values(), 0), set(), members, holding)
     tree.degree[root] = 1
-    heap = [(recv[i], i) for i in tree.degree]
+    heap = [(recv[i], tie[i], i) for i in tree.degree]
     heapq.heapify(heap)
     for _ in range(len(tree.degree) - 2):   # a tree has one message per node but the root
-        _, i = heapq.heappop(heap)
+        _, _, i = heapq.heappop(heap)
         tree.degree[i] += 1
         recv[i] += w
-        heapq.heappush(heap, (recv[i], i))
+        heapq.heappush(heap, (recv[i], tie[i], i))
     for i in tree.degree:
         sent[i] += w * (i != root)
     if tree.want:     # the root sends the first delivery (`_deliveries` takes it from here)
