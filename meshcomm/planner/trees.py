@@ -8,9 +8,11 @@ of ranks, one holder of each partial, rooted at a rank that needs the item (one 
 partial where there is one: its delivery is then its own combine). The trees are drawn
 greedily, item by item, so that the rank receiving the least so far takes the next
 message; then chains of moves lower the busiest rank (`_augment`: with the nodes fixed,
-to the least possible maximum), and a *combiner* (a rank holding no partial of the item,
-which combines two values in scratch and sends one) may relieve it further. Sends are
-balanced along chains too (`_augment_sends`).
+to the least possible maximum; a chain may cut an item in two where whole items cannot
+move), and a *combiner* (a rank holding no partial of the item, which combines two values
+in scratch and sends one) may relieve it further. Small schedules left above the bound
+are drawn again in a few other orders. Sends are balanced along chains too
+(`_augment_sends`).
 
 A tree step runs as rounds of one all_to_all each: in a round every rank receives at most
 one value per element it combines, and adds it to the value it has, so the result does not
@@ -243,14 +245,12 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
 
 
 def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
-              holders: list[list[int]],
-              needers: list[list[int]], kept: list[int], by_kept: dict[int, list[int]],
-              part: list[int], g: int, ranks: int, floor: int
+              holders: list[list[int]], needers: list[list[int]], kept: list[int],
+              by_kept: dict[int, list[int]], part: list[int], g: int, ranks: int, floor: int
               ) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
     """Trees for every item, drawn greedily in `order` (ties between ranks to the least
-    `tie`) and balanced (`_augment`,
-    `_rebalance`): the trees, the items (cut ones added), and the elements each rank
-    receives and sends."""
+    `tie`) and balanced (`_augment`, `_rebalance`): the trees, the items (cut ones added),
+    and the elements each rank receives and sends."""
     items = list(items)
     recv = [0] * ranks       # elements received so far: every needer one per element
     sent = [0] * ranks
