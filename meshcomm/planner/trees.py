@@ -401,7 +401,6 @@ class _Receivers:
                 self.update(t, i)
         self.cuts = len(trees)      # items it may still cut in two
         self.freeing = FREEING      # failed chains left to make room for a combiner
-        self.heavier = False        # whether a chain of weight w may cut heavier items
 
     def update(self, t: int, i: int) -> None:
         """Whether rank i has a spare child in tree t, after its degree changed."""
@@ -419,9 +418,11 @@ class _Receivers:
                     and c not in tree.degree and c not in tree.combiners]
         return out
 
-    def moves(self, i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+    def moves(self, i: int, w: int, heavier: bool = False
+              ) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+        """Rank i's units of weight w (and, with `heavier`, of more: `move` cuts them)."""
         return ((t, functools.partial(self.takers, t, i)) for t in self.spare[i]
-                if self.trees[t].weight == w or self.heavier and self.trees[t].weight > w)
+                if self.trees[t].weight == w or heavier and self.trees[t].weight > w)
 
     def weights(self, b: int) -> set[int]:
         return {self.trees[t].weight for t in self.spare[b]}
@@ -466,15 +467,12 @@ class _Receivers:
             return True
         if not cut:
             return False
+        pieces = functools.partial(self.moves, heavier=True)
         w = max(self.weights(b), default=0) // 2
-        self.heavier = True
-        try:
-            while w >= 1 and self.cuts > 0:
-                if _step(b, top, self.recv, lambda _: {w}, self.moves, self.move):
-                    return True
-                w //= 2
-        finally:
-            self.heavier = False
+        while w >= 1 and self.cuts > 0:
+            if _step(b, top, self.recv, lambda _: {w}, pieces, self.move):
+                return True
+            w //= 2
         return False
 
 
