@@ -86,12 +86,19 @@ def busiest_bound(start: State, goal: State, mesh: Mesh) -> int:
     return max(state_bound(start, goal, mesh))
 
 
-@functools.lru_cache(maxsize=4096)
 def state_bound(start: State, goal: State, mesh: Mesh, tries: int = 1) -> tuple[int, ...]:
     """`lower_bound_elements` between two planner states. `tries`: the max-flows each
     test of the classes may run (`unions_fit`): the search's A* asks the bound of every
     state it queues and takes one (a bound as valid, at most as tight); the plan's own
-    bound and trees take `FLOW_TRIES`."""
+    bound and trees take `FLOW_TRIES`. It matters only where the bound looks at classes
+    of items, so elsewhere every `tries` shares one cached answer."""
+    if tries != 1 and not _looks_at_classes(start, mesh):
+        tries = 1
+    return _state_bound(start, goal, mesh, tries)
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bound(start: State, goal: State, mesh: Mesh, tries: int) -> tuple[int, ...]:
     resolve = [a for a in start.partial if a not in goal.partial]
     g = math.prod(mesh.axis_size(a) for a in resolve)
     if g > 1:
@@ -127,8 +134,7 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int, tries: int) -> tup
     idle = int((empty & (need == 0)).sum())
     # items no needer holds a partial of: their root may be a rank holding nothing
     rootless = k * total - held
-    classes = (_classes(start, goal, mesh, g)
-               if total * mesh.size <= CLASS_LIMIT else ())
+    classes = _classes(start, goal, mesh, g) if _looks_at_classes(start, mesh) else ()
     if classes:   # only a rank holding nothing saves a copy as a root
         rootless = sum(c.count for c in classes if bool(empty[c.roots].any()))
     # every rank receives at least one message per element of its block
@@ -176,6 +182,12 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
 
 
 CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classes of items
+FLOW_TRIES = 32         # max-flows a `unions_fit` call may run for a plan's own bound
+
+
+def _looks_at_classes(start: State, mesh: Mesh) -> bool:
+    """Whether a reduction's bound from `start` checks classes of items (`CLASS_LIMIT`)."""
+    return math.prod(d.size for d in start.dims) * mesh.size <= CLASS_LIMIT
 
 
 @dataclass(frozen=True)
@@ -254,9 +266,6 @@ def unions_fit(classes: list[FlowClass], extra: list[int], tries: int) -> bool:
         more[bad] += 1
         pending += [(more, other), (copies, fewer)]
     return bool(pending)     # cases left untried: the weaker answer
-
-
-FLOW_TRIES = 32   # max-flows a `unions_fit` call may run
 
 
 class _UnionGraph:
