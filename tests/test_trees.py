@@ -277,3 +277,29 @@ def test_a_chain_through_the_busiest_rank_s_place_leaves_the_tree_valid() -> Non
     assert _tree_steps(p)
     assert max(p.recv_bytes) == max(p.lower_bound_bytes)
     _check_exact(p, _data(shape))
+
+
+def test_a_root_s_one_child_delivers_the_finished_value_too() -> None:
+    """docs/plans.md: 160 messages on 32 ranks, 5 a rank, every rank needing 4 elements. An
+    element no needer holds a partial of is best combined at a holder, whose one parent is
+    a needer that only receives the finished value: that holder has it too and sends the
+    other needer its copy, so the needers' sends are spread. Before, every delivery came
+    from a needer: the tree received 5 elements at every rank but one rank sent 7, and a
+    plan of collectives (6 and 6) won. Now the tree step sends at most 6 and receives 5."""
+    mesh, shape = mc.Mesh("ep=2 dp=4 tp=2 sp=2"), (64,)
+    src, dst = "(ep tp i) | sum(sp)", "(sp dp ep i)"
+    p = mc.plan(mesh, shape, src, dst)
+    [step] = _tree_steps(p)
+    assert max(p.recv_bytes) == max(p.lower_bound_bytes) == 20
+    assert max(p.send_bytes) <= 24
+    s = trees.schedule(from_layout(step.before, mesh, shape), from_layout(step.after, mesh, shape),
+                       mesh)
+    root = {e: r for r, e, _ in s.roots}
+    relayed = [(a, e) for a, e, t, ra in zip(s.src, s.elem, s.round, s.src_region)
+               if t >= s.merges and a != root[e] and ra != trees.OUTPUT]
+    assert relayed     # deliveries from a holder's input, not from a needer's output
+    for a, e in relayed:   # each from the root's one child in its tree
+        kids = [x for x, y, f, t in zip(s.src, s.dst, s.elem, s.round)
+                if t < s.merges and y == root[e] and f == e]
+        assert kids == [a]
+    _check_exact(p, _data(shape))

@@ -231,7 +231,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         made = _deliveries(tree, first, sent)
         rows += made
         owner += [k] * len(made)
-    _augment_sends(rows, owner, merged, trees, part, first, sent, max(recv))
+    _augment_sends(rows, owner, merged, trees, part, first, sent, recv)
     rounds = max(first, 1 + max(r[0] for r in rows))
     round_, src, dst, elem, src_region, dst_region = (
         (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
@@ -548,35 +548,51 @@ def _search(b: int, top: int, load: list[int], w: int,
 
 
 def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_Tree],
-                   part: list[int], first: int, sent: list[int], floor: int) -> None:
+                   part: list[int], first: int, sent: list[int], recv: list[int]) -> None:
     """Lower the busiest sender along chains of moves, as `_augment` does for receivers,
-    with what can change sender without changing who receives what when: a delivery may
-    come from any rank holding the finished value before its round (the root from round
-    `first`, a needer once it received it), and a leaf of a tree (rows before `merged`:
-    a node with no children, which sends its partial on) may be another rank holding the
-    same partial (`part`). It stops once no rank sends more than `floor` (the busiest
-    receiver's load: a step's time is its busiest rank's larger of the two). Edits `rows`
-    and `sent` in place."""
+    with what can change sender without raising the busiest receiver: a delivery may come
+    from any rank holding the finished value before its round (the root from round
+    `first`, a needer once it received it), and a holder's place in a tree (rows before
+    `merged`: it receives its children's values, adds its partial and sends on) may go to
+    another rank holding the same partial (`part`) that is no node of the tree, where its
+    children's values keep that rank at or below the busiest receiver. It stops once no
+    rank sends more than the busiest receiver receives (a step's time is its busiest
+    rank's larger of the two). Edits `rows`, `sent` and `recv` in place."""
+    floor = max(recv, default=0)
     ready: list[dict[int, int]] = [{tree.root: first} for tree in trees]
     nodes: list[set[int]] = [set(tree.degree) | tree.combiners for tree in trees]
-    parents: list[set[int]] = [set() for _ in trees]
+    into: list[dict[int, list[int]]] = [defaultdict(list) for _ in trees]   # merge rows
     for k, (t, _src, dst, *_rest) in enumerate(rows):
         if k < merged:
-            parents[owner[k]].add(dst)
+            into[owner[k]][dst].append(k)
         else:
             ready[owner[k]][dst] = t + 1
+    # A root holding no partial with one child only receives the finished value: that
+    # child has it too (from its last merge round on) and may deliver it as well.
+    relay = [ks[0] if not tree.root_holds and len(ks := into[o].get(tree.root, [])) == 1
+             else -1 for o, tree in enumerate(trees)]
     by_sender: dict[int, set[int]] = defaultdict(set)
     for k, row in enumerate(rows):
-        if k >= merged or (row[1] not in parents[owner[k]]
-                           and row[1] not in trees[owner[k]].combiners):
+        if k >= merged or row[1] not in trees[owner[k]].combiners:
             by_sender[row[1]].add(k)
+
+    def delivers(i: int, o: int) -> bool:
+        return any(k >= merged and owner[k] == o for k in by_sender[i])
 
     def others(k: int) -> list[int]:
         t, src, dst = rows[k][:3]
-        tree = trees[owner[k]]
+        o = owner[k]
+        tree = trees[o]
         if k < merged:
-            return [c for c in tree.taken if part[c] == part[src] and c not in nodes[owner[k]]]
-        return [c for c, at in ready[owner[k]].items() if at <= t and c != dst]
+            if k == relay[o] and delivers(src, o):
+                return []     # it delivers the finished value: its place stays
+            take = len(into[o].get(src, ())) * tree.weight
+            return [c for c in tree.taken if part[c] == part[src] and c not in nodes[o]
+                    and recv[c] + take <= floor]
+        out = [c for c, at in ready[o].items() if at <= t and c != dst]
+        if relay[o] >= 0 and rows[relay[o]][1] != dst:
+            out.append(rows[relay[o]][1])
+        return out
 
     def moves(i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
         return ((k, functools.partial(others, k)) for k in by_sender[i]
@@ -585,12 +601,23 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     def move(path: list[tuple[int, int, int]], w: int) -> None:
         for a, c, k in path:
             t, _, dst, e, region, dst_region = rows[k]
-            tree = trees[owner[k]]
-            if k < merged:     # another holder of the same partial sends it, from its input
-                nodes[owner[k]].discard(a)
-                nodes[owner[k]].add(c)
+            o = owner[k]
+            tree = trees[o]
+            if k < merged:     # another holder of the same partial takes a's place
+                nodes[o].discard(a)
+                nodes[o].add(c)
+                kids = into[o].pop(a, [])
+                into[o][c] = kids
+                for q in kids:
+                    rows[q] = rows[q][:2] + (c,) + rows[q][3:]
+                recv[a] -= len(kids) * w
+                recv[c] += len(kids) * w
+            elif c == tree.root:
+                region = tree.region(c)
+            elif c not in ready[o]:     # the root's one child: where it merged
+                region = tree.region(c) if c in tree.combiners else INPUT
             else:
-                region = tree.region(c) if c == tree.root else OUTPUT
+                region = OUTPUT
             rows[k] = (t, c, dst, e, region, dst_region)
             by_sender[a].discard(k)
             by_sender[c].add(k)

@@ -71,6 +71,7 @@ NAMED = [
     ("a=2 b=2 c=2", (3, 5), "(c i) j | avg(a, b)", "i (a j) | avg(b)", torch.float32),
     ("dp=2 tp=4", (5, 3), "i (dp j) | sum(tp)", "i j", torch.float32),      # tree, combiners
     ("a=2 b=2 c=2", (5, 5), "i (b c j) | avg(a)", "(b i) (c j)", torch.float64),
+    ("a=2 b=2 c=2", (3, 3, 16), "i (c j) k | max(a)", "i j (c a k)", torch.float32),  # relay
 ]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
          "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce",
