@@ -142,13 +142,30 @@ def test_a_rank_combining_for_others_pays_its_copies() -> None:
 
 def test_unions_fit_counts_copies_rank_by_rank() -> None:
     """`bounds.unions_fit`: rank 2 holds a partial of item one (2 unions) and none of item two
-    (1 union); every other rank is full. As a holder it makes one's unions with 2
-    messages, but two's union it can only make as a combiner, after a copy: 4 messages,
-    not 3. The flow alone (one try, as the search's A* asks) lets 3 through."""
+    (1 union); every other rank is full but rank 6, which spares 1 and can make none. As a
+    holder rank 2 makes one's unions with 2 messages, but two's union it can only make as
+    a combiner, after a copy: 4 messages, not 3. The flow alone (one try, as the search's
+    A* asks) lets 3 through; so do the spare messages in all (4 for 3 unions and the one
+    copy that the union without a holder takes)."""
     one = (1, 2, [[2], [1], [3]], [], [0])    # items, unions an item, partials, roots, others
     two = (1, 1, [[4], [5]], [], [2])
-    spare = [0, 0, 3, 0, 0, 0]
+    spare = [0, 0, 3, 0, 0, 0, 1]
     assert unions_fit([one, two], spare, 1)
     assert not unions_fit([one, two], spare, FLOW_TRIES)
-    assert unions_fit([one, two], [0, 0, 4, 0, 0, 0], FLOW_TRIES)
+    assert unions_fit([one, two], [0, 0, 4, 0, 0, 0, 1], FLOW_TRIES)
     assert unions_fit([one], spare, FLOW_TRIES) and unions_fit([two], spare, FLOW_TRIES)
+    # without rank 6 the messages in all do not fit: 3 spare, 3 unions and a copy
+    assert not unions_fit([one, two], spare[:6], 1)
+
+
+def test_unions_after_copies_need_spare_messages_in_all() -> None:
+    """docs/plans.md: at 2 elements a rank, 112 messages are spare and the items need 112
+    unions, so no copy fits; the ranks needing elements 0 and 1 (column tp = 0, which
+    holds their partials) spare 8 messages for their 13 unions, so 5 are made by ranks
+    holding no partial of them, after copies. The bound is 3 elements (the per-rank cases
+    of `unions_fit` left it at 2 within `FLOW_TRIES`), and the plan receives 3."""
+    args = (mc.Mesh("dp=8 tp=8"), (16,), "(tp i) | min(dp)", "(dp tp i)")
+    assert counting_bound(*args) == 3
+    p = mc.plan(*args)
+    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 12
+    _check_exact(p, _data(p.shape))

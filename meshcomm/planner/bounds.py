@@ -249,13 +249,20 @@ def unions_fit(classes: list[FlowClass], extra: list[int], tries: int) -> bool:
     f = max(free for _, free, *_ in classes)
     ranks = len(extra)
     graph = _UnionGraph(classes, extra)
+    # Without copies (holders and copy-free roots alone) the flow makes `alone` unions; the
+    # rest each cost a copy per at most min(f, e - 1) unions at a rank with extra e.
+    alone = graph.flow([0] * ranks, [0] * ranks, demand)[0]
+    if alone < demand:
+        most = max((min(f, extra[r] - 1) for r in graph.copying), default=0)
+        if most <= 0 or sum(extra) - -(-(demand - alone) // most) < demand:
+            return False
     pending = [([0] * ranks, [e - -(-e // (f + 1)) for e in extra])]
     for _ in range(tries):
         if not pending:
             return False
         copies, other = pending.pop()
-        got = graph.flow(copies, other, demand)
-        if got is None:
+        made, got = graph.flow(copies, other, demand)
+        if made < demand:
             continue
         bad = next((r for r, u in enumerate(got) if u > f * copies[r]), None)
         if bad is None:
@@ -280,6 +287,7 @@ class _UnionGraph:
         self.rank_node = [2 + n + r for r in range(ranks)]
         self.other_node = [2 + n + ranks + r for r in range(ranks)]
         self.size = 2 + n + 2 * ranks + sum(len(c[2]) for c in classes)
+        self.copying: set[int] = set()     # ranks with an edge for others' unions
         self.out: list[list[int]] = [[] for _ in range(self.size)]
         self.to: list[int] = []
         self.cap: list[int] = []
@@ -296,6 +304,7 @@ class _UnionGraph:
             for r in others:
                 if extra[r] > 1:
                     self._edge(2 + k, self.other_node[r], count * free)
+                    self.copying.add(r)
         self.sink_edge = [self._edge(self.rank_node[r], 1, extra[r], keep=True)
                           for r in range(ranks)]
         self.other_edge = [self._edge(self.other_node[r], self.rank_node[r], 0, keep=True)
@@ -311,10 +320,11 @@ class _UnionGraph:
         self.cap += [cap, 0]
         return e
 
-    def flow(self, copies: list[int], other: list[int], demand: int) -> list[int] | None:
-        """A max-flow with rank r taking at most extra[r] - copies[r] unions in all and
-        other[r] of classes it holds no partial of: None where it falls short of `demand`,
-        else what each rank takes for those classes."""
+    def flow(self, copies: list[int], other: list[int], demand: int
+             ) -> tuple[int, list[int]]:
+        """A max-flow (up to `demand`) with rank r taking at most extra[r] - copies[r]
+        unions in all and other[r] of classes it holds no partial of: the unions made, and
+        what each rank takes for those classes."""
         cap = list(self.cap)
         for r in range(self.ranks):
             room = self.extra[r] - copies[r]
@@ -332,7 +342,7 @@ class _UnionGraph:
                         level[to[e]] = level[a] + 1
                         queue.append(to[e])
             if level[sink] < 0:
-                return None
+                break
             at = [0] * self.size
 
             def push(a: int, limit: int) -> int:
@@ -356,7 +366,7 @@ class _UnionGraph:
                 if total >= demand:
                     break
         # what went through a rank's node for others: its edge's reverse capacity
-        return [cap[e ^ 1] for e in self.other_edge]
+        return total, [cap[e ^ 1] for e in self.other_edge]
 
 
 def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, ...]:
