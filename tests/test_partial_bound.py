@@ -42,24 +42,24 @@ def test_our_bound_is_the_counting_bound(even: bool) -> None:
 
 
 def test_partial_sources_on_divisible_shapes_reach_the_bound() -> None:
-    """150 partial-source transitions on meshes of up to 64 ranks, every dim divisible by
-    the mesh: each plan exact in simulation; at least 93% at the counting bound (the
-    measured share is 94.7%; 97.5-99% on other seeds, see docs/plans.md), none above 1.5x."""
+    """200 partial-source transitions on meshes of up to 64 ranks, every dim divisible by
+    the mesh: each plan exact in simulation; at least 95% at the counting bound (the
+    measured share is 96.0%; 97.5-99% on other seeds, see docs/plans.md), none above 1.5x."""
     ratios = []
-    for mesh, shape, src, dst in _sample(150, 2, even=True):
+    for mesh, shape, src, dst in _sample(200, 2, even=True):
         p = mc.plan(mesh, shape, src, dst)
         _check_exact(p, _data(p.shape))
         ratios.append((max(p.recv_bytes) / (counting_bound(mesh, shape, src, dst) * 4), str(p)))
     at = sum(r <= 1.0 for r, _ in ratios) / len(ratios)
     worst = max(ratios)
-    assert at >= 0.93, f"{at:.0%} at the bound"
+    assert at >= 0.95, f"{at:.1%} at the bound"
     assert worst[0] <= 1.5, worst[1]
 
 
 def test_partial_sources_on_small_shapes_are_exact() -> None:
     """Small shapes (torch.chunk leaves ranks empty): every plan exact and at or above the
     bound; at least 95% at it (the measured share is 98.8%; tree steps reach most of them;
-    92.5-96.5% on other seeds, see docs/plans.md), none above 1.5x."""
+    96.0-98.0% on other seeds, see docs/plans.md), none above 1.5x."""
     ratios = []
     for mesh, shape, src, dst in _sample(80, 3, even=False):
         p = mc.plan(mesh, shape, src, dst)
@@ -169,3 +169,12 @@ def test_unions_after_copies_need_spare_messages_in_all() -> None:
     p = mc.plan(*args)
     assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 12
     _check_exact(p, _data(p.shape))
+
+
+def test_copies_in_all_close_a_gap_the_previous_bound_left() -> None:
+    """docs/plans.md: every tree receives 4 elements at the busiest rank (an integer program
+    over trees showed it); the bound said 3 before it counted copies in all, and is 4."""
+    args = (mc.Mesh("dp=4 pp=2 ep=4"), (4, 5), "(i dp) j | sum(ep)", "(ep i) (dp j)")
+    assert counting_bound(*args) == 4
+    p = mc.plan(*args)
+    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 16

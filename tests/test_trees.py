@@ -303,3 +303,22 @@ def test_a_root_s_one_child_delivers_the_finished_value_too() -> None:
                 if t < s.merges and y == root[e] and f == e]
         assert kids == [a]
     _check_exact(p, _data(shape))
+
+
+def test_a_relaying_child_that_needs_the_value_sends_from_where_it_merged() -> None:
+    """The root's one child may deliver the finished value; where that child needs the value
+    too and gets its own copy in a later round, it must send from where it merged (here a
+    combiner's scratch), not from its output, which is still empty then (a wrong rank 8
+    before)."""
+    mesh, shape = mc.Mesh("a=2 b=2 c=2 d=2 e=2 f=2"), (192, 128)
+    p = mc.plan(mesh, shape, "(d i) (e a f j) | sum(b, c)", "(e d i) (c f j)")
+    [step] = _tree_steps(p)
+    s = trees.schedule(from_layout(step.before, mesh, shape), from_layout(step.after, mesh, shape),
+                       mesh)
+    root = {e: r for r, e, _ in s.roots}
+    delivered = {(b, e) for b, e, t in zip(s.dst, s.elem, s.round) if t >= s.merges}
+    relaying_needers = [(a, e) for a, e, t, ra in zip(s.src, s.elem, s.round, s.src_region)
+                        if t >= s.merges and a != root[e] and ra != trees.OUTPUT
+                        and (a, e) in delivered]
+    assert relaying_needers      # the case this test is about occurs
+    _check_exact(p, _data(shape))

@@ -614,8 +614,10 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
                 recv[c] += len(kids) * w
             elif c == tree.root:
                 region = tree.region(c)
-            elif c not in ready[o]:     # the root's one child: where it merged
-                region = tree.region(c) if c in tree.combiners else INPUT
+            elif relay[o] >= 0 and c == rows[relay[o]][1]:
+                # the root's one child sends from where it merged, also where it needs
+                # the value itself (its output may only get it in a later round)
+                region = SCRATCH if c in tree.combiners else INPUT
             else:
                 region = OUTPUT
             rows[k] = (t, c, dst, e, region, dst_region)
