@@ -322,3 +322,14 @@ def test_a_relaying_child_that_needs_the_value_sends_from_where_it_merged() -> N
                         and (a, e) in delivered]
     assert relaying_needers      # the case this test is about occurs
     _check_exact(p, _data(shape))
+
+
+def test_a_relaying_child_keeps_its_place_along_a_chain() -> None:
+    """One chain of send moves may first hand a delivery to the root's one child and then
+    hand that child's place in the tree to a replica: the child would then send the
+    finished value from an input that holds only its partial (a wrong rank 20 before).
+    The root's one child keeps its place; the plan is exact."""
+    mesh, shape = mc.Mesh("ep=2 dp=4 tp=2 sp=2"), (13, 13, 16)
+    p = mc.plan(mesh, shape, "(ep sp i) j k | sum(tp)", "(tp i) (ep dp j) k")
+    assert _tree_steps(p)
+    _check_exact(p, _data(shape, 4))

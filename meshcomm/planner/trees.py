@@ -576,16 +576,14 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
         if k >= merged or row[1] not in trees[owner[k]].combiners:
             by_sender[row[1]].add(k)
 
-    def delivers(i: int, o: int) -> bool:
-        return any(k >= merged and owner[k] == o for k in by_sender[i])
-
     def others(k: int) -> list[int]:
         t, src, dst = rows[k][:3]
         o = owner[k]
         tree = trees[o]
         if k < merged:
-            if k == relay[o] and delivers(src, o):
-                return []     # it delivers the finished value: its place stays
+            if k == relay[o]:
+                return []     # it may deliver the finished value (now, or earlier on the
+                              # same chain): its place stays
             take = len(into[o].get(src, ())) * tree.weight
             return [c for c in tree.taken if part[c] == part[src] and c not in nodes[o]
                     and recv[c] + take <= floor]
