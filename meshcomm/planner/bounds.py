@@ -252,10 +252,11 @@ def unions_fit(classes: list[FlowClass], extra: list[int], tries: int) -> bool:
     # Without copies (holders and copy-free roots alone) the flow makes `alone` unions; the
     # rest each cost a copy per at most min(f, e - 1) unions at a rank with extra e.
     alone = graph.flow([0] * ranks, [0] * ranks, demand)[0]
-    if alone < demand:
-        most = max((min(f, extra[r] - 1) for r in graph.copying), default=0)
-        if most <= 0 or sum(extra) - -(-(demand - alone) // most) < demand:
-            return False
+    if alone >= demand:
+        return True
+    most = max((min(f, extra[r] - 1) for r in graph.copying), default=0)
+    if most <= 0 or sum(extra) - -(-(demand - alone) // most) < demand:
+        return False
     pending = [([0] * ranks, [e - -(-e // (f + 1)) for e in extra])]
     for _ in range(tries):
         if not pending:
