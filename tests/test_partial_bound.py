@@ -20,7 +20,7 @@ from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
 from meshcomm.executors.sim import execute, scatter
-from meshcomm.planner.bounds import FLOW_TRIES, unions_fit
+from meshcomm.planner.bounds import FLOW_TRIES, row_ids, unions_fit
 from meshcomm.testing import counting_bound, partial_transition
 
 
@@ -178,3 +178,24 @@ def test_copies_in_all_close_a_gap_the_previous_bound_left() -> None:
     assert counting_bound(*args) == 4
     p = mc.plan(*args)
     assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 16
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 70), (9, 1), (500, 63), (800, 64), (600, 200)])
+def test_row_ids_number_equal_rows_alike(rows: int, cols: int) -> None:
+    """`bounds.row_ids` (classes of elements): rows get the same number exactly when they are
+    equal, numbered 0, 1, ... in the order of their packed words (63 columns a word, the
+    first word first), one 1-D unique a word."""
+    g = torch.Generator().manual_seed(rows + cols)
+    mask = torch.rand(rows, cols, generator=g) < 0.3
+    mask[rows // 2:] = mask[:rows - rows // 2].clone()      # repeated rows
+    ids = row_ids(mask)
+    _, want = torch.unique(mask.long(), dim=0, return_inverse=True)
+    # the same partition of the rows as unique(dim=0) ...
+    pairs = {(int(a), int(b)) for a, b in zip(ids, want)}
+    assert len(pairs) == len({a for a, _ in pairs}) == len({b for _, b in pairs})
+    assert sorted({int(a) for a in ids}) == list(range(len(pairs)))
+    # ... ordered by the packed words
+    words = [tuple(sum(int(x) << j for j, x in enumerate(row[k:k + 63].tolist()))
+                   for k in range(0, cols, 63)) for row in mask]
+    by_id = {int(i): w for i, w in zip(ids, words)}
+    assert [by_id[i] for i in sorted(by_id)] == sorted(by_id.values())
