@@ -203,22 +203,48 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     items, holders, needers = _items(state, goal, mesh, max(1, TREE_LIMIT // mesh.size))
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
     order, tie = list(range(len(items))), list(range(mesh.size))
-    best = _balanced(order, tie, items, holders, needers, kept, by_kept, part, g, mesh.size,
-                     floor)
-    if max(best[2]) > floor and len(items) * mesh.size <= RESTART_LIMIT:
+
+    def drawn() -> tuple[tuple[int, int, int], list[_Tree], list[tuple[int, ...]], Messages]:
+        trees, got, recv, sent = _balanced(order, tie, items, holders, needers, kept, by_kept,
+                                           part, g, mesh.size, floor)
+        made = _messages(trees, part, recv, sent)
+        # a step's time is its busiest rank's larger of sent and received
+        return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made
+
+    best = drawn()
+    if best[0][0] > floor and len(items) * mesh.size <= RESTART_LIMIT:
         # greedy draws depend on the order items come in and on ties between ranks: a few
         # other orders of both, the best kept
         shuffle = random.Random(len(items)).shuffle
         for _ in range(RESTARTS):
             shuffle(order)
             shuffle(tie)
-            got = _balanced(order, tie, items, holders, needers, kept, by_kept, part, g,
-                            mesh.size, floor)
-            if (max(got[2]), sum(got[2])) < (max(best[2]), sum(best[2])):
+            got = drawn()
+            if got[0] < best[0]:
                 best = got
-            if max(best[2]) <= floor:
+            if best[0][0] <= floor:
                 break
-    trees, items, recv, sent = best
+    _, trees, items, (rows, first) = best
+    rounds = max(first, 1 + max(r[0] for r in rows))
+    round_, src, dst, elem, src_region, dst_region = (
+        (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
+    scratch: list[set[int]] = [set() for _ in range(mesh.size)]
+    for tree in trees:
+        for i in tree.combiners:
+            scratch[i].add(tree.elem)
+    return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
+                    tuple((t.root, t.elem, t.root_holds) for t in trees),
+                    tuple(tuple(sorted(x)) for x in scratch), tuple(items))
+
+
+Messages = tuple[list[Row], int]     # the rows, the first delivery round
+
+
+def _messages(trees: list[_Tree], part: list[int], recv: list[int], sent: list[int]
+              ) -> Messages:
+    """The rows of balanced trees: each tree laid out in rounds (`_tree`), then each finished
+    value's deliveries (`_deliveries`), then sends balanced along chains (`_augment_sends`).
+    Updates `recv` and `sent`."""
     rows: list[Row] = []
     owner: list[int] = []    # the tree of each row
     for k, tree in enumerate(trees):
@@ -232,16 +258,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         rows += made
         owner += [k] * len(made)
     _augment_sends(rows, owner, merged, trees, part, first, sent, recv)
-    rounds = max(first, 1 + max(r[0] for r in rows))
-    round_, src, dst, elem, src_region, dst_region = (
-        (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
-    scratch: list[set[int]] = [set() for _ in range(mesh.size)]
-    for tree in trees:
-        for i in tree.combiners:
-            scratch[i].add(tree.elem)
-    return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
-                    tuple((t.root, t.elem, t.root_holds) for t in trees),
-                    tuple(tuple(sorted(x)) for x in scratch), tuple(items))
+    return rows, first
 
 
 def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
