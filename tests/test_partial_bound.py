@@ -110,33 +110,41 @@ def test_idle_ranks_raise_the_bound() -> None:
     assert counting_bound(mc.Mesh("tp=4"), (8,), "i | sum(tp)", "(tp i)") == 6
 
 
-def test_a_partial_s_node_takes_no_more_than_its_rank_can() -> None:
-    """docs/plans.md: 3 elements, each needed by 4 ranks with pp = 0, every rank holding one
-    of 8 partials. At one element a rank, the 12 needers receive nothing beyond their own;
-    each element's tree has 6 unions at 6 distinct ranks (one message each) among the 7
-    partials besides its root's, so at least 2 at holders of pp = 0 partials, and the only
-    such holders that need nothing are the 4 ranks with sp = 3: 6 > 4. The bound is 2
-    elements (it was 1: the flow let one rank make a union of every item)."""
-    mesh = mc.Mesh("sp=4 dp=4 pp=2")
-    args = (mesh, (3,), "i | min(dp, pp)", "(sp pp i)")
-    assert counting_bound(*args) == 2
-    p = mc.plan(*args)
-    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 8
-    _check_exact(p, _data(p.shape))
+# Bounds worked out by counting in docs/plans.md (the lower bound section), each reached by
+# the plan: (mesh, shape, src, dst, the bound in elements).
+WORKED = [
+    # 3 elements, each needed by 4 ranks with pp = 0, every rank holding one of 8
+    # partials. At one element a rank, the 12 needers receive nothing beyond their own;
+    # each element's tree has 6 unions at 6 distinct ranks among the 7 partials besides
+    # its root's, so at least 2 at holders of pp = 0 partials that need nothing: only the
+    # 4 ranks with sp = 3 are such, 6 > 4. Bound 2 (1 while the flow let one rank make a
+    # union of every item).
+    pytest.param("sp=4 dp=4 pp=2", (3,), "i | min(dp, pp)", "(sp pp i)", 2, id="partial-nodes"),
+    # At 2 elements a rank, 12 messages are spare and 10 unions needed; rows dp = 0 and 1
+    # need 4 unions each but their holders spare only 3, so each needs a union from a rank
+    # holding none of it, which copies first: only a rank sparing 2 (tp = 3) makes one.
+    # Those of rows 0 and 1 are spent on their rows, row 2's must make one of its row's 2
+    # unions, leaving 1 < 2. Bound 3 (2 while the flow let row 2's rank split its 2).
+    pytest.param("dp=4 tp=4", (5,), "(dp i) | sum(tp)", "(tp i)", 3, id="copies-rank-by-rank"),
+    # At 2 elements a rank, 112 messages are spare and the items need 112 unions, so no
+    # copy fits; column tp = 0 (holding elements 0 and 1, needing 8) spares 8 messages for
+    # their 13 unions, so 5 are made after copies. Bound 3 (2 while the per-rank cases of
+    # `unions_fit` stopped within FLOW_TRIES).
+    pytest.param("dp=8 tp=8", (16,), "(tp i) | min(dp)", "(dp tp i)", 3, id="copies-in-all"),
+    # Every tree receives 4 elements at the busiest rank (an integer program over trees
+    # showed it); the bound was 3 before it counted copies in all.
+    pytest.param("dp=4 pp=2 ep=4", (4, 5), "(i dp) j | sum(ep)", "(ep i) (dp j)", 4,
+                 id="closed-gap"),
+]
 
 
-def test_a_rank_combining_for_others_pays_its_copies() -> None:
-    """docs/plans.md: at 2 elements a rank, 12 messages are spare and 10 unions needed; rows
-    dp = 0 and 1 need 4 unions each but their holders spare only 3, so each needs one
-    union from a rank holding none of it, which copies first: only a rank with 2 spare
-    makes one. Of the four (tp = 3), those of rows 0 and 1 are spent on their rows, and
-    row 2's must make one of its row's 2 unions, leaving 1 (no union for others): 1 < 2,
-    so the bound is 3 elements (the flow alone let row 2's rank split its 2 between its
-    row and a copy-free union for another), and the plan receives 3."""
-    args = (mc.Mesh("dp=4 tp=4"), (5,), "(dp i) | sum(tp)", "(tp i)")
-    assert counting_bound(*args) == 3
+@pytest.mark.parametrize("spec, shape, src, dst, bound", WORKED)
+def test_bounds_worked_out_by_counting(spec: str, shape: tuple[int, ...], src: str, dst: str,
+                                       bound: int) -> None:
+    args = (mc.Mesh(spec), shape, src, dst)
+    assert counting_bound(*args) == bound
     p = mc.plan(*args)
-    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 12
+    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 4 * bound
     _check_exact(p, _data(p.shape))
 
 
@@ -156,28 +164,6 @@ def test_unions_fit_counts_copies_rank_by_rank() -> None:
     assert unions_fit([one], spare, FLOW_TRIES) and unions_fit([two], spare, FLOW_TRIES)
     # without rank 6 the messages in all do not fit: 3 spare, 3 unions and a copy
     assert not unions_fit([one, two], spare[:6], 1)
-
-
-def test_unions_after_copies_need_spare_messages_in_all() -> None:
-    """docs/plans.md: at 2 elements a rank, 112 messages are spare and the items need 112
-    unions, so no copy fits; the ranks needing elements 0 and 1 (column tp = 0, which
-    holds their partials) spare 8 messages for their 13 unions, so 5 are made by ranks
-    holding no partial of them, after copies. The bound is 3 elements (the per-rank cases
-    of `unions_fit` left it at 2 within `FLOW_TRIES`), and the plan receives 3."""
-    args = (mc.Mesh("dp=8 tp=8"), (16,), "(tp i) | min(dp)", "(dp tp i)")
-    assert counting_bound(*args) == 3
-    p = mc.plan(*args)
-    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 12
-    _check_exact(p, _data(p.shape))
-
-
-def test_copies_in_all_close_a_gap_the_previous_bound_left() -> None:
-    """docs/plans.md: every tree receives 4 elements at the busiest rank (an integer program
-    over trees showed it); the bound said 3 before it counted copies in all, and is 4."""
-    args = (mc.Mesh("dp=4 pp=2 ep=4"), (4, 5), "(i dp) j | sum(ep)", "(ep i) (dp j)")
-    assert counting_bound(*args) == 4
-    p = mc.plan(*args)
-    assert max(p.lower_bound_bytes) == max(p.recv_bytes) == 16
 
 
 @pytest.mark.parametrize("rows, cols", [(0, 70), (9, 1), (500, 63), (800, 64), (600, 200)])
