@@ -233,11 +233,34 @@ def test_a_backend_without_a_collective_never_gets_it():
 
 
 def test_a_reduction_kept_pending_elsewhere_is_split_over_those_axes_first() -> None:
-    """'i | max(pp)' -> 'i | max(dp, sp)': sp (pending in the destination) splits the
-    work before the all_reduce over pp, and a free reindex makes it pending again: 12 B
-    received instead of the 48 B of reducing every element (issue 22)."""
+    """'i | max(pp)' -> 'i | max(dp, sp)': sp and dp (pending in the destination) split
+    the work before the all_reduce over pp (each rank reduces a 16th), and a free reindex
+    makes it pending again: 4 B received (the bound), where reducing every element
+    receives 48 B and splitting over sp alone 12 B (issue 22)."""
     p = mc.plan(mc.Mesh("sp=4 dp=4 pp=2"), (12,), "i | max(pp)", "i | max(dp, sp)")
     assert [(s.kind, s.action) for s in p.steps] == [
-        ("local", "slice"), ("all_reduce", ""), ("local", "reindex")]
-    assert max(p.recv_bytes) == 12
+        ("local", "select"), ("all_reduce", ""), ("local", "reindex")]
+    assert max(p.recv_bytes) == max(p.lower_bound_bytes) == 4
     _check_exact(p, torch.randint(-9, 10, (12,)).float())
+
+
+@pytest.mark.parametrize("spec, shape, src, dst, recv, was", [
+    # k = 13 rows over dp = 16 (13 ranks take one, 3 none): the group lacks 234 of the 338
+    # elements it needs, 15 a member at best (80 B)
+    ("dp=16 tp=4", (13, 8, 13), "(tp i) j k", "i (tp j) k | max(dp)", 96, 1248),
+    ("sp=4 dp=4 pp=2", (5, 13), "i (pp j)", "(pp i) j | sum(dp, sp)", 12, 72),
+    ("dp=8 tp=8", (4, 13, 12), "(tp i) j k", "i (tp j) k | min(dp)", 64, 384),
+])
+def test_new_pending_axes_split_uneven_dims_too(spec: str, shape: tuple[int, ...], src: str,
+                                               dst: str, recv: int, was: int) -> None:
+    """A destination with new pending axes: each member of a reduction group receives a
+    share of what the group lacks (the axes chunk one of the goal's dims, then a free
+    reindex), also where they divide no dim (uneven: chunked after its chain). Before, only
+    even splits were tried and every member received the whole block (`was` bytes; up to
+    15.6x the bound, issue 22)."""
+    p = mc.plan(mc.Mesh(spec), shape, src, dst)
+    assert [(s.kind, s.action) for s in p.steps] == [("send_recv", ""), ("local", "reindex")]
+    new = [a for a in mc.Layout(dst).partial_axes if a not in mc.Layout(src).partial_axes]
+    assert all(a in str(p.steps[0].after) for a in new), p.steps[0].after   # they split a dim
+    assert max(p.lower_bound_bytes) <= max(p.recv_bytes) == recv < was
+    _check_exact(p, torch.randint(-9, 10, shape).float())

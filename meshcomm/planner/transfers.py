@@ -404,20 +404,22 @@ def _fits_shard(dim: DimState, shard: tuple[int, int, AxisName]) -> bool:
 
 def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     """States from which a free `reindex` reaches a `goal` with new pending axes: the
-    goal's dims with those axes sharding a local run, so that each member of a reduction
-    group holds a g-th of what the group needs (a send_recv there receives about the
-    lower bound, where gathering whole blocks first would receive up to g times more)."""
+    goal's dims with those axes splitting one dim more (`_spread`: sharding a local run of
+    an even dim they divide, or chunking after the chain of an uneven one), so that each
+    member of a reduction group holds a g-th of what the group needs (a send_recv there
+    receives about the lower bound, where gathering whole blocks first would receive up to
+    g times more). The state's own pending axes stay pending there: where the goal
+    resolves some, a reduction over them follows on the g-th (an all_reduce of a 16th, not
+    of the whole block), then the reindex."""
     new = tuple(a for a in goal.partial if a not in state.partial)
-    if not new or goal.op == "avg" or (state.partial and state.op != goal.op) or \
-            any(a not in goal.partial for a in state.partial):
+    if not new or goal.op == "avg" or (state.partial and state.op != goal.op):
         return []
-    out = []
-    for d, dim in enumerate(goal.dims):
-        if dim.chunks or dim.size == 0:
-            continue
-        out += [State(goal.dims[:d] + (spread,) + goal.dims[d + 1:], state.partial, state.op)
-                for spread in _run_spreads(dim, new, mesh)]
-    return out
+    # pending axes of `state` the goal resolves stay pending in the spread (a reduction
+    # over them follows), so none of them may shard the goal's dims
+    if any(a in dim.axes for dim in goal.dims for a in state.partial):
+        return []
+    base = State(goal.dims, state.partial, state.op)
+    return [t for t in _spread(base, new, mesh) if t != base]
 
 
 def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh) -> list[DimState]:
