@@ -250,14 +250,19 @@ def test_a_reduction_kept_pending_elsewhere_is_split_over_those_axes_first() -> 
     ("dp=16 tp=4", (13, 8, 13), "(tp i) j k", "i (tp j) k | max(dp)", 96, 1248),
     ("sp=4 dp=4 pp=2", (5, 13), "i (pp j)", "(pp i) j | sum(dp, sp)", 12, 72),
     ("dp=8 tp=8", (4, 13, 12), "(tp i) j k", "i (tp j) k | min(dp)", 64, 384),
+    # even: the two dp members hold the same quarter of their half; dp at the bottom of the
+    # run ("(pp i dp)") gives each half of what it holds and half of what it lacks (the
+    # bound), dp at the top ("(pp dp i)") one member all it holds, the other all it lacks
+    ("dp=2 tp=2 pp=2", (192,), "(pp tp i)", "(pp i) | sum(dp)", 96, 192),
 ])
-def test_new_pending_axes_split_uneven_dims_too(spec: str, shape: tuple[int, ...], src: str,
-                                               dst: str, recv: int, was: int) -> None:
+def test_new_pending_axes_split_a_dim_into_each_member_s_share(
+        spec: str, shape: tuple[int, ...], src: str, dst: str, recv: int, was: int) -> None:
     """A destination with new pending axes: each member of a reduction group receives a
-    share of what the group lacks (the axes chunk one of the goal's dims, then a free
-    reindex), also where they divide no dim (uneven: chunked after its chain). Before, only
-    even splits were tried and every member received the whole block (`was` bytes; up to
-    15.6x the bound, issue 22)."""
+    share of what the group lacks (the axes split one of the goal's dims, then a free
+    reindex), also where they divide no dim (uneven: chunked after its chain) and at the
+    bottom of a local run. Before, only even splits at the top of a run were tried: every
+    member received the whole block (`was` bytes; up to 15.6x the bound, issue 22), or
+    twice its share."""
     p = mc.plan(mc.Mesh(spec), shape, src, dst)
     assert [(s.kind, s.action) for s in p.steps] == [("send_recv", ""), ("local", "reindex")]
     new = [a for a in mc.Layout(dst).partial_axes if a not in mc.Layout(src).partial_axes]

@@ -350,9 +350,11 @@ def _orders(axes: list[AxisName], first: tuple[AxisName, ...]) -> list[tuple[Axi
     return orders if orders[0] == tuple(axes) else orders + [tuple(axes)]
 
 
-def _spread(target: State, axes: tuple[AxisName, ...], mesh: Mesh) -> list[State]:
+def _spread(target: State, axes: tuple[AxisName, ...], mesh: Mesh,
+            bottom: bool = False) -> list[State]:
     """`target` with those of `axes` it leaves free splitting one dim more: at the top of a
-    local run of an even dim where they divide it, or after the chain of an uneven one."""
+    local run of an even dim where they divide it (with `bottom`, at its bottom too), or
+    after the chain of an uneven one."""
     axes = tuple(a for a in axes if a not in target.used_axes())
     if not axes:
         return [target]
@@ -362,7 +364,7 @@ def _spread(target: State, axes: tuple[AxisName, ...], mesh: Mesh) -> list[State
         if dim.chunks or dim.size == 0:
             grown.append(chunk_dim(dim.size, dim.chunks + axes, mesh))
         else:
-            grown += _run_spreads(dim, axes, mesh)
+            grown += _run_spreads(dim, axes, mesh, bottom)
             chain = as_chunks(dim)
             if not grown and chain is not None:
                 grown.append(chunk_dim(dim.size, chain + axes, mesh))
@@ -404,8 +406,9 @@ def _fits_shard(dim: DimState, shard: tuple[int, int, AxisName]) -> bool:
 
 def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     """States from which a free `reindex` reaches a `goal` with new pending axes: the
-    goal's dims with those axes splitting one dim more (`_spread`: sharding a local run of
-    an even dim they divide, or chunking after the chain of an uneven one), so that each
+    goal's dims with those axes splitting one dim more (`_spread`: sharding the top or the
+    bottom of a local run of an even dim they divide, where the bottom may match what
+    each member holds, or chunking after the chain of an uneven one), so that each
     member of a reduction group holds a g-th of what the group needs (a send_recv there
     receives about the lower bound, where gathering whole blocks first would receive up to
     g times more). The state's own pending axes stay pending there: where the goal
@@ -419,24 +422,27 @@ def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
     if any(a in dim.axes for dim in goal.dims for a in state.partial):
         return []
     base = State(goal.dims, state.partial, state.op)
-    return [t for t in _spread(base, new, mesh) if t != base]
+    return [t for t in _spread(base, new, mesh, bottom=True) if t != base]
 
 
-def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh) -> list[DimState]:
-    """Even `dim` with `axes` (major first) sharding the top of one of its local runs, for
-    each run they divide and where the result is a valid factorization."""
+def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh,
+                 bottom: bool = False) -> list[DimState]:
+    """Even `dim` with `axes` (major first) sharding the top of one of its local runs (and,
+    with `bottom`, its bottom too), for each run they divide and where the result is a
+    valid factorization."""
     n = math.prod(mesh.axis_size(a) for a in axes)
     out = []
     for lo, hi in dim.local_runs():
         if (hi // lo) % n:
             continue
-        shards, top = [], hi
-        for a in axes:
-            shards.append((top // mesh.axis_size(a), top, a))
-            top //= mesh.axis_size(a)
-        spread = even_dim(dim.size, dim.shards + tuple(shards))
-        if is_chain(spread.bounds()):
-            out.append(spread)
+        for top in sorted({hi, lo * n if bottom else hi}, reverse=True):
+            shards = []
+            for a in axes:
+                shards.append((top // mesh.axis_size(a), top, a))
+                top //= mesh.axis_size(a)
+            spread = even_dim(dim.size, dim.shards + tuple(shards))
+            if is_chain(spread.bounds()) and spread not in out:
+                out.append(spread)
     return out
 
 
