@@ -269,3 +269,14 @@ def test_new_pending_axes_split_a_dim_into_each_member_s_share(
     assert all(a in str(p.steps[0].after) for a in new), p.steps[0].after   # they split a dim
     assert max(p.lower_bound_bytes) <= max(p.recv_bytes) == recv < was
     _check_exact(p, torch.randint(-9, 10, shape).float())
+
+
+def test_a_spread_never_keeps_pending_an_axis_the_goal_shards() -> None:
+    """Spreads keep the source's pending axes pending (a reduction follows), but not one the
+    destination shards a dim over: `"(tp i) | sum(dp)"` from `"i | sum(tp)"` would have tp
+    both pending and sharding, an invalid state whose all_reduce saw mismatched shapes
+    (found by hypothesis while the spreads were written)."""
+    p = mc.plan(mc.Mesh("dp=2 tp=2"), (5,), "i | sum(tp)", "(tp i) | sum(dp)")
+    for step in p.steps:
+        assert not set(step.after.partial_axes) & set(step.after.sharded_axes(p.mesh)), step.after
+    _check_exact(p, torch.randint(-9, 10, (5,)).float())
