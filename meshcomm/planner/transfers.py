@@ -419,7 +419,7 @@ def spread_targets(state: State, goal: State, mesh: Mesh) -> list[State]:
         return []
     # pending axes of `state` the goal resolves stay pending in the spread (a reduction
     # over them follows), so none of them may shard the goal's dims
-    if any(a in dim.axes for dim in goal.dims for a in state.partial):
+    if sharding_axes(goal) & set(state.partial):
         return []
     base = State(goal.dims, state.partial, state.op)
     return [t for t in _spread(base, new, mesh, bottom=True) if t != base]
@@ -435,7 +435,7 @@ def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh,
     for lo, hi in dim.local_runs():
         if (hi // lo) % n:
             continue
-        for top in sorted({hi, lo * n if bottom else hi}, reverse=True):
+        for top in (hi, lo * n) if bottom else (hi,):      # `out` drops a repeat
             shards = []
             for a in axes:
                 shards.append((top // mesh.axis_size(a), top, a))

@@ -627,12 +627,10 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
                     rows[q] = rows[q][:2] + (c,) + rows[q][3:]
                 recv[a] -= len(kids) * w
                 recv[c] += len(kids) * w
-            elif c == tree.root:
+            elif c == tree.root or relay[o] >= 0 and c == rows[relay[o]][1]:
+                # the root, or its one child, sends from where it merged (the child also
+                # where it needs the value: its output may only get it in a later round)
                 region = tree.region(c)
-            elif relay[o] >= 0 and c == rows[relay[o]][1]:
-                # the root's one child sends from where it merged, also where it needs
-                # the value itself (its output may only get it in a later round)
-                region = SCRATCH if c in tree.combiners else INPUT
             else:
                 region = OUTPUT
             rows[k] = (t, c, dst, e, region, dst_region)
