@@ -52,7 +52,7 @@ QUICK = 4          # --quick: the first cases (up to 256 ranks)
 
 def clear() -> None:
     """Empty the plan caches (`meshcomm.planner.plan` is shadowed by its function)."""
-    sys.modules["meshcomm.planner.plan"]._plan_args.cache_clear()
+    sys.modules["meshcomm.planner.plan"].clear_memos()
     search.single_plan.cache_clear()
 
 

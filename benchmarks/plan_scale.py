@@ -266,7 +266,7 @@ INPUT_CACHES = ("core.notation.parse", "core.layout._parse_layout", "core.layout
 
 def clear_meshcomm_caches(keep_inputs: bool = False) -> int:
     """Empty every functools cache held by a module-level attribute of a `meshcomm*` module
-    (with `keep_inputs`, all but `INPUT_CACHES`).
+    (with `keep_inputs`, all but `INPUT_CACHES`), and every mesh's memo of plans.
 
     Returns how many distinct caches were cleared (an alias, e.g. a function imported into
     a second module, counts once).
@@ -284,6 +284,7 @@ def clear_meshcomm_caches(keep_inputs: bool = False) -> int:
                 continue
             seen.add(id(value))
             clear()
+    sys.modules["meshcomm.planner.plan"].clear_memos()
     return len(seen)
 
 

@@ -185,7 +185,7 @@ def run(count: int = 2000, pool: int = 400, plan_cache: int = 128, seed: int = 0
         "checkpoints": {str(r["rank"]): [
             {"reshards": cp["reshards"], "rss_mb": round(cp["rss_bytes"] / 2**20, 2),
              "plans": cp["plan_cache"]["plans"], "calls": cp["plan_cache"]["calls"],
-             "hits": cp["plan_cache"]["hits"], "misses": cp["plan_cache"]["misses"]}
+             "misses": cp["plan_cache"]["misses"]}
             for cp in r["checkpoints"]] for r in ranks},
         "check_cost": {str(r["rank"]): r["check_cost"] for r in ranks} if cost_reps else None,
     }

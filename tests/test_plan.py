@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import pickle
+import sys
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -98,6 +102,80 @@ def test_plans_are_cached_and_deterministic():
     mc.planner.set_plan_cache_size(mc.planner.DEFAULT_PLAN_CACHE_SIZE)   # empties both caches
     b = mc.plan(M222, (8, 8, 4), "(a b x) (c y) z", "x (b y) (a c z)")
     assert a == b and a is not b
+
+
+@pytest.fixture
+def fresh_plan_caches():
+    mc.planner.set_plan_cache_size(mc.planner.DEFAULT_PLAN_CACHE_SIZE)
+    yield mc.planner.plan_cache_info
+    mc.planner.set_plan_cache_size(mc.planner.DEFAULT_PLAN_CACHE_SIZE)
+
+
+def test_a_mesh_s_memo_answers_repeated_calls_however_spelled(fresh_plan_caches):
+    mesh, args = mc.Mesh("dp=2 tp=2"), ((8, 4), "(dp tp b) h", "b h")
+    a = mc.plan(mesh, *args)
+    assert {k: fresh_plan_caches()[k] for k in ("calls", "misses", "plans")} == \
+        {"calls": 1, "misses": 1, "plans": 1}
+    assert all(mc.plan(mesh, *args) is a for _ in range(3))
+    # a list shape and a bound mesh are normalized, then the memo answers
+    assert mc.plan(mesh, [8, 4], *args[1:]) is a
+    assert mc.plan(SimpleNamespace(mesh=mesh), *args) is a
+    assert fresh_plan_caches()["misses"] == 1
+    # float32 spelled out is another key with the same plan; bfloat16 is another plan
+    assert mc.plan(mesh, *args, dtype=torch.float32) is a
+    half = mc.plan(mesh, *args, torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and max(half.recv_bytes) * 2 == max(a.recv_bytes)
+    assert mc.plan(mesh, *args, dtype=torch.bfloat16) is half
+    # an equal mesh has its own memo; the search's cache still holds the plan
+    twin = mc.Mesh("dp=2 tp=2")
+    assert mc.plan(twin, *args) is a
+    info = fresh_plan_caches()
+    assert (info["calls"], info["misses"], info["plans"]) == (4, 4, 2)
+
+
+def test_the_memo_keeps_options_apart(fresh_plan_caches):
+    mesh, args = mc.Mesh("dp=2 tp=2"), ((8, 4), "(dp tp b) h", "b h")
+    slow = mc.CostModel(latency_s=1.0, bandwidth=1e9)
+    plain, costly = mc.plan(mesh, *args), mc.plan(mesh, *args, cost_model=slow)
+    assert costly.cost_model == slow and plain.cost_model != slow
+    assert mc.plan(mesh, *args, cost_model=slow) is costly and mc.plan(mesh, *args) is plain
+    other = mc.Mesh("pp=4")
+    cross = mc.plan(mesh, *args, dst_mesh=other)
+    assert cross.dst_mesh == other and mc.plan(mesh, *args, dst_mesh=other) is cross
+    assert mc.plan(mesh, *args) is plain
+
+
+def test_bad_arguments_are_never_remembered(fresh_plan_caches):
+    mesh = mc.Mesh("dp=2")
+    for _ in range(2):
+        with pytest.raises(mc.errors.PlanError, match="dtype must be a torch.dtype"):
+            mc.plan(mesh, (8,), "(dp b)", "b", dtype="float32")
+        with pytest.raises(mc.errors.ShapeError, match="src must be a layout string"):
+            mc.plan(mesh, (8,), ["(dp b)"], "b")
+    assert fresh_plan_caches()["calls"] == 0
+
+
+def test_the_memos_are_bounded_together_and_die_with_their_mesh(fresh_plan_caches):
+    mc.planner.set_plan_cache_size(2)
+    mesh, twin = mc.Mesh("dp=2"), mc.Mesh("dp=2")
+    plans = [mc.plan(m, (2 * n,), "(dp b)", "b") for n in range(1, 6) for m in (mesh, twin)]
+    assert fresh_plan_caches()["calls"] <= 2                 # in all memos together
+    assert plans[::2] == plans[1::2]
+    again = [mc.plan(m, (2 * n,), "(dp b)", "b") for n in range(1, 6) for m in (mesh, twin)]
+    assert again == plans
+    assert pickle.loads(pickle.dumps(mesh)) == mesh         # the memo is not the value
+    del mesh, twin, plans, again
+    for module in [m for name, m in sys.modules.items() if name.startswith("meshcomm")]:
+        for value in list(vars(module).values()):            # caches keyed on the mesh
+            if callable(getattr(value, "cache_clear", None)) and not isinstance(value, type):
+                value.cache_clear()
+    gc.collect()
+    assert fresh_plan_caches()["calls"] == 0
+    mc.planner.set_plan_cache_size(0)                        # off: every call plans
+    mesh = mc.Mesh("dp=2")
+    first = mc.plan(mesh, (4,), "(dp b)", "b")
+    assert mc.plan(mesh, (4,), "(dp b)", "b") is not first
+    assert fresh_plan_caches()["calls"] == 0 and fresh_plan_caches()["misses"] == 2
 
 
 def test_sim_execute_rejects_bad_locals():

@@ -9,7 +9,7 @@ and every rank computes the same one.
 
 from __future__ import annotations
 
-import functools
+import weakref
 from typing import Any
 
 import torch
@@ -24,28 +24,87 @@ from .values import CostModel, Plan
 _DEFAULT_COST = CostModel()
 
 
-def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout, *,
-         dtype: torch.dtype = torch.float32, cost_model: CostModel | None = None,
+def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
+         dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
          dst_mesh: Mesh | None = None) -> Plan:
     """Cheapest exact sequence of collectives that turns layout `src` into `dst`.
 
-    With `dst_mesh`, `dst` lives on that other mesh (disjoint, overlapping or nested):
-    see `meshcomm.planner.crossmesh`. `mesh` and `dst_mesh` may be BoundMeshes (anything
-    whose `.mesh` is a Mesh): the plan is made for their mesh.
+    `dtype` (default float32) sets the bytes a plan moves; `cost_model` (default
+    `CostModel()`) the time it models. With `dst_mesh`, `dst` lives on that other mesh
+    (disjoint, overlapping or nested): see `meshcomm.planner.crossmesh`. `mesh` and
+    `dst_mesh` may be BoundMeshes (anything whose `.mesh` is a Mesh): the plan is made for
+    their mesh.
 
     >>> p = plan(Mesh("dp=2 tp=4"), (8, 16, 32), "(dp b) s (tp h)", "b (dp s) (tp h)")
     >>> [step.kind for step in p.steps]
     ['all_to_all']
+
+    A call repeated with the same arguments is a few dict lookups in the mesh's memo (the
+    mesh is never hashed; strings hash once); see `plan_cache_info`.
     """
+    try:
+        if cost_model is None and dst_mesh is None:
+            return mesh._plans[dtype][src][dst][shape]  # type: ignore[no-any-return]
+        return mesh._plans[_OPTIONS][(dtype, cost_model, dst_mesh)][src][dst][shape]  # type: ignore[no-any-return]
+    except (KeyError, TypeError, AttributeError):   # new, unhashable, or not a Mesh
+        return _plan_and_memo(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
+
+
+# A mesh's memo (`Mesh._plans`): dtype (None by default) -> src -> dst -> shape -> plan for
+# calls without a cost model or destination mesh, and under `_OPTIONS`, (dtype, cost_model,
+# dst_mesh) -> src -> dst -> shape -> plan; `_FILL` counts its plans. Only checked dtypes
+# key it, and the two private keys equal no argument.
+_OPTIONS, _FILL = object(), object()
+_maxsize = 4096                     # plans in all memos together (`set_plan_cache_size`)
+_misses = 0                         # plan() calls that no memo answered
+_held = 0                           # plans put in memos since they were last emptied
+_memos: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()
+
+
+def _plan_and_memo(mesh: Any, shape: Any, src: Any, dst: Any, dtype: Any, cost_model: Any,
+                   dst_mesh: Any) -> Plan:
+    """`plan` past the memo: normalized arguments look again; else plan and remember."""
+    global _misses
+    given = (mesh, shape, dst_mesh)
     if type(shape) is not tuple:
         shape = _as_shape(shape)
     if type(mesh) is not Mesh:
         mesh = _unbound(mesh)
     if dst_mesh is not None and type(dst_mesh) is not Mesh:
         dst_mesh = _unbound(dst_mesh)
-    # The default cost model is passed as None: a cached call then hashes no Python object
-    # but the mesh (None, str, tuple and dtype hash in C).
-    return _plan_args(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
+    if type(mesh) is Mesh and (mesh, shape, dst_mesh) != given:   # e.g. a BoundMesh, a list
+        return plan(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
+    _misses += 1
+    found = _fresh_plan(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
+    if _maxsize:
+        try:
+            _remember(mesh, found, shape, src, dst, dtype, cost_model, dst_mesh)
+        except TypeError:                             # an unhashable argument: not kept
+            pass
+    return found
+
+
+def _remember(mesh: Mesh, found: Plan, shape: Shape, src: Any, dst: Any, *options: Any) -> None:
+    """Put `found` in the mesh's memo; all memos together hold at most `_maxsize` plans."""
+    global _held
+    if _held >= _maxsize:
+        _held = _fill()                   # plans in memos of meshes still alive
+        if _held >= _maxsize:             # full: start again (plans stay in the search's cache)
+            clear_memos(keep_misses=True)
+    memo = mesh._plans
+    dtype, cost_model, dst_mesh = options
+    if cost_model is None and dst_mesh is None:
+        node = memo.setdefault(dtype, {})
+    else:
+        node = memo.setdefault(_OPTIONS, {}).setdefault(options, {})
+    node.setdefault(src, {}).setdefault(dst, {})[shape] = found
+    memo[_FILL] = memo.get(_FILL, 0) + 1
+    _held += 1
+    _memos[id(mesh)] = mesh
+
+
+def _fill() -> int:
+    return sum(mesh._plans.get(_FILL, 0) for mesh in list(_memos.values()))
 
 
 def _unbound(mesh: object) -> Mesh:
@@ -62,10 +121,12 @@ def _as_shape(shape: object) -> Shape:
             f"shape must be a sequence of ints such as (8, 16), got {shape!r}") from None
 
 
-@functools.lru_cache(maxsize=4096)
-def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
-               dtype: torch.dtype, cost_model: CostModel | None, dst_mesh: Mesh | None) -> Plan:
-    """`plan` keyed on the arguments as given, so a repeated call is one dict lookup."""
+def _fresh_plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
+                dtype: torch.dtype | None, cost_model: CostModel | None,
+                dst_mesh: Mesh | None) -> Plan:
+    """`plan` on checked arguments; the search below caches on the normalized layouts."""
+    if dtype is None:
+        dtype = torch.float32
     if cost_model is None:
         cost_model = _DEFAULT_COST
     for name, value in (("mesh", mesh), ("dst_mesh", dst_mesh)):
@@ -90,43 +151,57 @@ def _plan_args(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
     return search.single_plan(mesh, shape, dtype, src_l, dst_l, cost_model)
 
 
-
 DEFAULT_PLAN_CACHE_SIZE = 4096
 
 
 def set_plan_cache_size(size: int) -> None:
-    """Bound each of the two plan caches at `size` entries (default 4096), emptying them.
+    """Bound the plan caches at `size` entries each (default 4096), emptying them.
 
-    `plan()` caches its results twice: keyed on the arguments as given (`_plan_args`) and
-    on the normalized layouts (`search.single_plan`); each drops its least recently used plan beyond
-    `size`. `size=0` turns caching off (every call plans again). Process-wide: call it
-    once at start-up, on every rank.
+    `plan()` remembers its results twice: in a memo on each mesh, keyed on the arguments
+    as given, and in one cache keyed on the normalized layouts (`search.single_plan`).
+    Where the memos hold `size` plans in all, they empty before they take another; the
+    cache drops its least recently used plan beyond `size`.
+    `size=0` turns caching off (every call plans again). Process-wide: call it once at
+    start-up, on every rank.
 
     >>> set_plan_cache_size(256); plan_cache_info()["maxsize"]
     256
     >>> set_plan_cache_size(DEFAULT_PLAN_CACHE_SIZE)
     """
-    global _plan_args
+    global _maxsize
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise PlanError(f"plan cache size must be an int >= 0, got {size!r};"
                         f" fix: e.g. set_plan_cache_size({DEFAULT_PLAN_CACHE_SIZE})")
-    _plan_args = functools.lru_cache(maxsize=size)(_plan_args.__wrapped__)
+    _maxsize = size
+    clear_memos()
     search.set_cache_size(size)
+
+
+def clear_memos(keep_misses: bool = False) -> None:
+    """Empty every mesh's memo of plans (the search's cache stays; see `set_plan_cache_size`)."""
+    global _misses, _held
+    for mesh in list(_memos.values()):
+        mesh._plans.clear()
+    _memos.clear()
+    _held = 0
+    if not keep_misses:
+        _misses = 0
 
 
 def plan_cache_info() -> dict[str, int]:
     """The plan caches' bound and fill, as plain data.
 
-    `maxsize` bounds each cache; `plans` counts distinct plans held (`search.single_plan`),
-    `calls` the distinct argument spellings (`_plan_args`); `hits` and `misses` count `plan()`
-    calls.
+    `maxsize` bounds each cache (the meshes' memos together, and the search's); `plans` counts the
+    distinct plans the search holds (`search.single_plan`), `calls` the argument spellings
+    the meshes' memos hold, and `misses` the `plan()` calls since the caches were last
+    emptied that no memo answered. (A memo hit is one dict lookup and counts nothing.)
 
     >>> sorted(plan_cache_info())
-    ['calls', 'hits', 'maxsize', 'misses', 'plans']
+    ['calls', 'maxsize', 'misses', 'plans']
     """
-    calls, plans = _plan_args.cache_info(), search.single_plan.cache_info()
-    return {"maxsize": int(calls.maxsize or 0), "plans": plans.currsize,
-            "calls": calls.currsize, "hits": calls.hits, "misses": calls.misses}
+    return {"maxsize": _maxsize, "plans": search.single_plan.cache_info().currsize,
+            "calls": _fill(),
+            "misses": _misses}
 
 
 # -- autograd: the plan a reshard's backward runs ---------------------------------------------
