@@ -474,3 +474,54 @@ def test_a_shard_order_swap_on_1024_ranks_is_one_send_recv_at_the_bound(
     moved = p.steps[0].rank_transfers(rank)
     got = sum(t.numel for t in moved if t.dst == rank and t.src != rank) * F32
     assert got == p.recv_bytes[p.mesh.position(rank)]
+
+
+# -- 8. the search's shortcut: one collective at the bound ends it ---------------------------
+SHORTCUT_COSTS = [mc.CostModel(), mc.CostModel(latency_s=5e-6, bandwidth=50e9),
+                  mc.CostModel(latency_s={"*": 2e-6, "dp": 20e-6},
+                               bandwidth={"*": 400e9, "dp": 25e9})]
+
+
+def _full_search(monkeypatch, mesh, shape, src, dst, cost_model, shortcut):
+    from meshcomm.planner import search
+
+    monkeypatch.setattr(search, "SHORTCUT", shortcut)
+    return search.single_plan.__wrapped__(mesh, shape, torch.float32, mc.Layout(src),
+                                          mc.Layout(dst), cost_model)
+
+
+@settings(max_examples=120, deadline=None,
+          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow,
+                                 HealthCheck.function_scoped_fixture])
+@given(st.one_of(sim_cases(), big_cases()), st.sampled_from(SHORTCUT_COSTS))
+def test_the_shortcut_returns_the_plan_the_whole_search_finds(monkeypatch, case, cost_model):
+    mesh, shape, src, dst = case
+    note(f"repro: mc.plan(mc.Mesh({str(mesh)!r}), {shape}, {src!r}, {dst!r},"
+         f" cost_model={cost_model})")
+    fast = _full_search(monkeypatch, mesh, shape, src, dst, cost_model, True)
+    whole = _full_search(monkeypatch, mesh, shape, src, dst, cost_model, False)
+    facts = lambda p: [(s.kind, s.axes, s.action, s.send_bytes, s.recv_bytes, s.peak_bytes)  # noqa: E731
+                       for s in p.steps]
+    assert facts(fast) == facts(whole), f"{fast}\n--- the whole search:\n{whole}"
+
+
+def test_one_collective_at_the_bound_skips_the_other_moves(monkeypatch):
+    """A shard swap on 1,024 ranks is one collective_permute at the bound: the search returns
+    it without drawing the moves after it (block permutes, send_recvs, trees)."""
+    from meshcomm.planner import moves
+
+    drawn = []
+    monkeypatch.setattr(moves, "GENERATORS", tuple(
+        (lambda g: lambda *a: (drawn.append(g.__name__), (yield from g(*a))))(g)
+        for g in moves.GENERATORS))
+    args = (M_32x32, (64, 64), "(dp a) (tp b)", "(tp a) (dp b)")
+    for shortcut in (True, False):
+        drawn.clear()
+        p = _full_search(monkeypatch, *args, mc.CostModel(), shortcut)
+        assert [(s.kind, s.axes) for s in p.steps] == [("collective_permute", ("dp", "tp"))]
+        assert max(p.recv_bytes) == max(p.lower_bound_bytes)
+        assert ("block_permutes" in drawn) is not shortcut, drawn
+    slow = mc.CostModel(latency_s={"*": 1e-6, "dp": 9e-6})     # dp is not the fastest link
+    drawn.clear()
+    _full_search(monkeypatch, *args, slow, True)
+    assert "block_permutes" in drawn

@@ -20,6 +20,7 @@ algorithm each collective is modelled with:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -349,11 +350,16 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         if not any(_even_target(dst, x) == (dx, _shard_of(after.dims[dx], x))
                    for x in (a, b) if (dx := after.axis_dim(x)) is not None):
             continue
-        g = mesh.axis_size(a)
-        pairs = tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
+        pairs = _transpose_pairs(mesh.axis_size(a))
         moving = off_diagonal(mesh, sizes, a, b)
         axes = tuple(x for x in mesh.axis_names if x in (a, b))  # symmetric pairs: any order
         yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
+
+
+@functools.lru_cache(maxsize=64)
+def _transpose_pairs(g: int) -> tuple[tuple[int, int], ...]:
+    """(source, destination) of each position of a g x g grid in its transpose."""
+    return tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
 
 
 def _drop_partial(state: State,

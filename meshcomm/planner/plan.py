@@ -47,7 +47,8 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
             return mesh._plans[dtype][src][dst][shape]  # type: ignore[no-any-return]
         return mesh._plans[_OPTIONS][(dtype, cost_model, dst_mesh)][src][dst][shape]  # type: ignore[no-any-return]
     except (KeyError, TypeError, AttributeError):   # new, unhashable, or not a Mesh
-        return _plan_and_memo(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
+        pass                                        # (outside the handler: errors unchained)
+    return _plan_and_memo(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
 
 
 # A mesh's memo (`Mesh._plans`): dtype (None by default) -> src -> dst -> shape -> plan for

@@ -12,6 +12,7 @@ import functools
 import heapq
 import itertools
 import math
+import operator
 from collections.abc import Iterator
 
 import torch
@@ -49,13 +50,21 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
         steps.append(_step(move, state, layout, after, mesh, tuple(shape), itemsize, cost_model,
                            src_sizes if i else None))
         state, layout = move.after, after
-    zeros = (0,) * mesh.size
-    send = tuple(map(sum, zip(zeros, *(s.send_bytes for s in steps))))
-    recv = tuple(map(sum, zip(zeros, *(s.recv_bytes for s in steps))))
-    peak = tuple(map(max, zip(src_sizes, *(s.peak_bytes for s in steps))))
+    send = _per_rank_sum((s.send_bytes for s in steps), mesh.size)
+    recv = _per_rank_sum((s.recv_bytes for s in steps), mesh.size)
+    peak = tuple(map(max, src_sizes, *(s.peak_bytes for s in steps))) if steps else src_sizes
     lower = _times(bounds.lower_bound_elements(mesh, shape, src, dst), itemsize)
     return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peak,
                 sum(s.time_s for s in steps), cost_model)
+
+
+def _per_rank_sum(columns: Iterator[tuple[int, ...]], ranks: int) -> tuple[int, ...]:
+    """Per-rank sums of the steps' per-rank counts (a plan of one step, the most common,
+    adds nothing; one of none is all zeros)."""
+    total: tuple[int, ...] | None = None
+    for column in columns:
+        total = column if total is None else tuple(map(operator.add, total, column))
+    return (0,) * ranks if total is None else total
 
 
 def _times(values: tuple[int, ...], factor: int) -> tuple[int, ...]:
@@ -142,30 +151,38 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
     pops = 0
 
     def ahead(key: Key, state: State) -> Key:
-        if not guided:
-            return key
         rest = bounds.busiest_bound(state, goal, mesh) * itemsize   # bytes still received
         return ((round(key[0][0] + rest * per_byte, 15), key[0][1] + rest),) + key[1:]
 
-    heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None]] = [
-        (ahead(first, start), next(counter), first, start, (), None)]
+    # A* bounds a queued state only when it reaches the top of the queue (`bounded` False
+    # until then: its key alone is a lower bound too); many queued states never do.
+    heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None, bool]] = [
+        (first, next(counter), first, start, (), None, not guided)]
     labels: dict[State, list[Key]] = {start: [first]}
 
     def relax(key: Key, state: State, move: Move, path: tuple[Move, ...]) -> None:
         nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_numels, bool(path))
         if move.estimate:   # a lower bound of its key: price it when it is popped
-            heapq.heappush(heap, (ahead(nkey, move.after), next(counter), nkey, move.after,
-                                  path + (move,), key))
+            heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), key,
+                                  not guided or move.after == goal))
             return
         if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
             return
         kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
         labels[move.after] = kept + [nkey]
-        heapq.heappush(heap, (ahead(nkey, move.after), next(counter), nkey, move.after,
-                              path + (move,), None))
+        heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), None,
+                              not guided or move.after == goal))
 
     while heap:
-        _, _, key, state, path, before = heapq.heappop(heap)
+        if not heap[0][6]:                     # bound it; back in the queue if others lead
+            _, n, key, state, path, before, _ = heap[0]
+            guess = ahead(key, state)
+            if len(heap) > 1 and guess > min(heap[1:3])[0]:
+                heapq.heapreplace(heap, (guess, n, key, state, path, before, True))
+                continue
+            heapq.heappop(heap)
+        else:
+            _, _, key, state, path, before, _ = heapq.heappop(heap)
         if before is not None:   # an estimated send_recv or tree: price it, then queue it
             *head, last = path
             prev = head[-1].after if head else start
@@ -182,12 +199,42 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
         if pops > _UNGUIDED_POPS and not guided:
             raise _TooLong
         for move in _moves(state, goal, mesh, cost_model):
+            if SHORTCUT and not path and _alone_at_bound(move, start, goal, mesh, cost_model):
+                return (move,)
             relax(key, state, move, path)
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug,"
                     " please report it")
 
 
 Key = tuple[tuple[float, int], int, int, int, int]   # (time, received), peak, reducing, ...
+
+# Moves found first from the start skip the rest of the search where nothing can beat them.
+SHORTCUT = True
+
+
+def _alone_at_bound(move: Move, start: State, goal: State, mesh: Mesh,
+                    cost_model: CostModel) -> bool:
+    """Whether `move`, one step from `start`, is the plan the whole search would return.
+
+    It is where it reaches `goal` as one collective on the fastest links (the least latency
+    and the most bandwidth of the mesh's axes) moving no more than the bound of what the
+    busiest rank must receive: every plan takes at least that time and receives at least
+    that much; every plan holds at least the source and the destination at once, which is
+    this step's peak (not so for trees and reducing send_recvs, left out); and among equal
+    keys the search keeps the fewest steps, then the fewest index-list steps (so none of
+    those here), then the first move found, which this is.
+    """
+    if (move.after != goal or move.kind == "local" or move.estimate or move.indexed
+            or move.action == "tree" or move.rounds != 1
+            or (move.kind == "send_recv" and move.op is not None)):
+        return False
+    busiest = max(max(move.send), max(move.recv))
+    if busiest == 0 or busiest != bounds.busiest_bound(start, goal, mesh):
+        return False
+    latency = [cost_model.time((a,), 0) for a in mesh.axis_names]
+    bandwidth = [cost_model.bandwidth_of(a) for a in mesh.axis_names]
+    return (cost_model.time(move.axes, 0) == min(latency)
+            and min(cost_model.bandwidth_of(a) for a in move.axes) == max(bandwidth))
 
 
 def _moves(state: State, goal: State, mesh: Mesh, cost_model: CostModel) -> Iterator[Move]:
@@ -213,15 +260,15 @@ def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
     if held:
         live_t = live_t + src_numels
     live = int(live_t.max()) * itemsize
-    time = 0.0
+    time, received = 0.0, 0
     if move.kind != "local":
-        time = _time(move, max(max(move.send), max(move.recv)) * itemsize, cost_model)
+        received = max(move.recv) * itemsize
+        time = _time(move, max(max(move.send) * itemsize, received), cost_model)
     # At equal time, fewer received bytes win (a step's time is the larger of its sent and
     # received bytes); then the lower peak; then native reductions (reduce_scatter,
     # all_reduce) over a reducing send_recv or tree; then fewer steps; last, fewer steps
     # driven by index lists (send_recv, select, reindex).
     reducing = move.kind == "send_recv" and move.op is not None
-    received = max(move.recv) * itemsize if move.kind != "local" else 0
     return ((round(key[0][0] + time, 15), key[0][1] + received), max(key[1], live),
             key[2] + reducing, key[3] + 1, key[4] + move.indexed)
 
