@@ -19,7 +19,10 @@ Per case, meshcomm:
   emptied before each (`clear_meshcomm_caches`), layout parsing included; and cold with the
   inputs built: every cache but those of parsed layouts, placements and mesh tables
   (`INPUT_CACHES`), as DTensor has its DTensorSpec and DeviceMesh objects built before it
-  plans (the "built" columns; the fair ratio to DTensor);
+  plans (the "built" columns; the fair ratio to DTensor). A full garbage collection runs
+  before each cold call (both planners), which leaves the CPU caches cold; "warm" times
+  the inputs-built call without it, beside DTensor's min-cost planner timed the same way
+  (the `warm/DTmin` column);
 - cached call: per-call mean of `mc.plan` with the plan in its cache;
 - memory: tracemalloc peak during one cold plan, and what the caches retain after it
   (traced bytes after minus before; Python allocations only);
@@ -294,12 +297,15 @@ def clear_planning_caches() -> int:
 
 
 def cold_ms(call: Callable[[], Any], clear: Callable[[], Any], reps: int,
-            limit_s: float) -> tuple[Measure, int]:
-    """Median ms of `call` after `clear`, and the reps run; fewer once they pass `limit_s`."""
+            limit_s: float, collect: bool = True) -> tuple[Measure, int]:
+    """Median ms of `call` after `clear` (and a full garbage collection, which leaves the
+    CPU caches cold, unless `collect` is False: "warm"), and the reps run; fewer once they
+    pass `limit_s`."""
     times: list[float] = []
     for _ in range(reps):
         clear()
-        gc.collect()
+        if collect:
+            gc.collect()
         try:
             with time_limit(limit_s):
                 t0 = time.perf_counter()
@@ -378,6 +384,8 @@ def meshcomm_entry(case: Case, reps: int, limit_s: float) -> dict[str, Any]:
     out["cold_ms"], out["cold_reps"] = cold_ms(small, clear_meshcomm_caches, reps, limit_s)
     if not isinstance(out["cold_ms"], str):
         out["cold_inputs_built_ms"], _ = cold_ms(small, clear_planning_caches, reps, limit_s)
+        out["warm_inputs_built_ms"], _ = cold_ms(small, clear_planning_caches, reps, limit_s,
+                                                 collect=False)
     if isinstance(out["cold_ms"], str):
         skip = f"skipped: cold plan {_short(out['cold_ms'])}"
         out |= {k: skip for k in ("cached_us", "peak_mb", "retained_mb", "scaled_cold_ms",
@@ -475,6 +483,8 @@ def dtensor_entry(case: Case, meshes: dict[str, Any], reps: int,
     for key, graph in (("greedy", False), ("min_cost", True)):
         once = lambda: redist._gen_transform_infos_non_cached(src, dst, graph)  # noqa: E731
         out[f"{key}_cold_ms"], out[f"{key}_reps"] = cold_ms(once, clear, reps, limit_s)
+        if key == "min_cost" and not isinstance(out["min_cost_cold_ms"], str):
+            out["min_cost_warm_ms"], _ = cold_ms(once, clear, reps, limit_s, collect=False)
         if not isinstance(out[f"{key}_cold_ms"], str):
             out[f"{key}_steps"] = len(once())
     clear()
@@ -520,6 +530,10 @@ def run(cases: list[Case], reps: int, limit_s: float,
             row["inputs_built_over_dtensor_min_cost"] = _ratio(
                 row["meshcomm"].get("cold_inputs_built_ms", row["meshcomm"]["cold_ms"]),
                 row["dtensor"]["min_cost_cold_ms"], limit_s)
+            row["warm_over_dtensor_min_cost_warm"] = _ratio(
+                row["meshcomm"].get("warm_inputs_built_ms", row["meshcomm"]["cold_ms"]),
+                row["dtensor"].get("min_cost_warm_ms", row["dtensor"]["min_cost_cold_ms"]),
+                limit_s)
             rows.append(row)
             print(f"  done {case.id}", file=sys.stderr, flush=True)
         if random_counts:
@@ -551,6 +565,7 @@ def summarize(rows: list[dict[str, Any]], limit_s: float) -> dict[str, Any]:
     one = [r["meshcomm"]["cold_ms"] for r in rows if r["one_collective"]]
     ratios = [r["meshcomm_over_dtensor_min_cost"] for r in rows]
     built = [r["inputs_built_over_dtensor_min_cost"] for r in rows]
+    warm = [r["warm_over_dtensor_min_cost_warm"] for r in rows]
     scaling = [r["meshcomm"]["scale_ratio"] for r in rows]
     at_least = [float(s.split(">=")[1].rstrip("x")) for s in scaling
                 if isinstance(s, str) and ">=" in s]
@@ -567,6 +582,9 @@ def summarize(rows: list[dict[str, Any]], limit_s: float) -> dict[str, Any]:
         "median_ratio_to_dtensor_min_cost": _stat(ratios, statistics.median_low, limit_s),
         "median_ratio_inputs_built_to_dtensor_min_cost": _stat(built, statistics.median_low,
                                                                limit_s),
+        "median_ratio_warm_to_dtensor_min_cost_warm": _stat(warm, statistics.median_low,
+                                                            limit_s),
+        "max_ratio_warm_to_dtensor_min_cost_warm": _stat(warm, max, limit_s),
         "max_element_scaling_ratio": scale_max,
     }
 
@@ -598,6 +616,7 @@ COLUMNS = (  # header, width, format, getter
     ("DT cached µs", 12, ".2f", lambda r: r["dtensor"]["cached_us"]),
     ("mc/DTmin", 8, ".1f", lambda r: r["meshcomm_over_dtensor_min_cost"]),
     ("built/DTmin", 11, ".1f", lambda r: r["inputs_built_over_dtensor_min_cost"]),
+    ("warm/DTmin", 10, ".2f", lambda r: r["warm_over_dtensor_min_cost_warm"]),
 )
 
 
@@ -640,6 +659,9 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
         f" {num(s['median_ratio_to_dtensor_min_cost'])}",
         f"median ratio meshcomm cold with inputs built / DTensor min-cost cold:"
         f" {num(s['median_ratio_inputs_built_to_dtensor_min_cost'])}",
+        f"ratio meshcomm / DTensor min-cost, both warm (inputs built, no gc.collect()):"
+        f" median {num(s['median_ratio_warm_to_dtensor_min_cost_warm'])},"
+        f" max {num(s['max_ratio_warm_to_dtensor_min_cost_warm'])}",
         f"max element-scaling ratio ({SCALE}x elements, cold time big/small):"
         f" {num(s['max_element_scaling_ratio'])}",
     ]

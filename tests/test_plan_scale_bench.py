@@ -18,14 +18,17 @@ from conftest import scaled
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_scale.py"
 BASE_TIMEOUT_S = 300.0
-MESHCOMM_KEYS = {"cold_ms", "cached_us", "peak_mb", "retained_mb", "scale_ratio",
-                 "scaled_cold_ms", "scaled_shape", "steps"}
-DTENSOR_KEYS = {"placements", "greedy_cold_ms", "min_cost_cold_ms", "cached_us"}
+MESHCOMM_KEYS = {"cold_ms", "warm_inputs_built_ms", "cached_us", "peak_mb", "retained_mb",
+                 "scale_ratio", "scaled_cold_ms", "scaled_shape", "steps"}
+DTENSOR_KEYS = {"placements", "greedy_cold_ms", "min_cost_cold_ms", "min_cost_warm_ms",
+                "cached_us"}
 SUMMARY_KEYS = {"cases", "meshcomm_timeouts", "cold_p50_ms", "cold_max_ms",
                 "one_collective_cold_p50_ms", "median_ratio_to_dtensor_min_cost",
-                "max_element_scaling_ratio"}
+                "median_ratio_warm_to_dtensor_min_cost_warm",
+                "max_ratio_warm_to_dtensor_min_cost_warm", "max_element_scaling_ratio"}
 SUMMARY_LINES = ("meshcomm cold plan over ", "meshcomm cold plan p50 over one-collective cases:",
                  "median ratio meshcomm cold / DTensor min-cost cold:",
+                 "ratio meshcomm / DTensor min-cost, both warm (inputs built, no gc.collect()):",
                  "max element-scaling ratio (4096x elements, cold time big/small):")
 
 
@@ -60,6 +63,7 @@ def test_every_case_has_both_sides(quick_run: tuple[str, dict[str, Any]]) -> Non
         for key in DTENSOR_KEYS - {"placements"}:
             assert _is_measure(row["dtensor"][key]), (row["id"], key, row["dtensor"][key])
         assert _is_measure(row["meshcomm_over_dtensor_min_cost"])
+        assert _is_measure(row["warm_over_dtensor_min_cost_warm"])
 
 
 def test_element_scaling_keeps_the_shape_rank(quick_run: tuple[str, dict[str, Any]]) -> None:

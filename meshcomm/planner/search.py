@@ -91,8 +91,10 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
     live = _live(move, state, mesh).reshape(-1)
     live = live * itemsize + (torch.tensor(held) if held else 0)
     peak = tuple(live.tolist())
-    send, recv = _times(move.send, itemsize), _times(move.recv, itemsize)
-    time = 0.0 if move.kind == "local" else _time(move, max(max(send), max(recv)), cost_model)
+    send = _times(move.send, itemsize)
+    recv = send if move.recv is move.send else _times(move.recv, itemsize)
+    time = 0.0 if move.kind == "local" else _time(
+        move, max(max(move.send), max(move.recv)) * itemsize, cost_model)
     found = (functools.partial(tree_transfers, state, move.after, mesh)
              if move.action == "tree" else
              blocks_of(move.kind, move.action, before, after, mesh, shape))
