@@ -45,10 +45,11 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     steps = []
     state, layout = start, src
     src_sizes = _times(local_numels(start, mesh), itemsize)
+    src_held = local_numels_tensor(start, mesh).reshape(-1) * itemsize
     for i, move in enumerate(moves):
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         steps.append(_step(move, state, layout, after, mesh, tuple(shape), itemsize, cost_model,
-                           src_sizes if i else None))
+                           src_held if i else None))
         state, layout = move.after, after
     send = _per_rank_sum((s.send_bytes for s in steps), mesh.size)
     recv = _per_rank_sum((s.recv_bytes for s in steps), mesh.size)
@@ -87,9 +88,9 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
-          held: tuple[int, ...] | None) -> Step:
+          held: torch.Tensor | None) -> Step:
     live = _live(move, state, mesh).reshape(-1)
-    live = live * itemsize + (torch.tensor(held) if held else 0)
+    live = live * itemsize + (held if held is not None else 0)
     peak = tuple(live.tolist())
     send = _times(move.send, itemsize)
     recv = send if move.recv is move.send else _times(move.recv, itemsize)
