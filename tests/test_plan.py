@@ -178,6 +178,38 @@ def test_the_memos_are_bounded_together_and_die_with_their_mesh(fresh_plan_cache
     assert fresh_plan_caches()["calls"] == 0 and fresh_plan_caches()["misses"] == 2
 
 
+ROTATED = [
+    # mesh, shape, src, dst, busiest send of twins (B), busiest send rotated (B)
+    ("dp=16 tp=4", (2,), "(dp i)", "(tp i)", 60, 16),
+    ("dp=4 tp=2", (8,), "(dp i)", "(tp i)", 24, 16),
+    ("dp=2 tp=4", (8, 8), "(tp i) j", "(dp i) (tp j)", 48, 32),
+    ("a=2 b=2 c=2", (1, 8), "(a b i) j", "(c i) (b j)", 48, 32),
+]
+
+
+@pytest.mark.parametrize("spec, shape, src, dst, twins, rotated", ROTATED)
+def test_a_rotated_send_recv_spreads_the_sending_over_replicas(spec, shape, src, dst, twins,
+                                                                rotated):
+    """Where the ranks needing one block line up along an axis the source shards, its twin
+    replica would send to all of them; the rotated send_recv takes each rank's blocks from
+    replicas shifted along the replicating axes, so the sending spreads (receives are the
+    bound either way) and the step's group spans those axes too."""
+    from meshcomm.planner.states import from_layout
+    from meshcomm.planner.transfers import pair_traffic, rotation
+
+    mesh = mc.Mesh(spec)
+    p = mc.plan(mesh, shape, src, dst)
+    [step] = p.steps
+    assert (step.kind, step.action) == ("send_recv", "rotate"), str(p)
+    shard, spare = rotation(from_layout(mc.Layout(src), mesh, shape), mesh)
+    assert set(step.axes) == set(shard) | set(spare)
+    sent, _ = pair_traffic(from_layout(mc.Layout(src), mesh, shape),
+                           from_layout(mc.Layout(dst), mesh, shape), mesh)
+    assert max(sent) * 4 == twins and max(step.send_bytes) == rotated < twins
+    assert max(step.recv_bytes) == max(p.lower_bound_bytes)
+    _check_exact(p, torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape))
+
+
 def test_sim_execute_rejects_bad_locals():
     p = mc.plan(M22, (8, 16), "(dp b) s", "b s")
     xs = scatter(torch.zeros(8, 16), M22, "(dp b) s")

@@ -79,10 +79,13 @@ def step_cells(row: dict[str, Any], *, timed: bool = True) -> tuple[str, ...]:
 
 def wire_note(row: dict[str, Any]) -> str:
     """'; as all_to_all' where a step runs as another collective than its kind, else ''; for
-    a tree step, '; a tree, as 3 all_to_alls'."""
+    a tree step, '; a tree, as 3 all_to_alls'; for a rotated send_recv, '; senders rotated
+    over replicas, as all_to_all'."""
     wire = row.get("wire") or ""
     if row.get("action") == "tree":
         return f"; a tree, as {row.get('rounds', 1)} {wire}s"
+    if row.get("action") == "rotate":
+        return f"; senders rotated over replicas, as {wire}"
     return f"; as {wire}" if wire and wire != row["kind"] else ""
 
 

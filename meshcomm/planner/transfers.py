@@ -18,13 +18,19 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from ..core.layout import Layout
 from ..core.mesh import AxisName, Mesh
 from .blocks import (
     block,
+    combos,
+    coords_table,
+    counts_at,
+    flat_index,
     in_mesh_order,
     own_and_need,
+    rank_blocks,
     summed_overlap,
 )
 from .bounds import missing, sharding_axes, state_bound
@@ -252,7 +258,94 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     if not exact:
         return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
     send, recv = pair_traffic(state, dst, mesh)
+    if max(send) > max(recv):     # twins send more than anyone receives: rotate them?
+        turn = rotation(state, mesh)
+        if turn is not None and mesh.size * math.prod(
+                mesh.axis_size(a) for a in turn[0]) <= ROTATE_LIMIT:
+            spread = rotated_sends(state, dst, mesh, *turn)
+            if max(spread) < max(send):
+                return Move("send_recv", in_mesh_order(mesh, {*turn[0], *turn[1]}), dst,
+                            action="rotate", indexed=True, send=spread, recv=recv)
     return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
+
+
+# -- rotated twins: the sending spread over replicas --------------------------------------
+# A rank's twins (`pair_traffic`) agree with it on every axis that does not shard the state,
+# so where the ranks that need one block line up along an axis the state shards (a
+# destination replicated over it), one replica of the block sends to all of them and the
+# others idle. A rotated send_recv takes each rank's blocks from the replicas one further
+# along the replicating axes R per step of its coordinates on the sharding axes S: rank q
+# receives every block it lacks from the holders whose R coordinates are q's plus
+# shift(q) = (q's flat index over S) mod |R|, and whose other coordinates (pending axes)
+# are q's. Each of them holds that block (the state is replicated over R), so q receives
+# exactly what it lacks, as from its twins; only who sends changes.
+ROTATE_LIMIT = 1 << 22   # ranks x block positions counted at most (a few tensors of that
+                         # many int64s); beyond, the twins send
+
+
+def rotation(state: State, mesh: Mesh) -> tuple[tuple[AxisName, ...],
+                                               tuple[AxisName, ...]] | None:
+    """(S, R): the axes sharding `state` and those replicating it (not pending, size > 1),
+    in mesh order; None where either is empty (nothing to rotate)."""
+    shard = in_mesh_order(mesh, sharding_axes(state))
+    spare = tuple(a for a in mesh.axis_names if a not in shard and a not in state.partial
+                  and mesh.axis_size(a) > 1)
+    return (shard, spare) if shard and spare else None
+
+
+def rotated_sends(state: State, dst: State, mesh: Mesh, shard: tuple[AxisName, ...],
+                  spare: tuple[AxisName, ...]) -> tuple[int, ...]:
+    """Per rank (mesh order), the elements it sends in a rotated send_recv: a sum over the
+    g block positions j on S (its own left out) of what the rank with S coordinates j and R
+    coordinates its own minus shift(j) needs of its block. O(ranks x g) counts, in torch."""
+    coords = coords_table(mesh)                                     # [N, axes]
+    grid = combos(mesh, shard)                                      # [g, |S|]
+    g, turns = grid.shape[0], math.prod(mesh.axis_size(a) for a in spare)
+    mine = flat_index(coords, mesh, spare)[:, None]                 # [N, 1]
+    theirs = (mine - torch.arange(g)[None, :] % turns) % turns      # [N, g] R index of q
+    stride = {a: math.prod(mesh.axis_size(b) for b in spare[i + 1:])
+              for i, a in enumerate(spare)}
+
+    def coord(axis: AxisName) -> Tensor:                            # q's, [N, g] or [N, 1]
+        if axis in shard:
+            return grid[None, :, shard.index(axis)]
+        if axis in stride:
+            return (theirs // stride[axis]) % mesh.axis_size(axis)
+        return coords[:, mesh.axis_names.index(axis)][:, None]
+
+    out = torch.ones(mesh.size, g, dtype=torch.long)
+    for have, want in zip(state.dims, dst.dims):
+        need = torch.zeros(1, 1, dtype=torch.long)
+        for axis in in_mesh_order(mesh, want.axes):
+            need = need * mesh.axis_size(axis) + coord(axis)
+        out = out * counts_at(have, want, mesh, rank_blocks(have, mesh)[:, None], need)
+    own = flat_index(coords, mesh, shard)[:, None] == torch.arange(g)[None, :]
+    return tuple(out.masked_fill(own, 0).sum(1).tolist())
+
+
+def _rotated_partners(state: State, mesh: Mesh, rank: int) -> tuple[list[int], list[int]]:
+    """`rank`'s receivers and senders in a rotated send_recv (itself left out), one per
+    block position on S other than its own."""
+    turn = rotation(state, mesh)
+    assert turn is not None, "a rotated send_recv needs sharding and replicating axes"
+    shard, spare = turn
+    coords = mesh.coords(rank)
+    turns = math.prod(mesh.axis_size(a) for a in spare)
+    row = torch.tensor([[coords[a] for a in mesh.axis_names]])
+    own, mine = int(flat_index(row, mesh, shard)[0]), int(flat_index(row, mesh, spare)[0])
+
+    def at(combo: list[int], r: int) -> int:
+        where = dict(coords, **dict(zip(shard, combo)))
+        for a in reversed(spare):
+            where[a], r = r % mesh.axis_size(a), r // mesh.axis_size(a)
+        return mesh.rank_at(**where)
+
+    to, fro = [], []
+    for j, combo in enumerate(combos(mesh, shard).tolist()):
+        if j != own:
+            to.append(at(combo, (mine - j % turns) % turns))
+            fro.append(at(combo, (mine + own % turns) % turns))
+    return to, fro
 
 
 def _reducing_move(state: State, dst: State, mesh: Mesh, resolve: tuple[AxisName, ...],
@@ -478,6 +571,11 @@ def _rank_transfers(kind: str, action: str, before: Layout, after: Layout, mesh:
         return (_cell(rank, rank, state, dst, mesh),) if first else ()
     if kind != "send_recv":   # select: every rank holds what it needs
         return (_cell(rank, rank, state, dst, mesh),)
+    if action == "rotate":
+        to, fro = _rotated_partners(state, mesh, rank)
+        out = [_cell(rank, r, state, dst, mesh) for r in (rank, *to)]
+        out += [_cell(s, rank, state, dst, mesh) for s in fro]
+        return tuple(t for t in out if t.numel)
     group = mesh.members(rank, *send_recv_axes(state, dst, mesh))
     out = [_cell(rank, r, state, dst, mesh) for r in group]
     out += [_cell(s, rank, state, dst, mesh) for s in group if s != rank]

@@ -177,8 +177,10 @@ class Step:
     blocks when it runs (the planner leaves that function in `blocks_of`, so an executor
     needs nothing of the planner but this value). `wire` is the
     collective the step runs as (`wire_of`: e.g. an uneven all_gather as an
-    all_to_all), "" for a local step. Bytes are per rank, in the order of the plan's
-    `ranks`.
+    all_to_all), "" for a local step. `action`: what a local step does; for a send_recv,
+    "tree" (rounds of messages), "rotate" (senders rotated over the source's replicas,
+    `planner.transfers.rotated_sends`) or "". Bytes are per rank, in the order of the
+    plan's `ranks`.
     """
 
     kind: str

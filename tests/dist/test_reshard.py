@@ -72,6 +72,8 @@ NAMED = [
     ("dp=2 tp=4", (5, 3), "i (dp j) | sum(tp)", "i j", torch.float32),      # tree, combiners
     ("a=2 b=2 c=2", (5, 5), "i (b c j) | avg(a)", "(b i) (c j)", torch.float64),
     ("a=2 b=2 c=2", (3, 3, 16), "i (c j) k | max(a)", "i j (c a k)", torch.float32),  # relay
+    ("dp=2 tp=4", (8, 8), "(tp i) j", "(dp i) (tp j)", torch.float32),   # rotated send_recv
+    ("a=2 b=2 c=2", (1, 8), "(a b i) j", "(c i) (b j)", torch.int64),
 ]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
          "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce",
