@@ -279,8 +279,8 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
 # shift(q) = (q's flat index over S) mod |R|, and whose other coordinates (pending axes)
 # are q's. Each of them holds that block (the state is replicated over R), so q receives
 # exactly what it lacks, as from its twins; only who sends changes.
-ROTATE_LIMIT = 1 << 22   # ranks x block positions counted at most (a few tensors of that
-                         # many int64s); beyond, the twins send
+ROTATE_LIMIT = 1 << 18   # ranks x block positions counted at most (planning time: about
+                         # 10 ms at the limit, more on chunked dims); beyond, the twins send
 
 
 def rotation(state: State, mesh: Mesh) -> tuple[tuple[AxisName, ...],
@@ -293,6 +293,7 @@ def rotation(state: State, mesh: Mesh) -> tuple[tuple[AxisName, ...],
     return (shard, spare) if shard and spare else None
 
 
+@functools.lru_cache(maxsize=1024)
 def rotated_sends(state: State, dst: State, mesh: Mesh, shard: tuple[AxisName, ...],
                   spare: tuple[AxisName, ...]) -> tuple[int, ...]:
     """Per rank (mesh order), the elements it sends in a rotated send_recv: a sum over the
