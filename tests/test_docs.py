@@ -441,10 +441,19 @@ from torch._C import _distributed_c10d as c10d
 NONE = lambda: 0  # noqa: E731
 unwaited = getattr(c10d, "_get_work_registry_size", NONE)
 namespaces = {}
+
+
+def mark(block_id, what):
+    # one write of a whole line: print() writes its pieces one by one, and the launcher's
+    # rank prefix can land between them ("@@docs-block[rank0]: README.md:96 end")
+    sys.stdout.write(f"@@docs-block {block_id} {what}\\n")
+    sys.stdout.flush()
+
+
 for block_id, page, line, source, args, allowed in BLOCKS:
     ns = namespaces.setdefault(page, {"__name__": "__main__", "torch": torch, "mc": mc})
     sys.argv = [page, *args]
-    print("@@docs-block", block_id, "begin", flush=True)
+    mark(block_id, "begin")
     try:
         before = unwaited()
         exec(compile("\\n" * line + source, page, "exec"), ns)
@@ -457,11 +466,11 @@ for block_id, page, line, source, args, allowed in BLOCKS:
                                " unwaited-ok from its marker")
     except BaseException:
         traceback.print_exc(file=sys.stdout)
-        print("@@docs-block", block_id, "failed", flush=True)
+        mark(block_id, "failed")
         sys.stderr.flush()
         os._exit(1)
     sys.stdout.flush()
-    print("@@docs-block", block_id, "end", flush=True)
+    mark(block_id, "end")
 '''
 
 
