@@ -13,6 +13,7 @@ same order. `blocks_of` gives a step the function that lists one rank's blocks w
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -332,17 +333,20 @@ def _rotated_partners(state: State, mesh: Mesh, rank: int) -> tuple[list[int], l
     shard, spare = turn
     coords = mesh.coords(rank)
     turns = math.prod(mesh.axis_size(a) for a in spare)
-    row = torch.tensor([[coords[a] for a in mesh.axis_names]])
-    own, mine = int(flat_index(row, mesh, shard)[0]), int(flat_index(row, mesh, spare)[0])
+    own, mine = 0, 0              # flat indices over S and R (plain ints: no torch here)
+    for a in shard:
+        own = own * mesh.axis_size(a) + coords[a]
+    for a in spare:
+        mine = mine * mesh.axis_size(a) + coords[a]
 
-    def at(combo: list[int], r: int) -> int:
+    def at(combo: tuple[int, ...], r: int) -> int:
         where = dict(coords, **dict(zip(shard, combo)))
         for a in reversed(spare):
             where[a], r = r % mesh.axis_size(a), r // mesh.axis_size(a)
         return mesh.rank_at(**where)
 
     to, fro = [], []
-    for j, combo in enumerate(combos(mesh, shard).tolist()):
+    for j, combo in enumerate(itertools.product(*(range(mesh.axis_size(a)) for a in shard))):
         if j != own:
             to.append(at(combo, (mine - j % turns) % turns))
             fro.append(at(combo, (mine + own % turns) % turns))
