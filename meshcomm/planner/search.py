@@ -22,7 +22,7 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from . import bounds
 from .moves import Move, expand
-from .states import State, from_layout, local_numels, local_numels_tensor, to_layout
+from .states import State, from_layout, local_numels_tensor, to_layout
 from .transfers import (
     blocks_of,
     reindex_move,
@@ -44,8 +44,8 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     names = dst.dim_names(mesh)
     steps = []
     state, layout = start, src
-    src_sizes = _times(local_numels(start, mesh), itemsize)
     src_held = local_numels_tensor(start, mesh).reshape(-1) * itemsize
+    src_sizes = tuple(src_held.tolist())
     for i, move in enumerate(moves):
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         steps.append(_step(move, state, layout, after, mesh, tuple(shape), itemsize, cost_model,

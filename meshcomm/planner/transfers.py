@@ -13,7 +13,6 @@ same order. `blocks_of` gives a step the function that lists one rank's blocks w
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -289,8 +288,7 @@ def rotation(state: State, mesh: Mesh) -> tuple[tuple[AxisName, ...],
     """(S, R): the axes sharding `state` and those replicating it (not pending, size > 1),
     in mesh order; None where either is empty (nothing to rotate)."""
     shard = in_mesh_order(mesh, sharding_axes(state))
-    spare = tuple(a for a in mesh.axis_names if a not in shard and a not in state.partial
-                  and mesh.axis_size(a) > 1)
+    spare = tuple(a for a in replicating_axes(state, mesh) if a not in state.partial)
     return (shard, spare) if shard and spare else None
 
 
@@ -331,25 +329,12 @@ def _rotated_partners(state: State, mesh: Mesh, rank: int) -> tuple[list[int], l
     turn = rotation(state, mesh)
     assert turn is not None, "a rotated send_recv needs sharding and replicating axes"
     shard, spare = turn
-    coords = mesh.coords(rank)
     turns = math.prod(mesh.axis_size(a) for a in spare)
-    own, mine = 0, 0              # flat indices over S and R (plain ints: no torch here)
-    for a in shard:
-        own = own * mesh.axis_size(a) + coords[a]
-    for a in spare:
-        mine = mine * mesh.axis_size(a) + coords[a]
-
-    def at(combo: tuple[int, ...], r: int) -> int:
-        where = dict(coords, **dict(zip(shard, combo)))
-        for a in reversed(spare):
-            where[a], r = r % mesh.axis_size(a), r // mesh.axis_size(a)
-        return mesh.rank_at(**where)
-
-    to, fro = [], []
-    for j, combo in enumerate(itertools.product(*(range(mesh.axis_size(a)) for a in shard))):
-        if j != own:
-            to.append(at(combo, (mine - j % turns) % turns))
-            fro.append(at(combo, (mine + own % turns) % turns))
+    group = mesh.members(rank, *shard, *spare)     # position j * turns + r: S major, then R
+    own, mine = divmod(group.index(rank), turns)
+    places = [j for j in range(len(group) // turns) if j != own]
+    to = [group[j * turns + (mine - j) % turns] for j in places]
+    fro = [group[j * turns + (mine + own) % turns] for j in places]
     return to, fro
 
 
