@@ -134,12 +134,9 @@ def shard_rows(mesh: Mesh | str, shape: Sequence[int],
 
 
 def dim_names(mesh: Mesh, layout: Layout) -> tuple[str, ...]:
-    """A name per dim: its local factor (not a mesh axis, not sized), else "dimN"."""
-    out = []
-    for d, dim in enumerate(layout.dims):
-        local = [f.name for f in dim.factors if f.size is None and f.name not in mesh.axis_names]
-        out.append(local[-1] if local else f"dim{d}")
-    return tuple(out)
+    """A label per dim: its local factor (not a mesh axis, not sized), else "dimN" (labels
+    are printed, never parsed as a layout: `Layout.dim_names` names dims for layouts)."""
+    return tuple(n or f"dim{d}" for d, n in enumerate(layout.local_names(mesh)))
 
 
 def _partial_text(layout: Layout) -> str:

@@ -38,11 +38,11 @@ def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],
     axes = list(mesh.axis_names)
     rng.shuffle(axes)
     for axis in axes:
-        where = rng.choice(["rep", "partial"] + [f"d{i}" for i in range(ndim)])
+        where: str | int = rng.choice(["rep", "partial", *range(ndim)])   # a dim by index
         if where == "partial":
             partial.append(axis)
-        elif where != "rep":
-            dims[int(where[1:])].append(axis)
+        elif isinstance(where, int):
+            dims[where].append(axis)
     parts = []
     for i, group in enumerate(dims):
         at = rng.randint(0, len(group)) if rng.random() < name_inside else len(group)

@@ -40,7 +40,7 @@ SIBLINGS: tuple[tuple[str, str], ...] = (
 # Modules the tree must have (docs/architecture.md names them); missing ones fail.
 REQUIRED = (
     "meshcomm.core.errors", "meshcomm.core.mesh", "meshcomm.core.notation",
-    "meshcomm.core.layout", "meshcomm.core.reduce_ops",
+    "meshcomm.core.layout", "meshcomm.core.reduce_ops", "meshcomm.core.names",
     "meshcomm.planner.values", "meshcomm.planner.explain", "meshcomm.planner.rearrange",
     "meshcomm.planner.states", "meshcomm.planner.blocks", "meshcomm.planner.moves",
     "meshcomm.planner.traffic", "meshcomm.planner.bounds", "meshcomm.planner.transfers",

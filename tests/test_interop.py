@@ -356,4 +356,4 @@ def test_unnamed_mesh_dims_are_dim0_dim1() -> None:
     mesh = mc.Mesh("d0=2 d1=2")
     assert str(mc.dtensor.from_placements(mesh, (8, 6), pl("S0 S1"))) == "(d0 dim0) (d1 dim1)"
     assert str(mc.dtensor.from_placements(M4, (8, 6), pl("S0 S1"))) == "(dp d0) (tp d1)"
-    assert mc.core.layout.positional_names(3, mc.Mesh("d0=2 dim1=2")) == ("t0", "t1", "t2")
+    assert mc.core.names.positional_names(3, ("d0", "dim1")) == ("t0", "t1", "t2")

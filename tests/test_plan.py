@@ -230,21 +230,41 @@ NAMES = "ijkl"
 OPS = ("sum", "max", "min", "avg")
 
 
+# How PyTorch's tests name meshes: an unnamed DeviceMesh's axes are d0, d1, ... (the dims of
+# layouts on it then take other names, here dim0, ...), and the other way round (issue 34).
+UNNAMED = {"d": ("d{}", tuple(f"dim{i}" for i in range(4))),
+           "dim": ("dim{}", tuple(f"d{i}" for i in range(4)))}
+
+
+def unnamed(mesh: mc.Mesh, style: str) -> tuple[mc.Mesh, tuple[str, ...]]:
+    """`mesh` with its axes named by position in `style`, and dim names for layouts on it."""
+    form, names = UNNAMED[style]
+    return mc.Mesh(dict((form.format(i), n) for i, n in enumerate(mesh.shape))), names
+
+
 @st.composite
-def layouts(draw, mesh: mc.Mesh, ndim: int, ops=OPS) -> str:
+def layouts(draw, mesh: mc.Mesh, ndim: int, ops=OPS, names=NAMES) -> str:
     """`random_layout` driven by hypothesis's own random (so failures shrink)."""
-    return random_layout(draw(st.randoms(use_true_random=False)), mesh, ndim, ops, NAMES)
+    return random_layout(draw(st.randoms(use_true_random=False)), mesh, ndim, ops, names)
+
+
+@st.composite
+def meshes(draw, choices=MESHES) -> tuple[mc.Mesh, tuple[str, ...] | str]:
+    """A mesh of `choices`, a third of the time unnamed (axes d0, d1, ... or dim0, ...)."""
+    mesh = draw(st.sampled_from(choices))
+    style = draw(st.sampled_from(["named", "named", "d", "dim"]))
+    return (mesh, NAMES) if style == "named" else unnamed(mesh, style)
 
 
 @st.composite
 def transitions(draw):
-    mesh = draw(st.sampled_from(MESHES))
+    mesh, names = draw(meshes())
     ndim = draw(st.integers(1, 4))
     sizes = [4, 6, 8, 12, 5, 7, 1, 0] if ndim < 4 else [2, 4, 3, 8, 1]
     shape = tuple(draw(st.sampled_from(sizes)) for _ in range(ndim))
-    src = draw(layouts(mesh, ndim))
+    src = draw(layouts(mesh, ndim, names=names))
     op = mc.Layout(src).reduce_op
-    dst = draw(layouts(mesh, ndim, ops=(op,) if op else OPS))
+    dst = draw(layouts(mesh, ndim, ops=(op,) if op else OPS, names=names))
     try:
         mc.Layout(src).placements(mesh, shape)
         mc.Layout(dst).placements(mesh, shape)
@@ -328,6 +348,48 @@ def test_there_and_back_again(case):
         torch.testing.assert_close(gather(list(back.outputs), mesh, src, shape), x)
     else:
         assert torch.equal(gather(list(back.outputs), mesh, src, shape), x)
+
+
+def test_the_partial_source_of_issue_34_plans_on_an_unnamed_mesh() -> None:
+    """The dims' names collided with the axes d0, d1 of an unnamed mesh in the counting
+    bound's check (`block_indices` named dims d0, d1): "d0 d1 | sum(d0)" did not fit."""
+    p = mc.plan(mc.Mesh("d0=4"), (8, 6), "dim0 dim1 | sum(d0)", "dim0 dim1")
+    assert [s.kind for s in p.collectives] == ["all_reduce"]
+    _check_exact(p, torch.randint(-9, 10, (8, 6)).float())
+    # layouts with no dim name of their own (only sized factors) on axes named dim0, dim1
+    p = mc.plan(mc.Mesh("dim0=4 dim1=2"), (8, 6), "(dim0 x=2) b | sum(dim1)", "a (dim1 y=3)")
+    assert "d1" in str(p.steps[0].after) and "dim1 dim1" not in str(p.steps[0].after)
+    _check_exact(p, torch.randint(-9, 10, (8, 6)).float())
+
+
+UNEVEN_MESHES = [*MESHES, mc.Mesh("a=2 b=1 c=3"), mc.Mesh("p=1"), mc.Mesh("a=3 b=1 c=1 d=2 e=1")]
+LARGE = [(512, 64), (4096,), (96, 33, 20), (130, 7), (257, 3)]
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(st.sampled_from(["d", "dim"]), st.sampled_from(OPS), st.booleans(), st.data())
+def test_partial_sources_on_unnamed_meshes_are_exact(style, op, large, data) -> None:
+    """Unnamed meshes (axes d0, d1, ... or dim0, ...) with a pending `op` in the source, to
+    any layout: small tensors (elements x ranks <= 2^16 take the counting bound's check that
+    broke in issue 34) and large ones, size-1 axes and 5-axis meshes included."""
+    from hypothesis import assume
+    mesh, names = unnamed(data.draw(st.sampled_from(UNEVEN_MESHES)), style)
+    if large:
+        shape = data.draw(st.sampled_from(LARGE))
+    else:
+        ndim = data.draw(st.integers(1, 3))
+        shape = tuple(data.draw(st.sampled_from([4, 6, 5, 1, 0, 8])) for _ in range(ndim))
+    src = data.draw(layouts(mesh, len(shape), ops=(op,), names=names))
+    dst = data.draw(layouts(mesh, len(shape), ops=(op,), names=names))
+    assume(mc.Layout(src).partial_axes)
+    try:
+        mc.Layout(src).placements(mesh, shape)
+        mc.Layout(dst).placements(mesh, shape)
+    except mc.errors.ShapeError:
+        assume(False)
+    x = torch.randint(-9, 10, shape).float()
+    _check_exact(mc.plan(mesh, shape, src, dst), x)
 
 
 def test_a_backend_without_a_collective_never_gets_it():

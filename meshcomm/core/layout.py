@@ -20,6 +20,7 @@ from typing import Any
 from . import notation
 from .errors import MeshAxisError, PlanError, ShapeError, caret, did_you_mean
 from .mesh import AxisName, Mesh
+from .names import fresh_names, positional_names
 from .notation import Dim
 
 Shape = tuple[int, ...]
@@ -119,17 +120,35 @@ class Layout:
         """Mesh axes with pending partial results, as written."""
         return self.pattern.reduce_axes
 
-    def dim_names(self, mesh: Mesh | None = None) -> tuple[str, ...]:
-        """A readable name per dim: its local (unsized, non-axis) factor, else dimN.
+    def local_names(self, mesh: Mesh | None = None) -> tuple[str | None, ...]:
+        """Per dim, its minor local (unsized, non-axis) factor's name, or None where it has none.
 
         Without `mesh` every unsized name counts as local; with it, mesh axes do not.
         """
         axes = set(mesh.axis_names) if mesh is not None else set()
         out = []
-        for i, dim in enumerate(self.dims):
+        for dim in self.dims:
             local = [f.name for f in dim.factors if f.size is None and f.name not in axes]
-            out.append(local[-1] if local else f"dim{i}")
+            out.append(local[-1] if local else None)
         return tuple(out)
+
+    def dim_names(self, mesh: Mesh | None = None) -> tuple[str, ...]:
+        """A name per dim: its local factor, else its positional name (`positional_names`:
+        d0, d1, ..., or dim0, ... where those are taken), never a mesh axis or another name
+        in the layout.
+
+        >>> Layout("(tp x=2) s").dim_names(Mesh("tp=2"))
+        ('d0', 's')
+        >>> Layout("(d0 x=2) s").dim_names(Mesh("d0=2"))     # d0 is an axis: dim0
+        ('dim0', 's')
+        """
+        local = self.local_names(mesh)
+        if None not in local:
+            return tuple(n for n in local if n is not None)
+        taken = {f.name for dim in self.dims for f in dim.factors}
+        axes = mesh.axis_names if mesh is not None else ()
+        spare = positional_names(self.ndim, axes, taken)
+        return tuple(n if n is not None else spare[i] for i, n in enumerate(local))
 
     # -- derivations: new layouts from this one (each checked as if parsed) -----------------
     @classmethod
@@ -257,21 +276,6 @@ def as_layout(value: str | Layout, argument: str = "layout") -> Layout:
     raise ShapeError(f"{argument} must be a layout string or Layout, got {type(value).__name__}")
 
 
-def positional_names(ndim: int, mesh: Mesh) -> tuple[str, ...]:
-    """Dim names by position that are not axes of `mesh`: d0 d1 ..., or dim0 dim1 ... on a
-    mesh whose axes are named so (an unnamed DeviceMesh's axes are d0, d1, ...).
-
-    >>> positional_names(2, Mesh("dp=2 tp=2")), positional_names(2, Mesh("d0=2 d1=2"))
-    (('d0', 'd1'), ('dim0', 'dim1'))
-    """
-    taken = set(mesh.axis_names)
-    for form in ("d{}", "dim{}", "t{}", "dim{}_"):
-        names = tuple(form.format(i) for i in range(ndim))
-        if taken.isdisjoint(names):
-            return names
-    raise AssertionError(f"no positional dim names free of the axes of {mesh!r}")
-
-
 @functools.lru_cache(maxsize=4096)
 def _parse_layout(text: str) -> Layout:
     return Layout._from_pattern(notation.parse(text))
@@ -289,7 +293,7 @@ def _resolve(layout: Layout, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ..
     if len(shape) != layout.ndim:
         raise ShapeError(
             f'layout "{text}" has {layout.ndim} dims but the shape {shape} has {len(shape)}.'
-            f" fix: name one dim per tensor dim, e.g. \"{_suggest(len(shape))}\""
+            f" fix: name one dim per tensor dim, e.g. \"{_suggest(len(shape), mesh)}\""
         )
     if any(s < 0 for s in shape):
         raise ShapeError(f'layout "{text}": shape {shape} has a negative size; sizes are >= 0')
@@ -299,8 +303,9 @@ def _resolve(layout: Layout, mesh: Mesh, shape: Shape) -> tuple[DimPlacement, ..
     return tuple(_place_dim(text, i, dim, shape[i], mesh) for i, dim in enumerate(layout.dims))
 
 
-def _suggest(ndim: int) -> str:
-    return " ".join("abcdefgh"[i] if i < 8 else f"d{i}" for i in range(ndim))
+def _suggest(ndim: int, mesh: Mesh) -> str:
+    names = fresh_names("abcdefgh", mesh.axis_names)
+    return " ".join(next(names) for _ in range(ndim))
 
 
 def _axis_error(text: str, name: str, mesh: Mesh, why: str) -> MeshAxisError:
@@ -358,8 +363,7 @@ def _place_dim(text: str, i: int, dim: Dim, size: int, mesh: Mesh) -> DimPlaceme
 def _fresh_name(text: str, mesh: Mesh) -> str:
     """A dim name used neither in `text` nor as a mesh axis (for fix suggestions)."""
     used = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", text)) | set(mesh.axis_names)
-    return next(n for n in ("x", "y", "z", *(f"n{k}" for k in range(len(used) + 1)))
-                if n not in used)
+    return next(fresh_names("xyz", used))
 
 
 def _chunk_form(dim: Dim, mesh: Mesh, name: str) -> str:

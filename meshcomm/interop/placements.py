@@ -14,7 +14,6 @@ that maps. The other direction accepts any placements a layout describes (docs/d
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -27,9 +26,9 @@ from ..core.layout import (
     Shape,
     as_layout,
     chunk_range,
-    positional_names,
 )
 from ..core.mesh import AxisName, Mesh
+from ..core.names import fresh_names, positional_names
 from ..core.reduce_ops import REDUCE_OPS
 
 # One placement as plain values: ("R",) | ("P", op) | ("S", dim, split_factor).
@@ -168,7 +167,7 @@ def _descs(mesh: Mesh, placements: Sequence[Any], ndim: int) -> tuple[Desc, ...]
 
 def _dim_names(mesh: Mesh, names: str | Sequence[str] | None, ndim: int) -> tuple[str, ...]:
     if names is None:
-        return positional_names(ndim, mesh)
+        return positional_names(ndim, mesh.axis_names)
     out = tuple(names.split() if isinstance(names, str) else names)
     if len(out) != ndim or len(set(out)) != ndim or set(out) & set(mesh.axis_names):
         raise InteropError(f"names={names!r}: give {ndim} distinct dim names that are not"
@@ -180,8 +179,7 @@ def _dim_names(mesh: Mesh, names: str | Sequence[str] | None, ndim: int) -> tupl
 def _from_desc(mesh: Mesh, shape: Shape, desc: tuple[Desc, ...],
                names: tuple[str, ...]) -> Layout:
     taken = set(names) | set(mesh.axis_names)
-    fresh = (n for n in (f"{c}{k or ''}" for k in itertools.count() for c in "xyz")
-             if n not in taken)
+    fresh = fresh_names("xyz", taken)
     dims = []
     for d, n in enumerate(shape):
         shards = [(mesh.axis_names[md], mesh.shape[md], int(p[2]))

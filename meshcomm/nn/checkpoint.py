@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from ..core.errors import CheckpointError, ShapeError
-from ..core.layout import Layout, Shape, positional_names
+from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
+from ..core.names import positional_names
 from ..executors.local import grid, slices, take
 from ..interop.placements import from_placements
 from ..interop.runtime import global_shape, is_dtensor, placements_of
@@ -79,7 +80,7 @@ def _place(key: str, value: Any, rank: int, plain_rank: int) -> _Placed | None:
         mesh = Mesh.from_device_mesh(value.device_mesh)
         shape = global_shape(value)
         layout = from_placements(mesh, shape, placements_of(value),
-                                 names=positional_names(len(shape), mesh))
+                                 names=positional_names(len(shape), mesh.axis_names))
         local = value._local_tensor if rank in mesh.ranks else None
         return _check_placed(key, _Placed(mesh, layout, shape, local))
     if isinstance(value, Sharded):
@@ -90,7 +91,7 @@ def _place(key: str, value: Any, rank: int, plain_rank: int) -> _Placed | None:
     if isinstance(value, Tensor) and value.dim() > 0:
         shape = tuple(value.shape)
         return _Placed(Mesh({_ONE: 1}, ranks=[plain_rank]),
-                       Layout.of_names([f"d{i}" for i in range(len(shape))]), shape, value)
+                       Layout.of_names(positional_names(len(shape), (_ONE,))), shape, value)
     return None
 
 
@@ -106,7 +107,7 @@ def _named_by_position(layout: Layout, mesh: Mesh) -> Layout:
     """`layout` with each dim's local name replaced by its position's name, d<i> (dim<i> on
     a mesh with axes d0, d1, ...), so layouts from any source plan against each other."""
     old = layout.dim_names(mesh)
-    return layout.renamed(dict(zip(old, positional_names(len(old), mesh))))
+    return layout.renamed(dict(zip(old, positional_names(len(old), mesh.axis_names))))
 
 
 def _writers(placed: _Placed) -> tuple[Mesh, Layout]:

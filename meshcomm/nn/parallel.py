@@ -39,8 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, StyleError
-from ..core.layout import Layout, positional_names
+from ..core.layout import Layout
 from ..core.mesh import Mesh
+from ..core.names import positional_names
 from ..core.reduce_ops import chunk_sizes
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, local_of, wrap
@@ -89,7 +90,7 @@ TP_ATTR = "_meshcomm_tp"
 
 def _names(ndim: int, mesh: Mesh) -> Layout:
     """An activation's dims by position, named apart from the axes of `mesh`, whole."""
-    return Layout.of_names(positional_names(ndim, mesh))
+    return Layout.of_names(positional_names(ndim, mesh.axis_names))
 
 
 def _split_at(ndim: int, dim: int, axis: str, mesh: Mesh) -> Layout:

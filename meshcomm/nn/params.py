@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ..core.errors import MeshMismatchError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
+from ..core.names import positional_names
 from ..executors.distributed.execute import step_shape
 from ..planner.plan import plan
 from ..planner.values import CostModel, Plan
@@ -90,8 +91,8 @@ def logical_axes(names: str, recipe: RecipeLike, mesh: Mesh) -> tuple[AxisName, 
     """
     if not names.split():
         return ()
-    return logical(Layout.of_names(["x"]).pending("sum", names.split()), recipe,
-                   mesh).partial_axes
+    one_dim = Layout.of_names(positional_names(1, mesh.axis_names, names.split()))
+    return logical(one_dim.pending("sum", names.split()), recipe, mesh).partial_axes
 
 
 def param_spec(mesh: Mesh, recipe: RecipeLike, dims: str, shape: Sequence[int],

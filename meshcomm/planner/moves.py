@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.mesh import AxisName, Mesh
+from ..core.names import positional_names
 from .blocks import (
     block_of,
     block_sizes,
@@ -555,8 +556,7 @@ def _equal_blocks(a: DimState, b: DimState, mesh: Mesh) -> torch.Tensor | None:
 
 def block_indices(state: State, mesh: Mesh, rank: int) -> tuple[tuple[int, ...], ...]:
     """Per dim, the global indices `rank` holds in `state`, in local order (cross-mesh)."""
-    names = tuple(f"d{i}" for i in range(len(state.dims)))
-    layout = to_layout(state, names, mesh)
+    layout = to_layout(state, positional_names(len(state.dims), mesh.axis_names), mesh)
     shape = tuple(d.size for d in state.dims)
     return layout.indices(mesh, shape, rank)
 

@@ -19,6 +19,7 @@ import torch
 
 from ..core.layout import DimPlacement, Layout, Shape
 from ..core.mesh import AxisName, Mesh
+from ..core.names import fresh_name
 from ..core.notation import Dim, Factor, Pattern
 
 Shard = tuple[int, int, AxisName]   # (lo, hi, axis): the axis owns stride interval [lo, hi)
@@ -149,14 +150,6 @@ def to_layout(state: State, names: tuple[str, ...], mesh: Mesh) -> Layout:
     return Layout._from_pattern(Pattern(dims, state.op if partial else None, partial))
 
 
-def _fresh(base: str, taken: set[str]) -> str:
-    k = 1
-    while f"{base}{k}" in taken:
-        k += 1
-    taken.add(f"{base}{k}")
-    return f"{base}{k}"
-
-
 def _dim_pattern(dim: DimState, name: str, taken: set[str]) -> Dim:
     if dim.chunks:
         return Dim(tuple(Factor(a) for a in dim.chunks) + (Factor(name),))
@@ -173,7 +166,7 @@ def _dim_pattern(dim: DimState, name: str, taken: set[str]) -> Dim:
         elif lo == minor_local:
             factors.append(Factor(name))
         else:
-            factors.append(Factor(_fresh(name, taken), sizes[lo]))
+            factors.append(Factor(fresh_name(name, taken), sizes[lo]))
     if minor_local is None:
         factors.append(Factor(name))
     return Dim(tuple(factors))

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .. import display
 from ..core.errors import MeshMismatchError, ShapeError
-from ..core.layout import Layout, Shape, as_layout, positional_names
+from ..core.layout import Layout, Shape, as_layout
 from ..core.mesh import Mesh
 from ..executors.sim.shards import shard_of
 from ..interop.placements import to_placements
@@ -25,10 +25,7 @@ if TYPE_CHECKING:
 
 def replicated(layout: Layout, mesh: Mesh) -> Layout:
     """The fully replicated layout with the dims (and names, where unique) of `layout`."""
-    names = layout.dim_names(mesh)
-    if len(set(names)) != len(names):
-        names = positional_names(len(names), mesh)
-    return Layout.of_names(names)
+    return Layout.of_names(layout.dim_names(mesh))
 
 
 @dataclass(frozen=True, eq=False)

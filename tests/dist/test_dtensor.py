@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import meshcomm as mc
+from meshcomm.core.reduce_ops import REDUCE_OPS
 from meshcomm.executors.sim import scatter
 
 from conftest import dtensor_placements, ints, ranks_fixture
@@ -243,6 +244,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     report["autograd"] = check_autograd(dm, mesh)
     report["binding"] = check_binding(mesh)
     report["unnamed"] = check_unnamed()
+    report["unnamed_partial"] = check_unnamed_partial()
     report["dtypes"] = check_dtypes(dm)
     report["grad_placements"] = check_gradient_placements(dm)
     report["spec_shape"] = check_spec_over_shape(dm)
@@ -424,6 +426,50 @@ def check_unnamed() -> list[str]:
     return problems
 
 
+def check_unnamed_partial() -> list[str]:
+    """Issue 34: Partial sources (every reduce op) on unnamed DeviceMeshes, (4,) and (2, 2),
+    whose axes d0, d1 collided with the planner's own dim names; forward as redistribute,
+    and backward too for sum and avg (test_replicate_to_local_partial_grad's case: P -> R,
+    then to_local)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    rank = torch.distributed.get_rank()
+    problems = []
+    meshes = ((init_device_mesh("cpu", (4,)), [("P", "R"), ("P", "S0"), ("P", "S1")]),
+              (init_device_mesh("cpu", (2, 2)), [("P R", "R R"), ("P S1", "R S0"),
+                                                 ("S0 P", "S1 R"), ("P P", "R R")]))
+    for (dm, cases), op, shape in itertools.product(meshes, REDUCE_OPS, ((8, 6), (13, 5))):
+        for src, dst in cases:
+            pl = {"P": Partial(op), "R": Replicate(), "S0": Shard(0), "S1": Shard(1)}
+            src_p, dst_p = ([pl[t] for t in text.split()] for text in (src, dst))
+            held = [Replicate() if isinstance(p, Partial) else p for p in src_p]
+            local_shape = DTensor.from_local(torch.zeros(shape), dm, [Replicate()] * dm.ndim,
+                                             run_check=False).redistribute(dm, held).to_local().shape
+            got = []
+            for fn in ("redistribute", "meshcomm"):
+                local = (torch.arange(float(math.prod(local_shape))).reshape(local_shape) % 7
+                         + rank)
+                dt = DTensor.from_local(local, dm, src_p, run_check=False, shape=shape,
+                                        stride=torch.empty(shape).stride()).detach()
+                dt.requires_grad_(op in ("sum", "avg"))
+                y = dt.redistribute(dm, dst_p) if fn == "redistribute" else mc.reshard(dt, dst_p)
+                out = y.to_local()
+                if dt.requires_grad:
+                    (out * (torch.arange(float(out.numel())).reshape(out.shape) + rank)).sum(
+                        ).backward()
+                got.append((tuple(y.placements), out.detach(),
+                            dt.grad.to_local() if dt.grad is not None else None))
+            (want_p, want, want_g), (mine_p, mine, mine_g) = got
+            where = f"unnamed {tuple(dm.shape)} {op} {shape} [{src}] -> [{dst}]"
+            if want_p != mine_p or not torch.allclose(want, mine):
+                problems.append(f"{where}: forward differs ({mine_p} vs {want_p})")
+            if (want_g is None) != (mine_g is None) or (
+                    want_g is not None and not torch.allclose(want_g, mine_g)):
+                problems.append(f"{where}: gradient differs")
+    return problems
+
+
 def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -492,6 +538,12 @@ def test_ranks_outside_a_dtensors_mesh_do_nothing(four: list[dict[str, Any]]) ->
 
 def test_an_unnamed_device_mesh_has_axes_d0_d1(four: list[dict[str, Any]]) -> None:
     assert [r["unnamed"] for r in four] == [[]] * 4
+
+
+def test_partial_sources_on_unnamed_device_meshes_as_redistribute(
+        four: list[dict[str, Any]]) -> None:
+    problems = [p for r in four for p in r["unnamed_partial"]]
+    assert not problems, "\n".join(problems[:10])
 
 
 def test_interop_errors_autograd_and_binding_on_2x2(four: list[dict[str, Any]]) -> None:

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ...core.errors import MeshMismatchError, ShapeError
-from ...core.layout import Layout, positional_names
+from ...core.layout import Layout
+from ...core.names import positional_names
 from ...core.reduce_ops import chunk_sizes
 from ...interop.placements import from_placements, to_placements
 from ...interop.runtime import (
@@ -136,7 +137,7 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
     if p.dim() == 0:
         raise ShapeError(f"fully_shard: parameter {name} is a scalar; FSDP shards dim 0."
                          " fix: make it shape (1,) or keep it outside the unit")
-    names = positional_names(p.dim(), mesh)
+    names = positional_names(p.dim(), mesh.axis_names)
     if is_dtensor(p):
         if bound.mesh != type(mesh).from_device_mesh(device_mesh_of(p)):
             raise MeshMismatchError(f"fully_shard: parameter {name} is a DTensor on"
