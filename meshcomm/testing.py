@@ -86,7 +86,7 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     s, d = Layout(src), Layout(dst)
     resolve = [a for a in s.partial_axes if a not in d.partial_axes]
     keep = [a for a in s.partial_axes if a in d.partial_axes]
-    g = math.prod(mesh.axis_size(a) for a in resolve)
+    g = mesh.group_size(resolve)
     if g == 1 or any(a not in s.partial_axes for a in d.partial_axes):
         return None
     numel = math.prod(shape)
@@ -157,7 +157,7 @@ def _item_classes(mesh: Mesh, keep: list[str], resolve: list[str], holds: list[t
             by_partial.setdefault(tuple(mesh.coords(mesh.ranks[i])[a] for a in resolve),
                                   []).append(i)
         others = [i for i in members if i not in h]
-        g = math.prod(mesh.axis_size(a) for a in resolve)
+        g = mesh.group_size(resolve)
         out.append((count, g - 1 - both, list(by_partial.values()), others,
                     [] if both else [i for i in others if i in n]))
     return out

@@ -146,6 +146,10 @@ def test_coords_example():
     (lambda m: m.groups("dq"), MeshAxisError,
      '"dq" is not an axis of Mesh(dp=2, tp=4); axes are dp, tp\n  fix: did you mean "dp"?'),
     (lambda m: m.groups("dp", "dp"), MeshAxisError, "axes ['dp', 'dp'] name an axis twice"),
+    (lambda m: m.group_size(("dp", "tq")), MeshAxisError,
+     '"tq" is not an axis of Mesh(dp=2, tp=4); axes are dp, tp\n  fix: did you mean "tp"?'),
+    (lambda m: m.group_size("dq"), MeshAxisError,
+     '"dq" is not an axis of Mesh(dp=2, tp=4); axes are dp, tp\n  fix: did you mean "dp"?'),
 ])
 def test_query_errors(call, kind, message):
     with pytest.raises(kind, match=re.escape(message)):
@@ -153,6 +157,18 @@ def test_query_errors(call, kind, message):
 
 
 # -- groups ----------------------------------------------------------------------------
+def test_group_size_is_the_product_of_the_axis_sizes_and_the_size_of_each_group():
+    mesh = Mesh("dp=2 tp=4 cp=3")
+    assert mesh.group_size(()) == mesh.group_size([]) == 1
+    assert mesh.group_size("tp") == mesh.group_size(["tp"]) == 4
+    assert mesh.group_size(("dp", "cp")) == mesh.group_size({"cp", "dp"}) == 6
+    assert mesh.group_size(a for a in mesh.axis_names) == mesh.size == 24
+    for r in range(1, len(mesh.axis_names) + 1):
+        for axes in itertools.permutations(mesh.axis_names, r):
+            assert mesh.group_size(axes) == len(mesh.groups(*axes)[0]) == math.prod(
+                mesh.axis_size(a) for a in axes)
+
+
 def test_groups_hand_written():
     mesh = Mesh("dp=2 tp=4")
     assert mesh.groups("tp") == ((0, 1, 2, 3), (4, 5, 6, 7))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -208,6 +208,22 @@ class Mesh:
     def axis_size(self, axis: AxisName) -> int:
         return self._sizes[self._axis_index(axis)]
 
+    def group_size(self, axes: AxisName | Iterable[AxisName]) -> int:
+        """The number of ranks in a group over `axes`: the product of their sizes (1 for none).
+
+        >>> mesh = Mesh("dp=2 tp=4")
+        >>> mesh.group_size(("dp", "tp")), mesh.group_size("tp"), mesh.group_size(())
+        (8, 4, 1)
+
+        `axes` is one axis name or any iterable of them (a tuple, list, set, generator).
+        """
+        if isinstance(axes, str):
+            return self._sizes[self._axis_index(axes)]
+        size = 1
+        for axis in axes:
+            size *= self._sizes[self._axis_index(axis)]
+        return size
+
     def _axis_index(self, axis: AxisName) -> int:
         try:
             return self._names.index(axis)
@@ -259,7 +275,7 @@ class Mesh:
         (no table, so it traces under torch.compile too).
 
         >>> Mesh("dp=2 tp=2").members(3, "dp"), Mesh("dp=2 tp=2").members(1, "tp", "dp")
-        ((1, 3), (1, 3, 0, 2))
+        ((1, 3), (0, 2, 1, 3))
         """
         sizes, grid = self._sizes, self._ranks
         coords = _unravel(self.position(rank), sizes)
@@ -322,7 +338,7 @@ def _groups(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[tuple[int, ...], ..
     grid = torch.arange(mesh.size).reshape(mesh.shape).permute(rest + idx)
     ranks = mesh.ranks
     return tuple(tuple(ranks[p] for p in row)
-                 for row in grid.reshape(-1, math.prod(mesh.shape[i] for i in idx)).tolist())
+                 for row in grid.reshape(-1, mesh.group_size(axes)).tolist())
 
 
 def device_axis_names(names: Sequence[str] | None, ndim: int) -> tuple[AxisName, ...]:

@@ -88,7 +88,7 @@ def _check_expressible(mesh: Mesh, shape: Shape, layout: Layout, d: int, dim: Di
             + f'\n  fix: use "{_blocks(layout, mesh, d)}" (mc.reshard to it first)')
     if dim.uneven and len(axes) > 1 and not _matches(mesh, shape[d], axes, shards):
         order = [a for a in mesh.axis_names if a in axes]
-        total = math.prod(mesh.axis_size(a) for a in axes)
+        total = mesh.group_size(axes)
         # A multiple of `total` is even, so always fits; a smaller uneven size may too.
         pad = _smallest_size(shape[d], -(-shape[d] // total) * total,
                              lambda m: m % total == 0 or _matches(mesh, m, axes, shards))

@@ -301,7 +301,7 @@ def block_sizes(dim: DimState, mesh: Mesh) -> Tensor:
     """The size of each block of `dim`."""
     if not dim.chunks:
         parts = math.prod(hi // lo for lo, hi, _ in dim.shards)
-        count = math.prod(mesh.axis_size(a) for a in dim.axes)
+        count = mesh.group_size(dim.axes)
         return torch.full((count,), dim.size // parts if dim.size else 0, dtype=torch.long)
     start, stop = intervals(dim, mesh)
     return stop - start
@@ -343,8 +343,8 @@ def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisNam
     """
     coords = coords_table(mesh)
     moving = need if in_need else have
-    out = torch.full((mesh.size,), math.prod(
-        mesh.axis_size(x) for x in vary if moving.axis_dim(x) is None), dtype=torch.long)
+    out = torch.full((mesh.size,), mesh.group_size(
+        x for x in vary if moving.axis_dim(x) is None), dtype=torch.long)
     for a, b in zip(have.dims, need.dims):
         dim = b if in_need else a
         mine = in_mesh_order(mesh, vary & set(dim.axes))

@@ -100,7 +100,7 @@ def state_bound(start: State, goal: State, mesh: Mesh, tries: int = 1) -> tuple[
 @functools.lru_cache(maxsize=4096)
 def _state_bound(start: State, goal: State, mesh: Mesh, tries: int) -> tuple[int, ...]:
     resolve = [a for a in start.partial if a not in goal.partial]
-    g = math.prod(mesh.axis_size(a) for a in resolve)
+    g = mesh.group_size(resolve)
     if g > 1:
         return _reduction(start, goal, mesh, g, tries)
     new = [a for a in goal.partial if a not in start.partial]
@@ -119,13 +119,13 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int, tries: int) -> tup
     total = math.prod(d.size for d in start.dims)
     if any(a not in start.partial for a in goal.partial):
         # Members of a pending group of the goal all need the same block: count it once.
-        groups = math.prod(mesh.axis_size(a) for a in goal.partial)
+        groups = mesh.group_size(goal.partial)
         needers = sum(local_numels(goal, mesh)) // groups
         return (-(-(total * (g - 2) + needers) // mesh.size),) * mesh.size
     # Items: an element and a coordinate on the pending axes the goal keeps (k of them).
     # Each needs g - 1 messages to combine, one more per rank needing it, one less when a
     # rank needing it holds a partial of it (it can combine there).
-    k = math.prod(mesh.axis_size(a) for a in goal.partial)
+    k = mesh.group_size(goal.partial)
     own, need = own_and_need(start, goal, mesh)
     unions = k * total * (g - 1)
     held = k * _held_where_needed(start, goal, mesh, own)
@@ -459,7 +459,7 @@ def _held_where_needed(start: State, goal: State, mesh: Mesh, own: torch.Tensor)
 
 def _partial_destination(start: State, goal: State, mesh: Mesh,
                          new: tuple[AxisName, ...]) -> tuple[int, ...]:
-    g = math.prod(mesh.axis_size(a) for a in new)
+    g = mesh.group_size(new)
     # Members differ only on the new axes and need the same block; those that differ on
     # an axis sharding `start` hold disjoint blocks, the others the same one, so the group
     # keeps the sum over those axes of what one member keeps.

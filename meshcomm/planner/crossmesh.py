@@ -182,7 +182,7 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
         lacking = dict(zip(dst_mesh.ranks, got.tolist()))
         return tuple(lacking.get(r, 0) * itemsize for r in ranks)
     complete = src.reduce_op is None
-    g = math.prod(mesh.axis_size(a) for a in src.partial_axes)
+    g = mesh.group_size(src.partial_axes)
     reduce_share = -(-math.prod(shape) * (g - 1) // len(ranks)) if not complete else 0
     idle = set(_contributors_only(dst_mesh, landing))
     out = []

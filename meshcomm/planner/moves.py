@@ -57,7 +57,6 @@ from .traffic import (
     all_reduce_traffic,
     all_to_all_traffic,
     gather_traffic,
-    group_size,
     off_diagonal,
     scatter_traffic,
 )
@@ -471,7 +470,7 @@ def block_permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
         yield Move("local", (), dst, action="relabel", send=zeros, recv=zeros)
         return
     pos = group_positions(mesh, axes).reshape(-1)
-    g = group_size(mesh, axes)
+    g = mesh.group_size(axes)
     rest = [k for k, a in enumerate(mesh.axis_names) if a not in axes]
     dims = rest + [mesh.axis_names.index(a) for a in axes]
     # Source position of each destination position, one row per group (group order).
@@ -491,7 +490,7 @@ def _same_block_shape(state: State, dst: State, mesh: Mesh) -> bool:
     for a, b in zip(state.dims, dst.dims):
         if bool(a.chunks) != bool(b.chunks) or a.size == 0:
             return False
-        if group_size(mesh, a.axes) != group_size(mesh, b.axes):
+        if mesh.group_size(a.axes) != mesh.group_size(b.axes):
             return False
     return True
 

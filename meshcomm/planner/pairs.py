@@ -165,7 +165,7 @@ def cross_traffic(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh
         tables.append(table)
         src_at.append(i)
         dst_at.append(j)
-    sent *= math.prod(dst_mesh.axis_size(a) for a in dst_mesh.axis_names if a not in used)
+    sent *= dst_mesh.group_size(a for a in dst_mesh.axis_names if a not in used)
     for r in set(mesh.ranks) & set(dst_mesh.ranks):   # kept: neither sent nor received
         p, q = mesh.position(r), dst_mesh.position(r)
         keep = math.prod(int(t[i[p], j[q]]) for t, i, j in zip(tables, src_at, dst_at))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
-import math
 import operator
 from collections.abc import Iterator
 
@@ -285,8 +284,7 @@ def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
         held = local_numels_tensor(state, mesh)
         return 2 * held + out + torch.tensor(move.recv).reshape(held.shape)
     if move.kind == "send_recv" and move.op is not None:
-        out = out * 2 * math.prod(mesh.axis_size(a)
-                                  for a in resolved_axes(state, move.after) or ())
+        out = out * 2 * mesh.group_size(resolved_axes(state, move.after) or ())
     return local_numels_tensor(state, mesh) + out
 
 

@@ -88,7 +88,7 @@ def even_dim(size: int, shards: tuple[Shard, ...]) -> DimState:
 
 def chunk_dim(size: int, chunks: tuple[AxisName, ...], mesh: Mesh) -> DimState:
     """The canonical DimState of a chunk chain (even intervals when the sizes divide)."""
-    total = math.prod(mesh.axis_size(a) for a in chunks)
+    total = mesh.group_size(chunks)
     if size % total or (size == 0 and chunks):  # an empty dim has no stride intervals
         return DimState(size, (), chunks)
     shards = []

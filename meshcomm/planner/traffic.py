@@ -9,16 +9,10 @@ in C, not in Python.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..core.mesh import AxisName, Mesh
 from .blocks import group_positions
-
-
-def group_size(mesh: Mesh, axes: tuple[AxisName, ...]) -> int:
-    return math.prod(mesh.axis_size(a) for a in axes)
 
 
 # Per-rank values are tuples in mesh order; where ranks differ (uneven shards) the
@@ -37,7 +31,7 @@ def axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
 
 def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                     sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    g = group_size(mesh, axes)
+    g = mesh.group_size(axes)
     if uniform(sizes):
         return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
     mine = on_mesh(mesh, sizes)
@@ -48,7 +42,7 @@ def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
 
 def scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...],
                      outs: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    g = group_size(mesh, axes)
+    g = mesh.group_size(axes)
     if uniform(ins) and uniform(outs):
         return (ins[0] - outs[0],) * mesh.size, ((g - 1) * outs[0],) * mesh.size
     send = tuple(i - o for i, o in zip(ins, outs))
@@ -58,7 +52,7 @@ def scatter_traffic(mesh: Mesh, axes: tuple[AxisName, ...], ins: tuple[int, ...]
 
 def all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    g = group_size(mesh, axes)
+    g = mesh.group_size(axes)
     if uniform(sizes) and sizes[0] % g == 0:
         each = sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g)
         return (each,) * mesh.size, (each,) * mesh.size
@@ -80,7 +74,7 @@ def off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -
 def all_to_all_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                        sizes: tuple[int, ...]) -> tuple[int, ...]:
     """An even all_to_all: each rank keeps 1/g of its tensor and sends (receives) the rest."""
-    g = group_size(mesh, axes)
+    g = mesh.group_size(axes)
     if uniform(sizes):
         return (sizes[0] - sizes[0] // g,) * len(sizes)
     return tuple(s - s // g for s in sizes)

@@ -13,7 +13,6 @@ same order. `blocks_of` gives a step the function that lists one rank's blocks w
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
@@ -260,8 +259,7 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     send, recv = pair_traffic(state, dst, mesh)
     if max(send) > max(recv):     # twins send more than anyone receives: rotate them?
         turn = rotation(state, mesh)
-        if turn is not None and mesh.size * math.prod(
-                mesh.axis_size(a) for a in turn[0]) <= ROTATE_LIMIT:
+        if turn is not None and mesh.size * mesh.group_size(turn[0]) <= ROTATE_LIMIT:
             spread = rotated_sends(state, dst, mesh, *turn)
             if max(spread) < max(send):
                 return Move("send_recv", in_mesh_order(mesh, {*turn[0], *turn[1]}), dst,
@@ -300,10 +298,10 @@ def rotated_sends(state: State, dst: State, mesh: Mesh, shard: tuple[AxisName, .
     coordinates its own minus shift(j) needs of its block. O(ranks x g) counts, in torch."""
     coords = coords_table(mesh)                                     # [N, axes]
     grid = combos(mesh, shard)                                      # [g, |S|]
-    g, turns = grid.shape[0], math.prod(mesh.axis_size(a) for a in spare)
+    g, turns = grid.shape[0], mesh.group_size(spare)
     mine = flat_index(coords, mesh, spare)[:, None]                 # [N, 1]
     theirs = (mine - torch.arange(g)[None, :] % turns) % turns      # [N, g] R index of q
-    stride = {a: math.prod(mesh.axis_size(b) for b in spare[i + 1:])
+    stride = {a: mesh.group_size(spare[i + 1:])
               for i, a in enumerate(spare)}
 
     def coord(axis: AxisName) -> Tensor:                            # q's, [N, g] or [N, 1]
@@ -329,7 +327,7 @@ def _rotated_partners(state: State, mesh: Mesh, rank: int) -> tuple[list[int], l
     turn = rotation(state, mesh)
     assert turn is not None, "a rotated send_recv needs sharding and replicating axes"
     shard, spare = turn
-    turns = math.prod(mesh.axis_size(a) for a in spare)
+    turns = mesh.group_size(spare)
     group = mesh.members(rank, *shard, *spare)     # position j * turns + r: S major, then R
     own, mine = divmod(group.index(rank), turns)
     places = [j for j in range(len(group) // turns) if j != own]
@@ -343,7 +341,7 @@ def _reducing_move(state: State, dst: State, mesh: Mesh, resolve: tuple[AxisName
     own, need = own_and_need(state, dst, mesh)
     if not bool(torch.equal(own, need)):
         return None
-    g = math.prod(mesh.axis_size(a) for a in resolve)
+    g = mesh.group_size(resolve)
     recv = tuple((need * (g - 1)).tolist())
     axes = send_recv_axes(state, dst, mesh)
     if not exact:
@@ -513,7 +511,7 @@ def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh,
     """Even `dim` with `axes` (major first) sharding the top of one of its local runs (and,
     with `bottom`, its bottom too), for each run they divide and where the result is a
     valid factorization."""
-    n = math.prod(mesh.axis_size(a) for a in axes)
+    n = mesh.group_size(axes)
     out = []
     for lo, hi in dim.local_runs():
         if (hi // lo) % n:

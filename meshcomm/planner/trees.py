@@ -122,7 +122,7 @@ def applies(state: State, goal: State, mesh: Mesh) -> bool:
     """Whether a tree step may go from `state` to `goal`: it resolves pending axes of more
     than one rank, keeps the others, adds none, and the tensor and mesh are small enough."""
     resolve = resolved_axes(state, goal)
-    if not resolve or math.prod(mesh.axis_size(a) for a in resolve) == 1:
+    if not resolve or mesh.group_size(resolve) == 1:
         return False
     if mesh.size > TREE_RANKS:
         return False
@@ -193,7 +193,7 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
 def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     """The messages of the tree step from `state` to `goal` (`applies` must hold)."""
     resolve = list(resolved_axes(state, goal) or ())
-    g = math.prod(mesh.axis_size(a) for a in resolve)
+    g = mesh.group_size(resolve)
     coords = coords_table(mesh)
     part = flat_index(coords, mesh, tuple(resolve)).tolist()   # which partial a rank holds
     kept = flat_index(coords, mesh, goal.partial).tolist()     # which reduction it is in

@@ -266,7 +266,7 @@ class Plan:
         for i, step in enumerate(self.steps, 1):
             before = step.mesh or self.mesh
             after = step.dst_mesh or before
-            g = (math.prod(before.axis_size(a) for a in step.axes) if step.axes
+            g = (before.group_size(step.axes) if step.axes
                  else len(set(before.ranks) | set(after.ranks)))
             out.append({
                 "step": i, "kind": step.kind, "action": step.action, "axes": list(step.axes),
@@ -334,8 +334,8 @@ def _local_shape(p: Plan, mesh: Mesh, layout: Layout) -> Shape:
 def grad_scale(plan: Plan) -> float:
     """The factor a reshard's backward applies to the resharded gradient: (1/g of an avg
     source) / (1/g of an avg destination), g the size of the avg's group."""
-    def share(layout: Layout) -> int:
+    def share(layout: Layout, mesh: Mesh) -> int:
         if layout.reduce_op != "avg":
             return 1
-        return math.prod(plan.mesh.axis_size(a) for a in layout.partial_axes)
-    return share(plan.dst) / share(plan.src)
+        return mesh.group_size(layout.partial_axes)
+    return share(plan.dst, plan.dst_mesh or plan.mesh) / share(plan.src, plan.mesh)
