@@ -302,3 +302,23 @@ def test_executors_import_only_planner_values() -> None:
                           and m != "meshcomm.planner.values")
              for name, edges in graph().items() if name.startswith("meshcomm.executors")}
     assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+# The planner modules the plan values stand on: a step's local moves and the plan's text,
+# which import no planner module themselves. Nothing of the search (states, moves, bounds,
+# pairs, transfers, ...) is below the values, so an executor that imports them imports
+# no search.
+BELOW_VALUES = ("meshcomm.planner.explain", "meshcomm.planner.rearrange")
+
+
+def test_plan_values_sit_below_the_planner_search() -> None:
+    reached: set[str] = set()
+    todo = ["meshcomm.planner.values"]
+    while todo:
+        for m in GRAPH[todo.pop()]:
+            if within(m, "meshcomm.planner") and m not in reached:
+                reached.add(m)
+                todo.append(m)
+    assert sorted(reached) == sorted(BELOW_VALUES), (
+        "meshcomm.planner.values reaches these planner modules (directly or through others):"
+        f" {sorted(reached)}; it may stand on {list(BELOW_VALUES)} only")

@@ -11,18 +11,77 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from ..core.layout import Layout
+import torch
+
+from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from ..core.units import format_bytes, format_us
-from .pairs import Pair, lazy_cross, receiver_pairs
-from .states import from_layout
 
-# A `meshcomm.planner.values.Plan`. This module sits below the plan values (whose
-# `explain()` and `str()` call `format_plan`), so it reads a plan's fields without
-# importing its class.
-Plan = Any
+
+# This module sits below the plan values (whose `explain()` and `str()` call
+# `format_plan`), so it names the fields it reads of a `meshcomm.planner.values.Plan`, its
+# steps and their transfers, rather than importing the classes: the values satisfy these.
+class TransferFields(Protocol):
+    """What this module reads of a `Transfer`."""
+
+    @property
+    def src(self) -> int: ...
+    @property
+    def dst(self) -> int: ...
+    @property
+    def dst_index(self) -> tuple[Sequence[int], ...]: ...
+
+
+class StepFields(Protocol):
+    """What this module reads of a `Step`."""
+
+    @property
+    def mesh(self) -> Mesh | None: ...
+    @property
+    def dst_mesh(self) -> Mesh | None: ...
+    @property
+    def after(self) -> Layout: ...
+    @property
+    def send_bytes(self) -> tuple[int, ...]: ...
+    @property
+    def transfers(self) -> Sequence[TransferFields]: ...
+    def rank_transfers(self, rank: int) -> Sequence[TransferFields]: ...
+
+
+class CostFields(Protocol):
+    """What this module reads of a `CostModel`."""
+
+    @property
+    def models_time(self) -> bool: ...
+
+
+class Plan(Protocol):
+    """What this module reads of a `meshcomm.planner.values.Plan`."""
+
+    @property
+    def mesh(self) -> Mesh: ...
+    @property
+    def dst_mesh(self) -> Mesh | None: ...
+    @property
+    def shape(self) -> Shape: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def src(self) -> Layout: ...
+    @property
+    def dst(self) -> Layout: ...
+    @property
+    def steps(self) -> Sequence[StepFields]: ...
+    @property
+    def cost_model(self) -> CostFields: ...
+    @property
+    def ranks(self) -> tuple[int, ...]: ...
+    @property
+    def bound_ratio(self) -> float: ...
+    def rows(self) -> Sequence[dict[str, Any]]: ...
+    def summary(self) -> dict[str, Any]: ...
 
 HEADERS = ("#", "step", "axes (group)", "local shape", "sent", "received", "time (µs)",
            "peak mem")
@@ -190,12 +249,14 @@ def transfer_rows(plan: Plan) -> tuple[dict[str, Any], ...]:
     number, the ranks, the blocks sent (global index ranges per dim, e.g. "[0:4, 0:8]") and
     their bytes. What a rank keeps for itself moves nothing and has no row."""
     out = []
+    pos = {r: k for k, r in enumerate(plan.ranks)}
     for i, step in enumerate(plan.steps, 1):
         if step.dst_mesh is None:
             continue
         pairs: dict[tuple[int, int], list[str]] = {}
         sizes: dict[tuple[int, int], int] = {}
-        for src, dst, _, dst_index in _step_pairs(step, plan):
+        for t in sorted(_received(step), key=lambda t: (pos[t.src], pos[t.dst])):
+            src, dst, dst_index = t.src, t.dst, t.dst_index
             if src == dst:
                 continue
             where = step.after.indices(step.dst_mesh, plan.shape, dst)
@@ -208,18 +269,14 @@ def transfer_rows(plan: Plan) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _step_pairs(step: Any, plan: Plan) -> list[Pair]:
-    """(sender, receiver, sender's positions, receiver's) of a step between two meshes: the
-    plan's transfers, or for a step planned by counting, every receiver's blocks in turn."""
+def _received(step: StepFields) -> list[TransferFields]:
+    """The blocks the receivers of a step between two meshes get: the plan's transfers, or
+    for a step planned by counting, each receiver's own (`Step.rank_transfers`) in turn."""
     if step.transfers:
-        return [(t.src, t.dst, t.src_index, t.dst_index) for t in step.transfers]
-    mesh, dst_mesh = step.mesh or plan.mesh, step.dst_mesh
-    a, b = from_layout(step.before, mesh, plan.shape), from_layout(step.after, dst_mesh, plan.shape)
-    if not lazy_cross(a, mesh, b):
-        return []
-    pos = {r: i for i, r in enumerate(plan.ranks)}
-    return sorted((p for r in dst_mesh.ranks for p in receiver_pairs(a, mesh, b, dst_mesh, r)),
-                  key=lambda p: (pos[p[0]], pos[p[1]]))
+        return list(step.transfers)
+    dst_mesh = step.dst_mesh
+    assert dst_mesh is not None, "only a step between two meshes has receivers to list"
+    return [t for r in dst_mesh.ranks for t in step.rank_transfers(r) if t.dst == r]
 
 
 def balance(plan: Plan) -> tuple[dict[str, Any], ...]:

@@ -1,7 +1,9 @@
 """The plan values: CostModel, Transfer, Step and Plan (frozen, pure, below every planner module).
 
-Nothing here searches or communicates. `Plan.explain()` and `print(plan)` format through
-`meshcomm.planner.explain`, which reads a plan's fields only.
+Nothing here searches or communicates, and nothing here imports the planner's search:
+the only planner modules below these values are `rearrange` (a step's local moves) and
+`explain`, through which `Plan.explain()` and `print(plan)` format (it reads a plan's
+fields only). Executors import this module and nothing else of the planner.
 """
 
 from __future__ import annotations
