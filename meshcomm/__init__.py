@@ -108,4 +108,6 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+    """The public names only (what tab completion offers): not this module's helpers
+    (`importlib`, `warnings`, `Any`, ...), which `globals()` also holds."""
+    return sorted({*__all__, *_EXPORTS, "__version__"})

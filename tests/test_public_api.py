@@ -27,6 +27,15 @@ def test_all_is_the_documented_surface() -> None:
         assert getattr(mc, name) is not None
 
 
+def test_dir_lists_the_public_names_only() -> None:
+    """`dir(mc)` (tab completion) offers the exports, not the helpers the module imports."""
+    names = dir(mc)
+    assert names == sorted(VALUES | FUNCTIONS | NAMESPACES | {"__version__"})
+    assert not {"Any", "TYPE_CHECKING", "annotations", "importlib", "warnings"} & set(names)
+    for name in names:
+        assert getattr(mc, name) is not None, name
+
+
 @pytest.mark.parametrize("namespace", sorted(NAMESPACES - {"nn"}))
 def test_every_namespace_name_resolves(namespace: str) -> None:
     module = getattr(mc, namespace)
