@@ -1,10 +1,10 @@
 """Bind a Mesh to torch.distributed: one process group per set of mesh axes.
 
-Executor layer. Every rank of the world calls `init_mesh` with the same mesh,
-and it creates, in one fixed order on every rank, the process groups of every
-non-empty set of mesh axes taken in mesh order (several axes = one flattened
-group, first axis major, ranks in mesh order, never re-sorted). Collectives then address a group
-by its name only, so traced programs hold no process-group object. NCCL and
+Runtime layer (the process side, above the executors). Every rank of the world calls
+`init_mesh` with the same mesh, and it creates, in one fixed order on every rank, the
+process groups of every non-empty set of mesh axes taken in mesh order (several axes = one
+flattened group, first axis major, ranks in mesh order, never re-sorted). Collectives then
+address a group by its name only, so traced programs hold no process-group object. NCCL and
 gloo share every line here: only the backend name differs.
 """
 

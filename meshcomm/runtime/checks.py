@@ -1,7 +1,7 @@
 """Check mode: before a reshard or collective, the ranks of its group agree on what they call.
 
-Executor layer. Off by default; a choice of each mesh and each call, never a switch that
-code flips behind the caller:
+Runtime layer (the process side, above the executors). Off by default; a choice of each
+mesh and each call, never a switch that code flips behind the caller:
 - per mesh: `mc.init_mesh(..., check=True)` (or `bind_device_mesh(..., check=True)`);
   `check=None`, the default, takes the environment's `MESHCOMM_CHECK` (1/true/yes/on);
 - per call: `check=True` / `check=False` on `mc.reshard`, `mc.reshard_many`,
