@@ -31,6 +31,7 @@ forward and two in backward, as Megatron-style tensor parallelism.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -40,48 +41,84 @@ from torch import Tensor, nn
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, StyleError
 from ..core.layout import Layout
-from ..core.mesh import Mesh
+from ..core.mesh import AxisName, Mesh
 from ..core.names import positional_names
-from ..core.reduce_ops import chunk_sizes
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, local_of, wrap
 from ..runtime.bind import BoundMesh, require_bound
-from ..sharded import reshard
-from .moves import move
-from .params import ONE_CALL_PER_STEP
+from .moves import Entry, Exit
+from .tensor_parallel import VocabRows
 
 
 @dataclass(frozen=True)
 class Style:
-    """A tensor-parallel style: the module type, its weight's layout (None: weights stay as
-    they are), what the input is and what the output becomes.
+    """A tensor-parallel style: the module type, which weight dim it splits (None: weights
+    stay as they are), what the input is and what the output becomes; `on(axis, mesh)` gives
+    its layouts.
 
-    inputs: "replicated" (its gradient is all_reduced over tp), "local" (replicated, its
-    gradient left partial: an enclosing `sp_input` sums it), "split" (last dim split),
+    split: the weight dim split over the axis, in `nn.Linear` / `nn.Embedding` order (0: the
+    output rows or vocabulary, 1: the input columns; a transformers `Conv1D` is transposed).
+    inputs: "replicated" (its gradient is all_reduced over the axis), "local" (replicated,
+    its gradient left partial: an enclosing `sp_input` sums it), "split" (last dim split),
     "tokens" (ids, replicated), "sequence" (dim 1 split: all_gather it, reduce_scatter the
     gradient), "as is". outputs: "split" (last dim), "gather" (all_gather the last dim),
-    "sum" (`| sum(tp)` -> all_reduce), "sequence" (`| sum(tp)` -> reduce_scatter over dim 1),
-    "as is". `grad_sum`: the module's own parameters get their gradients all_reduced over tp
-    (replicated parameters used on sequence-split activations, e.g. norms).
+    "sum" (`| sum(axis)` -> all_reduce), "sequence" (`| sum(axis)` -> reduce_scatter over
+    dim 1), "as is". `grad_sum`: the module's own parameters get their gradients all_reduced
+    over the axis (replicated parameters used on sequence-split activations, e.g. norms).
     """
 
     kind: type
-    weight: str | None
+    split: int | None
     inputs: str
     outputs: str
     grad_sum: bool = False
 
+    def on(self, axis: AxisName, mesh: Mesh) -> StyleLayouts:
+        """This style's parameter layouts when it splits over `axis` of `mesh`.
+
+        >>> STYLES["colwise"].on("mp", Mesh("dp=2 mp=2")).weight
+        Layout('(mp d0) d1')
+        """
+        if self.split is None:
+            return StyleLayouts(self, axis, mesh, None, None)
+        bias = _split_at(1, 0, axis, mesh) if self.outputs in ("split", "gather") else \
+            _names(1, mesh)                   # the bias follows the output rows, or is whole
+        return StyleLayouts(self, axis, mesh, _split_at(2, self.split, axis, mesh), bias)
+
+
+@dataclass(frozen=True)
+class StyleLayouts:
+    """A style applied over `axis` of `mesh`: its weight's layout (nn.Linear / nn.Embedding
+    order) and its bias's, or None where it leaves them as they are."""
+
+    style: Style
+    axis: AxisName
+    mesh: Mesh
+    weight: Layout | None
+    bias: Layout | None
+
+    def param(self, module: nn.Module, attr: str, ndim: int) -> Layout | None:
+        """The layout of `module`'s parameter `attr` (None: it stays a plain tensor); a
+        transformers `Conv1D`'s weight is a Linear's transposed, so its other dim splits."""
+        if self.weight is None or self.style.split is None:
+            return None
+        if attr == "weight":
+            if _is_conv1d(module):
+                return _split_at(ndim, 1 - self.style.split, self.axis, self.mesh)
+            return self.weight
+        return self.bias if ndim == 1 else _names(ndim, self.mesh)
+
 
 STYLES = {
-    "colwise": Style(nn.Linear, "(tp d0) d1", "replicated", "split"),
-    "colwise_gather": Style(nn.Linear, "(tp d0) d1", "replicated", "gather"),
-    "rowwise": Style(nn.Linear, "d0 (tp d1)", "split", "sum"),
-    "embedding": Style(nn.Embedding, "(tp d0) d1", "tokens", "sum"),
+    "colwise": Style(nn.Linear, 0, "replicated", "split"),
+    "colwise_gather": Style(nn.Linear, 0, "replicated", "gather"),
+    "rowwise": Style(nn.Linear, 1, "split", "sum"),
+    "embedding": Style(nn.Embedding, 0, "tokens", "sum"),
     # sequence parallelism: activations between blocks split over the sequence (dim 1)
-    "colwise_sp": Style(nn.Linear, "(tp d0) d1", "local", "split"),
-    "rowwise_sp": Style(nn.Linear, "d0 (tp d1)", "split", "sequence"),
-    "embedding_sp": Style(nn.Embedding, "(tp d0) d1", "tokens", "sequence"),
-    "colwise_gather_sp": Style(nn.Linear, "(tp d0) d1", "sequence", "gather"),
+    "colwise_sp": Style(nn.Linear, 0, "local", "split"),
+    "rowwise_sp": Style(nn.Linear, 1, "split", "sequence"),
+    "embedding_sp": Style(nn.Embedding, 0, "tokens", "sequence"),
+    "colwise_gather_sp": Style(nn.Linear, 0, "sequence", "gather"),
     "sp_input": Style(nn.Module, None, "sequence", "as is"),
     "sp_params": Style(nn.Module, None, "as is", "as is", grad_sum=True),
 }
@@ -99,12 +136,29 @@ def _split_at(ndim: int, dim: int, axis: str, mesh: Mesh) -> Layout:
     return _names(ndim, mesh).split(dim, axis)
 
 
-def _weight_dim(style: Style, module: nn.Module) -> int:
-    """The dim of the weight that `style` splits: 0 for "(tp d0) d1", 1 for "d0 (tp d1)";
-    the other for a transformers `Conv1D`, whose weight is a Linear's transposed."""
-    assert style.weight is not None
-    dim = 0 if style.weight.startswith("(tp") else 1
-    return 1 - dim if _is_conv1d(module) else dim
+@functools.lru_cache(maxsize=4096)
+def _entry(inputs: str, axis: AxisName, mesh: Mesh, ndim: int) -> Entry | None:
+    """The region entry of an input of `ndim` dims (None: it enters as is): "replicated" is
+    Megatron's `f`, "sequence" the sequence-parallel gather."""
+    names = _names(ndim, mesh)
+    if inputs == "replicated":
+        return Entry(names, names, names.pending("sum", [axis]))
+    if inputs == "sequence":
+        return Entry(_split_at(ndim, 1, axis, mesh), names, names.pending("sum", [axis]))
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _exit(outputs: str, axis: AxisName, mesh: Mesh, ndim: int) -> Exit | None:
+    """What becomes of a local result of `ndim` dims (None: returned as is)."""
+    names = _names(ndim, mesh)
+    if outputs == "gather":
+        return Exit(_split_at(ndim, -1, axis, mesh), names)
+    if outputs == "sum":
+        return Exit(names.pending("sum", [axis]), names)
+    if outputs == "sequence":
+        return Exit(names.pending("sum", [axis]), _split_at(ndim, 1, axis, mesh))
+    return None
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -124,7 +178,7 @@ def _out_features(module: nn.Module) -> int:
 
 
 class _TP:
-    """A module's tensor-parallel style: its mesh, axis and the forward wrapping."""
+    """A module's tensor-parallel style: its mesh, axis, layouts and the forward wrapping."""
 
     def __init__(self, module: nn.Module, name: str, style: str, bound: BoundMesh,
                  axis: str) -> None:
@@ -134,25 +188,28 @@ class _TP:
         self.bound = bound.sub(axis)
         self.mesh = bound.mesh             # names activation dims apart from every axis
         self.spec = STYLES[style]
-        self.n = bound.mesh.axis_size(axis)
-        self.pos = bound.mesh.coords(bound.rank)[axis]
+        self.layouts = self.spec.on(axis, bound.mesh)
         self.swapped: dict[str, Any] = {}
         self.bias: Any = None
-        self.mask: Tensor | None = None
+        self.held: Tensor | None = None
         self.padding_idx: int | None = None
         self.conv1d = _is_conv1d(module)
         self.out_features = _out_features(module)
         self.zero_bias: Tensor | None = None  # a Conv1D's addmm needs a bias: zeros
-        if self.spec.inputs == "tokens":     # (first row, rows) of this rank's vocabulary
-            sizes = chunk_sizes(int(getattr(module, "num_embeddings")), self.n)
-            self.vocab_rows = (sum(sizes[:self.pos]), sizes[self.pos])
+        if self.spec.inputs == "tokens":     # the rows of the vocabulary this rank holds
+            table = self.layouts.weight
+            assert table is not None, f"{style} splits {name}.weight"
+            shape = tuple(getattr(module, "weight").shape)
+            self.vocab = VocabRows(table, bound.mesh, shape, bound.rank)
+            pad = getattr(module, "padding_idx")    # a global row: this shard's own, or none
+            self.local_padding = self.vocab.local_row(pad)
 
     def grad_sum(self, x: Tensor) -> Tensor:
         """`x` as is; backward: its gradient summed over the axis (an all_reduce): every
         rank's part of the gradient of an input a colwise layer used (Megatron's `f`)."""
-        names = _names(x.dim(), self.mesh)
-        return move(x, self.bound, (names, names), (names.pending("sum", [self.axis]), names),
-                    shape=tuple(x.shape))
+        entry = _entry("replicated", self.axis, self.mesh, x.dim())
+        assert entry is not None, "a replicated input has an entry"
+        return entry(x, self.bound, shape=tuple(x.shape))
 
     def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -177,23 +234,15 @@ class _TP:
             raise ShapeError(f"parallelize: {self.name} ({self.style}) was called without a"
                              " tensor argument; its style acts on the first tensor it gets")
         x = args[0] if args else kwargs[cast(str, key)]
-        if spec.inputs == "replicated" and grad:
-            x = self.grad_sum(x)
-        elif spec.inputs == "sequence":     # backward: the partial gradient reduce_scattered
-            names, mesh = _names(x.dim(), self.mesh), self.mesh
-            seq = _split_at(x.dim(), 1, self.axis, mesh)
-            x = move(x, self.bound, (seq, names), (names.pending("sum", [self.axis]), seq))
+        entry = _entry(spec.inputs, self.axis, self.mesh, x.dim())
+        if entry is not None and (grad or entry.x != entry.use):   # f: nothing without grad
+            whole = entry.x == entry.use         # the local shape is the global one
+            x = entry(x, self.bound, shape=tuple(x.shape) if whole else None)
         elif spec.inputs == "tokens":
-            start, rows = self.vocab_rows
-            local = x - start
-            self.mask = (local >= 0) & (local < rows)
-            x = local.clamp(0, max(rows - 1, 0))
-            # padding_idx is a global row: this shard's own index of it, or none here
+            x, self.held = self.vocab.index(x)
             self.padding_idx = getattr(module, "padding_idx")
-            if self.padding_idx is not None:
-                mine = self.padding_idx - start
-                setattr(module, "padding_idx", mine if 0 <= mine < rows else None)
-        if spec.outputs in ("sum", "sequence") and spec.weight is not None:
+            setattr(module, "padding_idx", self.local_padding)
+        if spec.outputs in ("sum", "sequence") and spec.split is not None:
             self.bias = params.get("bias")   # added once, after the sum
             if self.bias is not None:
                 self.swapped.setdefault("bias", self.bias)
@@ -221,30 +270,15 @@ class _TP:
         self.swapped = {}
         if self.conv1d:
             setattr(module, "nf", self.out_features)
-        if self.spec.inputs == "tokens":
+        if self.held is not None:
             setattr(module, "padding_idx", self.padding_idx)
-        spec = self.spec
-        if spec.outputs == "as is":
+            out, self.held = VocabRows.masked(out, self.held), None
+        bias, self.bias = self.bias, None
+        leave = _exit(self.spec.outputs, self.axis, self.mesh, out.dim())
+        if leave is None:
             return out
-        names, mesh = _names(out.dim(), self.mesh), self.mesh
-        if self.mask is not None:
-            if module.num_embeddings:
-                out = out * self.mask.unsqueeze(-1).to(out.dtype)
-            self.mask = None
-        if spec.outputs == "gather":
-            out = reshard(out, self.bound, _split_at(out.dim(), -1, self.axis, mesh), names,
-                          shape=(*out.shape[:-1], self.out_features),
-                          cost_model=ONE_CALL_PER_STEP)
-        elif spec.outputs == "sum":
-            out = reshard(out, self.bound, names.pending("sum", [self.axis]), names,
-                          cost_model=ONE_CALL_PER_STEP)
-        elif spec.outputs == "sequence":
-            out = reshard(out, self.bound, names.pending("sum", [self.axis]),
-                          _split_at(out.dim(), 1, self.axis, mesh), cost_model=ONE_CALL_PER_STEP)
-        if self.bias is not None:
-            out = out + self.bias
-            self.bias = None
-        return out
+        shape = (*out.shape[:-1], self.out_features) if self.spec.outputs == "gather" else None
+        return leave(out, self.bound, shape=shape, bias=bias)
 
 
 def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
@@ -297,14 +331,7 @@ def _param_layout(style: str | None, module: nn.Module, attr: str, ndim: int, ax
                   mesh: Mesh) -> Layout | None:
     """The layout `style` gives `module`'s parameter `attr` (None for a module outside the
     plan: the parameter stays a plain tensor)."""
-    spec = STYLES[style] if style else None
-    if spec is None or spec.weight is None:
-        return None
-    if attr == "weight":
-        return _split_at(ndim, _weight_dim(spec, module), axis, mesh)
-    if spec.outputs in ("split", "gather"):
-        return _split_at(ndim, 0, axis, mesh)   # the bias follows the output rows
-    return _names(ndim, mesh)                   # replicated
+    return None if style is None else STYLES[style].on(axis, mesh).param(module, attr, ndim)
 
 
 def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: Mesh
@@ -338,7 +365,7 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
            split: dict[int, nn.Parameter | None]) -> None:
     spec = STYLES[style]
     for attr, p in list(m._parameters.items()):
-        if p is None or spec.weight is None:
+        if p is None or spec.split is None:
             continue
         done = split.get(id(p))
         if done is not None:               # tied: split alike elsewhere already

@@ -1,8 +1,11 @@
-"""Megatron tensor-parallel blocks whose every collective is a meshcomm plan from a recipe.
+"""Megatron tensor-parallel blocks whose layouts come from a recipe, and the vocab-parallel
+lookup that `parallelize`'s embedding styles share.
 
-Executor layer. Weights are stored (in, out), named by logical dims ("embed mlp"); the
-recipe decides which axes split them, so one model's code runs under `tp`, `fsdp_tp` or
-`sequence_parallel`. Activations are local tensors in the layouts of their logical dims:
+Weights are stored (in, out), named by logical dims ("embed mlp"); the recipe decides which
+axes split them, so one model's code runs under `tp`, `fsdp_tp` or `sequence_parallel`.
+Activations are local tensors in the layouts of their logical dims. Every activation move
+is an `Entry` or `Exit` (moves.py), the same ones `parallelize` (parallel.py) runs with
+layouts from the axis it is given:
 
 - `TPEntry`: the entry of a tensor-parallel region. Forward: input layout -> use layout
   (nothing, or an all_gather along the sequence under sequence parallelism); backward:
@@ -12,8 +15,8 @@ recipe decides which axes split them, so one model's code runs under `tp`, `fsdp
 - `RowParallelLinear`: weight split along its input dim; its output `| sum(tp)` is resolved
   by the plan to the output layout: an all_reduce, or a reduce_scatter into
   sequence-parallel activations ("batch norm_seq embed" under `sequence_parallel`).
-- `VocabParallelEmbedding`: table split over vocab, masked lookup, the pending sum resolved
-  the same way.
+- `VocabParallelEmbedding`: table split over vocab, masked lookup (`VocabRows`), the
+  pending sum resolved the same way.
 """
 
 from __future__ import annotations
@@ -24,23 +27,55 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.layout import Layout
-from ..planner.plan import backward_plan, plan
+from ..core.layout import Layout, Shape
+from ..core.mesh import Mesh
 from ..recipes import RecipeLike
 from ..runtime.bind import BoundMesh
-from ..sharded import reshard
 from .comms import Comm
-from .moves import move
-from .params import ONE_CALL_PER_STEP, ShardedModule
+from .moves import Entry, Exit
+from .params import ShardedModule
 
 
-def _whole_last(layout: Layout, name: str) -> Layout:
-    """`layout` with its last dim whole (named `name`), e.g. for gathered logits."""
-    return layout.with_dim(-1, name)
+class VocabRows:
+    """The rows of a vocab-split table (dim 0 under `layout`) that `rank` holds, and the
+    masked lookup: a token held here reads its local row, any other reads zeros; the sum
+    over the ranks that split the vocab (an `Exit`'s plan) makes every token's row.
 
+    >>> rows = VocabRows(Layout("(tp v) e"), Mesh("tp=2"), (5, 4), rank=1)
+    >>> rows.index(torch.tensor([0, 3, 4]))
+    (tensor([0, 0, 1]), tensor([False,  True,  True]))
+    >>> rows.local_row(4), rows.local_row(0)
+    (1, None)
+    """
 
-def _lead(dims: str) -> str:
-    return " ".join(dims.split()[:-1])
+    def __init__(self, layout: Layout, mesh: Mesh, shape: Shape, rank: int) -> None:
+        held = layout.indices(mesh, shape, rank)[0]
+        table = torch.full((shape[0],), -1, dtype=torch.long)
+        table[torch.tensor(held, dtype=torch.long)] = torch.arange(len(held))
+        # this rank's local row of each global row (-1: not held), per device it is used on
+        self.local_of = {table.device: table}
+
+    def local_row(self, row: int | None) -> int | None:
+        """This rank's local index of global `row` (e.g. a `padding_idx`), or None."""
+        if row is None:
+            return None
+        local = int(self.local_of[torch.device("cpu")][row])
+        return local if local >= 0 else None
+
+    def index(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """(local row of each token, 0 where not held; whether this rank holds it)."""
+        table = self.local_of.get(tokens.device)
+        if table is None:
+            table = self.local_of[tokens.device] = self.local_of[torch.device("cpu")].to(
+                tokens.device)
+        index = table[tokens]
+        held = index >= 0
+        return index.clamp(min=0), held
+
+    @staticmethod
+    def masked(rows: Tensor, held: Tensor) -> Tensor:
+        """The looked-up `rows`, zeros for the tokens this rank does not hold."""
+        return rows * held.unsqueeze(-1).to(rows.dtype)
 
 
 class TPEntry(ShardedModule):
@@ -58,20 +93,14 @@ class TPEntry(ShardedModule):
     def __init__(self, bound: BoundMesh, recipe: RecipeLike, *, x_dims: str = "batch seq embed",
                  use_dims: str = "batch seq embed", reduce: str = "mlp") -> None:
         super().__init__(bound, recipe)
-        self.x_layout = self.layout(x_dims)
-        self.use_layout = self.layout(use_dims)
-        self.grad_layout = self.layout(Layout(use_dims).pending("sum", reduce.split()))
+        self.moves = Entry(self.layout(x_dims), self.layout(use_dims),
+                           self.layout(Layout(use_dims).pending("sum", reduce.split())))
 
     def forward(self, x: Tensor) -> Tensor:
-        return move(x, self.bound, (self.x_layout, self.use_layout),
-                    (self.grad_layout, self.x_layout))
+        return self.moves(x, self.bound)
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
-        if shape is None:
-            return []
-        mesh, shape = self.bound.mesh, tuple(shape)
-        return [Comm("forward", "input", plan(mesh, shape, self.x_layout, self.use_layout)),
-                Comm("backward", "input grad", plan(mesh, shape, self.grad_layout, self.x_layout))]
+        return [] if shape is None else self.moves.comms(self.bound.mesh, shape)
 
 
 class ColumnParallelLinear(ShardedModule):
@@ -97,8 +126,8 @@ class ColumnParallelLinear(ShardedModule):
         use_dims = f"{lead} {in_name}"
         self.entry = (TPEntry(bound, recipe, x_dims=x_dims or use_dims, use_dims=use_dims,
                               reduce=out_name) if enter else None)
-        self.out_layout = self.layout(f"{lead} {out_name}")
-        self.gathered_layout = _whole_last(self.out_layout, out_name) if gather_output else None
+        split = self.layout(f"{lead} {out_name}")
+        self.gather = Exit(split, split.with_dim(-1, out_name)) if gather_output else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.entry is not None:
@@ -106,10 +135,7 @@ class ColumnParallelLinear(ShardedModule):
         y = torch.matmul(x, self.use("weight"))
         if "bias" in self.specs:
             y = y + self.use("bias")
-        if self.gathered_layout is not None:
-            y = reshard(y, self.bound, self.out_layout, self.gathered_layout,
-                        cost_model=ONE_CALL_PER_STEP)
-        return y
+        return y if self.gather is None else self.gather(y, self.bound)
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
         out = self.param_comms()
@@ -117,13 +143,9 @@ class ColumnParallelLinear(ShardedModule):
             return out
         if self.entry is not None:
             out += self.entry.comms(shape)
-        if self.gathered_layout is not None:
+        if self.gather is not None:
             w = self.specs["weight"]
-            out_shape = (*tuple(shape)[:-1], w.shape[1])
-            fwd = plan(self.bound.mesh, out_shape, self.out_layout, self.gathered_layout,
-                       dtype=w.dtype, cost_model=ONE_CALL_PER_STEP)
-            out += [Comm("forward", "output", fwd),
-                    Comm("backward", "output grad", backward_plan(fwd, w.dtype))]
+            out += self.gather.comms(self.bound.mesh, (*tuple(shape)[:-1], w.shape[1]), w.dtype)
         return out
 
 
@@ -144,27 +166,23 @@ class RowParallelLinear(ShardedModule):
         super().__init__(bound, recipe)
         in_name, out_name = dims.split()
         out_dims = out_dims or f"{lead} {out_name}"
+        out_lead = " ".join(Layout(out_dims).dim_names()[:-1])    # the bias meets these
         self.add_param("weight", dims, weight, partial=lead)
         if bias is not None:
-            self.add_param("bias", out_name, bias, partial=_lead(out_dims))
-        self.partial_layout = self.layout(Layout.of_names([*lead.split(), out_name]).pending(
-            "sum", [in_name]))
-        self.out_layout = self.layout(out_dims)
+            self.add_param("bias", out_name, bias, partial=out_lead)
+        self.sum = Exit(self.layout(Layout.of_names([*lead.split(), out_name]).pending(
+            "sum", [in_name])), self.layout(out_dims))
 
     def forward(self, x: Tensor) -> Tensor:
-        y = reshard(torch.matmul(x, self.use("weight")), self.bound, self.partial_layout,
-                    self.out_layout, cost_model=ONE_CALL_PER_STEP)
-        return y + self.use("bias") if "bias" in self.specs else y
+        bias = self.use("bias") if "bias" in self.specs else None
+        return self.sum(torch.matmul(x, self.use("weight")), self.bound, bias=bias)
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
         out = self.param_comms()
         if shape is None:
             return out
         w = self.specs["weight"]
-        fwd = plan(self.bound.mesh, (*tuple(shape)[:-1], w.shape[1]), self.partial_layout,
-                   self.out_layout, dtype=w.dtype, cost_model=ONE_CALL_PER_STEP)
-        return out + [Comm("forward", "output", fwd),
-                      Comm("backward", "output grad", backward_plan(fwd, w.dtype))]
+        return out + self.sum.comms(self.bound.mesh, (*tuple(shape)[:-1], w.shape[1]), w.dtype)
 
 
 class VocabParallelEmbedding(ShardedModule):
@@ -174,42 +192,31 @@ class VocabParallelEmbedding(ShardedModule):
     >>> emb = VocabParallelEmbedding(bound, "tp", table)   # doctest: +SKIP
 
     Tokens: local, in the layout of `lead` ("(dp batch) seq"). Output: `out_dims` (default
-    "<lead> <embed>": an all_reduce of "<lead> <embed> | sum(<vocab>)").
+    "<lead> <embed>": an all_reduce of "<lead> <embed> | sum(<vocab>)"). `padding_idx`, a
+    global row as in `nn.Embedding`, gets no gradient (only on the rank that holds it).
     """
-
-    local_of: Tensor
 
     def __init__(self, bound: BoundMesh, recipe: RecipeLike, weight: Tensor, *,
                  dims: str = "vocab embed", lead: str = "batch seq",
-                 out_dims: str | None = None) -> None:
+                 out_dims: str | None = None, padding_idx: int | None = None) -> None:
         super().__init__(bound, recipe)
         vocab, embed = dims.split()
         spec = self.add_param("weight", dims, weight, partial=lead)
-        device = weight.device
-        held = torch.tensor(spec.use.indices(bound.mesh, spec.shape, bound.rank)[0],
-                            dtype=torch.long, device=device)
-        local_of = torch.full((spec.shape[0],), -1, dtype=torch.long, device=device)
-        local_of[held] = torch.arange(len(held), device=device)
-        self.register_buffer("local_of", local_of, persistent=False)
-        self.partial_layout = self.layout(Layout.of_names([*lead.split(), embed]).pending(
-            "sum", [vocab]))
-        self.out_layout = self.layout(out_dims or f"{lead} {embed}")
+        self.rows = VocabRows(spec.use, bound.mesh, spec.shape, bound.rank)
+        self.padding_idx = padding_idx
+        self.local_padding = self.rows.local_row(
+            None if padding_idx is None else range(spec.shape[0])[padding_idx])
+        self.sum = Exit(self.layout(Layout.of_names([*lead.split(), embed]).pending(
+            "sum", [vocab])), self.layout(out_dims or f"{lead} {embed}"))
 
     def forward(self, tokens: Tensor) -> Tensor:
-        index = self.local_of[tokens]
-        held = (index >= 0).unsqueeze(-1)
-        w = self.use("weight")
-        y = F.embedding(index.clamp(min=0), w) * held.to(w.dtype)
-        return reshard(y, self.bound, self.partial_layout, self.out_layout,
-                       cost_model=ONE_CALL_PER_STEP)
+        index, held = self.rows.index(tokens)
+        rows = F.embedding(index, self.use("weight"), padding_idx=self.local_padding)
+        return self.sum(VocabRows.masked(rows, held), self.bound)
 
     def comms(self, shape: Sequence[int] | None = None) -> list[Comm]:
         out = self.param_comms()
         if shape is None:
             return out
         w = self.specs["weight"]
-        fwd = plan(self.bound.mesh, (*tuple(shape), w.shape[1]), self.partial_layout,
-                   self.out_layout, dtype=w.dtype, cost_model=ONE_CALL_PER_STEP)
-        return out + [Comm("forward", "output", fwd),
-                      Comm("backward", "output grad", backward_plan(fwd, w.dtype))]
-
+        return out + self.sum.comms(self.bound.mesh, (*tuple(shape), w.shape[1]), w.dtype)
