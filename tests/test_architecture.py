@@ -45,6 +45,7 @@ REQUIRED = (
     "meshcomm.planner.states", "meshcomm.planner.blocks", "meshcomm.planner.moves",
     "meshcomm.planner.traffic", "meshcomm.planner.bounds", "meshcomm.planner.transfers",
     "meshcomm.planner.search", "meshcomm.planner.crossmesh", "meshcomm.planner.plan",
+    "meshcomm.planner.memo",
     "meshcomm.executors.steps", "meshcomm.executors.local", "meshcomm.executors.sim",
     "meshcomm.executors.distributed", "meshcomm.runtime.launch",
     "meshcomm.interop.placements", "meshcomm.interop.runtime", "meshcomm.sharded",

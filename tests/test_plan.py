@@ -133,6 +133,20 @@ def test_a_mesh_s_memo_answers_repeated_calls_however_spelled(fresh_plan_caches)
     assert (info["calls"], info["misses"], info["plans"]) == (4, 4, 2)
 
 
+def test_a_mesh_s_memo_is_one_plan_memo_made_on_its_first_plan(fresh_plan_caches):
+    from meshcomm.planner.memo import PlanMemo
+    from meshcomm.planner.plan import clear_memos
+
+    mesh = mc.Mesh("dp=2")
+    assert mesh._plans is None
+    p = mc.plan(mesh, (4,), "(dp b)", "b")
+    assert isinstance(mesh._plans, PlanMemo) and mesh._plans.count == 1
+    assert mesh._plans.plain[None]["(dp b)"]["b"][(4,)] is p
+    assert mesh == mc.Mesh("dp=2") and hash(mesh) == hash(mc.Mesh("dp=2"))   # not the value
+    clear_memos()
+    assert mesh._plans.count == 0 and fresh_plan_caches()["calls"] == 0
+
+
 def test_the_memo_keeps_options_apart(fresh_plan_caches):
     mesh, args = mc.Mesh("dp=2 tp=2"), ((8, 4), "(dp tp b) h", "b h")
     slow = mc.CostModel(latency_s=1.0, bandwidth=1e9)

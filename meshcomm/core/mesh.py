@@ -60,7 +60,8 @@ class Mesh:
     """
 
     # `_plans` is not part of the value: the planner's memo of the plans made on this mesh
-    # (`meshcomm.planner.plan`), kept here so that a repeated `plan(mesh, ...)` hashes no mesh.
+    # (a `meshcomm.planner.memo.PlanMemo`, which the planner sets on the mesh's first
+    # `plan()` call), kept here so that a repeated `plan(mesh, ...)` hashes no mesh.
     __slots__ = ("_names", "_sizes", "_ranks", "_where", "_plans", "_hash", "__weakref__")
 
     def __init__(
@@ -100,7 +101,7 @@ class Mesh:
         self._sizes = tuple(size for _, size in items)
         self._ranks = self._rank_grid(ranks)
         self._where = {r: i for i, r in enumerate(self._ranks)}
-        self._plans: dict[Any, Any] = {}
+        self._plans: Any = None     # a PlanMemo, which this layer cannot name
         self._hash = hash((self._names, self._sizes, self._ranks))
 
     def _rank_grid(self, ranks: Any) -> tuple[int, ...]:

@@ -9,7 +9,6 @@ and every rank computes the same one.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from ..core.layout import Layout, Shape, as_layout
 from ..core.mesh import Mesh
 from ..core.untraced import untraced
 from . import crossmesh, search
+from .memo import PlanMemos
 from .values import CostModel, Plan
 
 _DEFAULT_COST = CostModel()
@@ -43,29 +43,23 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
     mesh is never hashed; strings hash once); see `plan_cache_info`.
     """
     try:
+        # the mesh's `PlanMemo`, read inline: a method call would double the time of a hit
         if cost_model is None and dst_mesh is None:
-            return mesh._plans[dtype][src][dst][shape]  # type: ignore[no-any-return]
-        return mesh._plans[_OPTIONS][(dtype, cost_model, dst_mesh)][src][dst][shape]  # type: ignore[no-any-return]
-    except (KeyError, TypeError, AttributeError):   # new, unhashable, or not a Mesh
+            return mesh._plans.plain[dtype][src][dst][shape]  # type: ignore[no-any-return]
+        return mesh._plans.options[dtype, cost_model, dst_mesh][src][dst][shape]  # type: ignore[no-any-return]
+    except (KeyError, TypeError, AttributeError):   # new, unhashable, no memo yet, not a Mesh
         pass                                        # (outside the handler: errors unchained)
     return _plan_and_memo(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
 
 
-# A mesh's memo (`Mesh._plans`): dtype (None by default) -> src -> dst -> shape -> plan for
-# calls without a cost model or destination mesh, and under `_OPTIONS`, (dtype, cost_model,
-# dst_mesh) -> src -> dst -> shape -> plan; `_FILL` counts its plans. Only checked dtypes
-# key it, and the two private keys equal no argument.
-_OPTIONS, _FILL = object(), object()
-_maxsize = 4096                     # plans in all memos together (`set_plan_cache_size`)
-_misses = 0                         # plan() calls that no memo answered
-_held = 0                           # plans put in memos since they were last emptied
-_memos: weakref.WeakValueDictionary[int, Mesh] = weakref.WeakValueDictionary()
+# Every mesh's memo of plans (`Mesh._plans`, a `PlanMemo`), bounded together. Only checked
+# dtypes key a memo: a call with bad arguments raises before anything is remembered.
+_MEMOS = PlanMemos()
 
 
 def _plan_and_memo(mesh: Any, shape: Any, src: Any, dst: Any, dtype: Any, cost_model: Any,
                    dst_mesh: Any) -> Plan:
     """`plan` past the memo: normalized arguments look again; else plan and remember."""
-    global _misses
     given = (mesh, shape, dst_mesh)
     if type(shape) is not tuple:
         shape = _as_shape(shape)
@@ -75,37 +69,13 @@ def _plan_and_memo(mesh: Any, shape: Any, src: Any, dst: Any, dtype: Any, cost_m
         dst_mesh = _unbound(dst_mesh)
     if type(mesh) is Mesh and (mesh, shape, dst_mesh) != given:   # e.g. a BoundMesh, a list
         return plan(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
-    _misses += 1
+    _MEMOS.misses += 1
     found = _fresh_plan(mesh, shape, src, dst, dtype, cost_model, dst_mesh)
-    if _maxsize:
-        try:
-            _remember(mesh, found, shape, src, dst, dtype, cost_model, dst_mesh)
-        except TypeError:                             # an unhashable argument: not kept
-            pass
+    try:
+        _MEMOS.insert(mesh, found, shape, src, dst, dtype, cost_model, dst_mesh)
+    except TypeError:                             # an unhashable argument: not kept
+        pass
     return found
-
-
-def _remember(mesh: Mesh, found: Plan, shape: Shape, src: Any, dst: Any, *options: Any) -> None:
-    """Put `found` in the mesh's memo; all memos together hold at most `_maxsize` plans."""
-    global _held
-    if _held >= _maxsize:
-        _held = _fill()                   # plans in memos of meshes still alive
-        if _held >= _maxsize:             # full: start again (plans stay in the search's cache)
-            clear_memos(keep_misses=True)
-    memo = mesh._plans
-    dtype, cost_model, dst_mesh = options
-    if cost_model is None and dst_mesh is None:
-        node = memo.setdefault(dtype, {})
-    else:
-        node = memo.setdefault(_OPTIONS, {}).setdefault(options, {})
-    node.setdefault(src, {}).setdefault(dst, {})[shape] = found
-    memo[_FILL] = memo.get(_FILL, 0) + 1
-    _held += 1
-    _memos[id(mesh)] = mesh
-
-
-def _fill() -> int:
-    return sum(mesh._plans.get(_FILL, 0) for mesh in list(_memos.values()))
 
 
 def _unbound(mesh: object) -> Mesh:
@@ -169,24 +139,17 @@ def set_plan_cache_size(size: int) -> None:
     256
     >>> set_plan_cache_size(DEFAULT_PLAN_CACHE_SIZE)
     """
-    global _maxsize
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise PlanError(f"plan cache size must be an int >= 0, got {size!r};"
                         f" fix: e.g. set_plan_cache_size({DEFAULT_PLAN_CACHE_SIZE})")
-    _maxsize = size
+    _MEMOS.bound = size
     clear_memos()
     search.set_cache_size(size)
 
 
 def clear_memos(keep_misses: bool = False) -> None:
     """Empty every mesh's memo of plans (the search's cache stays; see `set_plan_cache_size`)."""
-    global _misses, _held
-    for mesh in list(_memos.values()):
-        mesh._plans.clear()
-    _memos.clear()
-    _held = 0
-    if not keep_misses:
-        _misses = 0
+    _MEMOS.clear(keep_misses)
 
 
 def plan_cache_info() -> dict[str, int]:
@@ -200,9 +163,8 @@ def plan_cache_info() -> dict[str, int]:
     >>> sorted(plan_cache_info())
     ['calls', 'maxsize', 'misses', 'plans']
     """
-    return {"maxsize": _maxsize, "plans": search.single_plan.cache_info().currsize,
-            "calls": _fill(),
-            "misses": _misses}
+    return {"maxsize": _MEMOS.bound, "plans": search.single_plan.cache_info().currsize,
+            "calls": _MEMOS.fill(), "misses": _MEMOS.misses}
 
 
 # -- autograd: the plan a reshard's backward runs ---------------------------------------------
