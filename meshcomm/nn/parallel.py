@@ -4,7 +4,8 @@
 splits the weights of the named `nn.Linear` / `nn.Embedding` modules over mesh axis `axis`
 (DTensor parameters, replicated over the other axes, so `fully_shard` can shard them
 further over "dp") and wraps each module's forward with the activation moves its style
-needs. Every move is a meshcomm plan on layouts (`d0 d1 ...` are the activation's dims):
+needs. Every move is a meshcomm plan on layouts (`d0 d1 ...` are the activation's dims;
+the weight layouts below are `STYLES[name].on("tp", mesh)`, and another `axis` names it):
 
 | style            | weight       | input                         | output                        |
 |------------------|--------------|-------------------------------|-------------------------------|
@@ -22,6 +23,11 @@ input (and reduce_scatters the gradient), `colwise_sp` leaves its input's gradie
 for that reduce_scatter, `sp_params` all_reduces over tp the gradients of the replicated
 parameters used on sequence-split activations (norms), `colwise_gather_sp` gathers the
 sequence before an output layer. See `STYLES` and `Style`.
+
+The moves are the recipe blocks' own (tensor_parallel.py): an `Entry` (Megatron's `f`, the
+sequence gather) and an `Exit` (a pending sum resolved, an output gathered) from moves.py,
+and the vocab-parallel lookup `VocabRows`. Here their layouts come from the axis given;
+there, from a recipe.
 
 A colwise output keeps the last dim split, so attention heads and MLP hidden units stay
 local until the rowwise projection sums them: two all_reduces per transformer block in
@@ -81,9 +87,15 @@ class Style:
         """
         if self.split is None:
             return StyleLayouts(self, axis, mesh, None, None)
-        bias = _split_at(1, 0, axis, mesh) if self.outputs in ("split", "gather") else \
-            _names(1, mesh)                   # the bias follows the output rows, or is whole
-        return StyleLayouts(self, axis, mesh, _split_at(2, self.split, axis, mesh), bias)
+        return StyleLayouts(self, axis, mesh, _split_at(2, self.split, axis, mesh),
+                            self.other(axis, mesh, 1))
+
+    def other(self, axis: AxisName, mesh: Mesh, ndim: int) -> Layout:
+        """The layout of a parameter other than the weight (the bias): split like the
+        output rows under a split or gathered output, else whole."""
+        if self.outputs in ("split", "gather"):
+            return _split_at(ndim, 0, axis, mesh)
+        return _names(ndim, mesh)
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,7 @@ class StyleLayouts:
             if _is_conv1d(module):
                 return _split_at(ndim, 1 - self.style.split, self.axis, self.mesh)
             return self.weight
-        return self.bias if ndim == 1 else _names(ndim, self.mesh)
+        return self.bias if ndim == 1 else self.style.other(self.axis, self.mesh, ndim)
 
 
 STYLES = {
