@@ -30,7 +30,7 @@ import torch
 import meshcomm as mc
 from meshcomm.planner import search
 from meshcomm.planner.states import from_layout
-from meshcomm.planner.transfers import receiver_transfers
+from meshcomm.planner.rank_transfers import receiver_transfers
 
 SHAPE = (50257, 8192)
 CASES = [   # (id, source mesh, source layout, destination mesh, destination layout)

@@ -44,6 +44,7 @@ REQUIRED = (
     "meshcomm.planner.values", "meshcomm.planner.explain", "meshcomm.planner.rearrange",
     "meshcomm.planner.states", "meshcomm.planner.blocks", "meshcomm.planner.moves",
     "meshcomm.planner.traffic", "meshcomm.planner.bounds", "meshcomm.planner.transfers",
+    "meshcomm.planner.rank_transfers",
     "meshcomm.planner.search", "meshcomm.planner.crossmesh", "meshcomm.planner.plan",
     "meshcomm.planner.memo",
     "meshcomm.executors.steps", "meshcomm.executors.local", "meshcomm.executors.sim",

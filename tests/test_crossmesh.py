@@ -209,7 +209,7 @@ RECEIVER_CASES = [   # (saved mesh, saved layout, loading mesh, loading layout, 
 def test_receiver_transfers_are_the_plan_s_for_that_rank(case):
     from meshcomm.executors.local import grid, take
     from meshcomm.planner.states import from_layout
-    from meshcomm.planner.transfers import receiver_transfers
+    from meshcomm.planner.rank_transfers import receiver_transfers
 
     saved_text, src, here_text, dst, shape = case
     saved, here = mc.Mesh(saved_text), mc.Mesh(here_text)
@@ -239,7 +239,7 @@ def test_receiver_transfers_are_the_plan_s_for_that_rank(case):
 
 def test_receiver_transfers_refuse_a_replicated_or_pending_source():
     from meshcomm.planner.states import from_layout
-    from meshcomm.planner.transfers import receiver_transfers
+    from meshcomm.planner.rank_transfers import receiver_transfers
 
     mesh, here = mc.Mesh("dp=2 tp=2"), mc.Mesh("tp=2")
     b = from_layout(mc.Layout("a b"), here, (4, 4))
@@ -253,7 +253,7 @@ def test_receiver_transfers_at_production_scale_cost_no_element_count():
     """1,024 saved ranks, vocab 50257 x hidden 8192 loaded onto dp=32 x tp=16: one rank's
     blocks without planning the other 511 ranks (the full cross-mesh plan takes minutes)."""
     from meshcomm.planner.states import from_layout
-    from meshcomm.planner.transfers import receiver_transfers
+    from meshcomm.planner.rank_transfers import receiver_transfers
 
     saved, here, shape = mc.Mesh("dp=1024"), mc.Mesh("dp=32 tp=16"), (50257, 8192)
     a = from_layout(mc.Layout("(dp v) e"), saved, shape)

@@ -208,8 +208,9 @@ def test_a_rotated_send_recv_spreads_the_sending_over_replicas(spec, shape, src,
     replica would send to all of them; the rotated send_recv takes each rank's blocks from
     replicas shifted along the replicating axes, so the sending spreads (receives are the
     bound either way) and the step's group spans those axes too."""
+    from meshcomm.planner.rank_transfers import rotation
     from meshcomm.planner.states import from_layout
-    from meshcomm.planner.transfers import pair_traffic, rotation
+    from meshcomm.planner.transfers import pair_traffic
 
     mesh = mc.Mesh(spec)
     p = mc.plan(mesh, shape, src, dst)

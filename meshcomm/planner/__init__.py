@@ -11,7 +11,7 @@ from .plan import (
     plan_untraced,
     set_plan_cache_size,
 )
-from .transfers import receiver_blocks
+from .rank_transfers import receiver_blocks
 from .values import CostModel, Plan, Step, Transfer, grad_scale
 
 __all__ = ["DEFAULT_PLAN_CACHE_SIZE", "CostModel", "Plan", "Step", "Transfer", "backward_plan",

@@ -31,8 +31,9 @@ from ..core.mesh import Mesh
 from ..core.notation import Dim, Factor, Pattern
 from . import search
 from .pairs import cross_traffic, lazy_cross
+from .rank_transfers import cross_blocks_of
 from .states import from_layout, local_numels
-from .transfers import assign, cross_blocks, cross_blocks_of
+from .transfers import assign, cross_blocks
 from .values import CostModel, Plan, Step, Transfer
 
 

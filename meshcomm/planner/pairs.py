@@ -2,7 +2,7 @@
 a time, and the bytes every rank moves, counted without listing them.
 
 This module never communicates, and sits below the plan values (it returns plain tuples,
-which `transfers.py` turns into `Transfer`s). It applies where every element of the source
+which `rank_transfers.py` turns into `Transfer`s). It applies where every element of the source
 has one holder (`lazy_cross`: no axis of size > 1 replicates it, nothing is pending) and
 nothing is pending in the destination: then the sender of every block is fixed, and a
 rank's blocks follow from its own coordinates. A checkpoint loaded onto another mesh and

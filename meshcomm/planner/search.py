@@ -21,14 +21,9 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from . import bounds
 from .moves import Move, expand
+from .rank_transfers import blocks_of, resolved_axes
 from .states import State, from_layout, local_numels_tensor, to_layout
-from .transfers import (
-    blocks_of,
-    reindex_move,
-    resolved_axes,
-    send_recv_move,
-    send_recv_targets,
-)
+from .transfers import reindex_move, send_recv_move, send_recv_targets
 from .trees import tree_estimate, tree_move, tree_transfers
 from .values import CostModel, Plan, Step, wire_of
 

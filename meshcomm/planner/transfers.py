@@ -1,13 +1,15 @@
-"""Point-to-point redistribution: any layout change as balanced block transfers.
+"""Point-to-point redistribution, planned: any layout change as balanced block transfers.
 
 This module never communicates. `send_recv_move` plans a single step in which
 every rank receives exactly the elements it needs and does not hold (so a
 rank's received bytes equal the lower bound), each from one holder, spreading
-the sending over the ranks that hold replicas. Executors run the step as one
-all_to_all with uneven splits, using `meshcomm.executors.local.pack` and
-`unpack`, so that the simulated and the real executor move the same bytes in the
-same order. `blocks_of` gives a step the function that lists one rank's blocks when it runs
-(`Step.rank_transfers`).
+the sending over the ranks that hold replicas; `assign` lists the transfers of a step
+between two meshes where the planner lists them. This is the plan-time room: what a rank
+does when the step runs (its own blocks, `Step.rank_transfers`) is computed by
+`meshcomm.planner.rank_transfers`, whose functions the planner leaves in the step
+(`blocks_of`). Executors run the step as one all_to_all with uneven splits, using
+`meshcomm.executors.local.pack` and `unpack`, so that the simulated and the real executor
+move the same bytes in the same order.
 """
 
 from __future__ import annotations
@@ -19,10 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..core.layout import Layout
 from ..core.mesh import AxisName, Mesh
 from .blocks import (
-    block,
     combos,
     coords_table,
     counts_at,
@@ -34,8 +34,8 @@ from .blocks import (
 )
 from .bounds import missing, sharding_axes, state_bound
 from .moves import Move, block_indices
-from .pairs import lazy_cross, positions, receiver_pairs, replicating_axes, sender_pairs
-from .states import DimState, State, as_chunks, chunk_dim, even_dim, from_layout, is_chain
+from .rank_transfers import resolved_axes, rotation, send_recv_axes
+from .states import DimState, State, as_chunks, chunk_dim, even_dim, is_chain
 from .values import Transfer
 
 Index = tuple[tuple[int, ...], ...]
@@ -177,8 +177,6 @@ def _where(index: Index) -> tuple[dict[int, int], ...]:
 
 def _transfer(src: int, dst: int, cell: Cell, have: Blocks, need: Blocks) -> Transfer:
     """The Transfer of `cell` from `src`'s local positions to `dst`'s."""
-    from .values import Transfer
-
     def positions(index: Index) -> tuple[Sequence[int], ...]:
         out: list[Sequence[int]] = []
         for d, (ix, atom) in enumerate(zip(index, cell)):
@@ -208,24 +206,6 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     # replaced by any values.
     sent = summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True)
     return tuple((sent - own).tolist()), tuple((need - own).tolist())
-
-
-def resolved_axes(state: State, dst: State) -> tuple[AxisName, ...] | None:
-    """The pending axes of `state` that a reducing send_recv to `dst` resolves (empty for a
-    plain one), or None when no send_recv goes from `state` to `dst`: `dst` may only keep
-    some of `state`'s pending axes, with the same op."""
-    if any(a not in state.partial for a in dst.partial):
-        return None
-    if dst.partial and dst.op != state.op:
-        return None
-    return tuple(a for a in state.partial if a not in dst.partial)
-
-
-def send_recv_axes(state: State, dst: State, mesh: Mesh) -> tuple[AxisName, ...]:
-    """The group of a send_recv from `state` to `dst`: the axes sharding `state` (a rank's
-    twins differ from it on those axes only), or for a reducing one the axes it resolves."""
-    resolve = resolved_axes(state, dst)
-    return in_mesh_order(mesh, set(resolve) if resolve else sharding_axes(state))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -281,15 +261,6 @@ ROTATE_LIMIT = 1 << 18   # ranks x block positions counted at most (planning tim
                          # 10 ms at the limit, more on chunked dims); beyond, the twins send
 
 
-def rotation(state: State, mesh: Mesh) -> tuple[tuple[AxisName, ...],
-                                               tuple[AxisName, ...]] | None:
-    """(S, R): the axes sharding `state` and those replicating it (not pending, size > 1),
-    in mesh order; None where either is empty (nothing to rotate)."""
-    shard = in_mesh_order(mesh, sharding_axes(state))
-    spare = tuple(a for a in replicating_axes(state, mesh) if a not in state.partial)
-    return (shard, spare) if shard and spare else None
-
-
 @functools.lru_cache(maxsize=1024)
 def rotated_sends(state: State, dst: State, mesh: Mesh, shard: tuple[AxisName, ...],
                   spare: tuple[AxisName, ...]) -> tuple[int, ...]:
@@ -319,21 +290,6 @@ def rotated_sends(state: State, dst: State, mesh: Mesh, shard: tuple[AxisName, .
         out = out * counts_at(have, want, mesh, rank_blocks(have, mesh)[:, None], need)
     own = flat_index(coords, mesh, shard)[:, None] == torch.arange(g)[None, :]
     return tuple(out.masked_fill(own, 0).sum(1).tolist())
-
-
-def _rotated_partners(state: State, mesh: Mesh, rank: int) -> tuple[list[int], list[int]]:
-    """`rank`'s receivers and senders in a rotated send_recv (itself left out), one per
-    block position on S other than its own."""
-    turn = rotation(state, mesh)
-    assert turn is not None, "a rotated send_recv needs sharding and replicating axes"
-    shard, spare = turn
-    turns = mesh.group_size(spare)
-    group = mesh.members(rank, *shard, *spare)     # position j * turns + r: S major, then R
-    own, mine = divmod(group.index(rank), turns)
-    places = [j for j in range(len(group) // turns) if j != own]
-    to = [group[j * turns + (mine - j) % turns] for j in places]
-    fro = [group[j * turns + (mine + own) % turns] for j in places]
-    return to, fro
 
 
 def _reducing_move(state: State, dst: State, mesh: Mesh, resolve: tuple[AxisName, ...],
@@ -525,94 +481,3 @@ def _run_spreads(dim: DimState, axes: tuple[AxisName, ...], mesh: Mesh,
             if is_chain(spread.bounds()) and spread not in out:
                 out.append(spread)
     return out
-
-
-# -- a rank's own blocks, at execution time -----------------------------------------------
-LISTED_PER_RANK = frozenset({"send_recv", "select", "reindex"})   # step kinds and actions
-
-
-def blocks_of(kind: str, action: str, before: Layout, after: Layout, mesh: Mesh,
-              shape: tuple[int, ...]) -> Callable[[int], tuple[Transfer, ...]] | None:
-    """For `Step.blocks_of`: the function giving the transfers a rank sends or receives (a
-    send_recv) or keeps (a select or reindex) in a step on one mesh, computed for that rank
-    only from the step's layouts (and cached); None for other steps."""
-    if kind not in LISTED_PER_RANK and action not in LISTED_PER_RANK:
-        return None
-    return functools.partial(_rank_transfers, kind, action, before, after, mesh, shape)
-
-
-def cross_blocks_of(before: Layout, after: Layout, mesh: Mesh, dst_mesh: Mesh,
-                    shape: tuple[int, ...]) -> Callable[[int], tuple[Transfer, ...]]:
-    """`blocks_of` for the transfer between two meshes planned by counting
-    (`pairs.lazy_cross`)."""
-    return functools.partial(_cross_rank_transfers, before, after, mesh, dst_mesh, shape)
-
-
-@functools.lru_cache(maxsize=256)
-def _rank_transfers(kind: str, action: str, before: Layout, after: Layout, mesh: Mesh,
-                    shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
-    state, dst = from_layout(before, mesh, shape), from_layout(after, mesh, shape)
-    coords = mesh.coords(rank)
-    if action == "reindex":
-        new = [a for a in dst.partial if a not in state.partial]
-        first = all(coords[a] == 0 for a in new if a not in sharding_axes(state))
-        return (_cell(rank, rank, state, dst, mesh),) if first else ()
-    if kind != "send_recv":   # select: every rank holds what it needs
-        return (_cell(rank, rank, state, dst, mesh),)
-    if action == "rotate":
-        to, fro = _rotated_partners(state, mesh, rank)
-        out = [_cell(rank, r, state, dst, mesh) for r in (rank, *to)]
-        out += [_cell(s, rank, state, dst, mesh) for s in fro]
-        return tuple(t for t in out if t.numel)
-    group = mesh.members(rank, *send_recv_axes(state, dst, mesh))
-    out = [_cell(rank, r, state, dst, mesh) for r in group]
-    out += [_cell(s, rank, state, dst, mesh) for s in group if s != rank]
-    return tuple(t for t in out if t.numel)
-
-
-def _cell(src: int, dst_rank: int, state: State, dst: State, mesh: Mesh) -> Transfer:
-    """The block `src` holds in `state` that `dst_rank` needs in `dst`, at local positions."""
-    have = block(state, mesh, mesh.coords(src))
-    need = block(dst, mesh, mesh.coords(dst_rank))
-    pairs = [positions(h, n) for h, n in zip(have, need)]
-    return Transfer(src, dst_rank, tuple(s for s, _ in pairs), tuple(d for _, d in pairs))
-
-
-
-
-# -- between two meshes, per rank (planner/pairs.py) ----------------------------------------
-def receiver_transfers(state: State, mesh: Mesh, dst: State, dst_mesh: Mesh,
-                       rank: int) -> tuple[Transfer, ...]:
-    """The blocks `rank` of `dst_mesh` receives when `state` on `mesh` moves to `dst`, for
-    a `state` whose every element has exactly one holder (every axis of `mesh` that does not
-    shard it has size 1, and nothing is pending): what the send_recv step of
-    `plan(mesh, ..., dst_mesh=dst_mesh)` gives `rank`, computed for this rank only (a
-    checkpoint loader on 1,024 ranks plans in milliseconds; see `pairs.receiver_pairs`).
-    """
-    spare = replicating_axes(state, mesh)
-    if spare or state.partial:
-        raise ValueError(f"receiver_transfers: every element needs one holder; axes {spare}"
-                         f" replicate it, {list(state.partial)} hold it pending")
-    return tuple(Transfer(*p) for p in receiver_pairs(state, mesh, dst, dst_mesh, rank))
-
-
-@functools.lru_cache(maxsize=256)
-def _cross_rank_transfers(before: Layout, after: Layout, mesh: Mesh, dst_mesh: Mesh,
-                          shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
-    """What `rank` sends, receives and keeps in a transfer between meshes planned by
-    counting (`pairs.lazy_cross`); none for any other."""
-    state, dst = from_layout(before, mesh, shape), from_layout(after, dst_mesh, shape)
-    if not lazy_cross(state, mesh, dst):
-        return ()
-    got = receiver_pairs(state, mesh, dst, dst_mesh, rank) if rank in dst_mesh.ranks else []
-    sent = sender_pairs(state, mesh, dst, dst_mesh, rank) if rank in mesh.ranks else []
-    return tuple(Transfer(*p) for p in [*(p for p in sent if p[1] != rank), *got])
-
-
-def receiver_blocks(mesh: Mesh, layout: Layout, dst_mesh: Mesh, dst_layout: Layout,
-                    shape: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
-    """`receiver_transfers` from layouts: the blocks `rank` of `dst_mesh` receives when a
-    tensor of `shape` moves from `layout` on `mesh` (one holder per element) to
-    `dst_layout` (what `mc.nn.load_checkpoint` reads, the saved ranks being its files)."""
-    return receiver_transfers(from_layout(layout, mesh, shape), mesh,
-                              from_layout(dst_layout, dst_mesh, shape), dst_mesh, rank)

@@ -43,8 +43,8 @@ from ..core.positions import block_flat
 from .blocks import coords_table, flat_index, in_mesh_order, own_and_need
 from .bounds import FLOW_TRIES, element_mask, row_ids, state_bound
 from .moves import Move, block_indices
+from .rank_transfers import resolved_axes
 from .states import State
-from .transfers import resolved_axes
 from .values import Transfer
 
 TREE_LIMIT = 1 << 15   # items x ranks: elements are grouped into at most this / ranks items
