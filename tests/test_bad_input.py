@@ -164,7 +164,7 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
     ("meshes", "plan between meshes", lambda: mc.executors.distributed.execute(mc.plan(M, (8, 6), "(dp b) (tp h)", "(dp b) h", dst_mesh=mc.Mesh("dp=4")), X, B), MeshMismatchError,
      'plan goes from Mesh(dp=2, tp=2) to dst_mesh=Mesh(dp=4), so it runs on the ranks of'
      ' both meshes; fix: mc.reshard(x, mesh, src, dst, dst_mesh=bound_dst), which runs it'
-     ' with meshcomm.executors.distributed.cross.execute_cross'),
+     ' with meshcomm.executors.distributed.execute_cross'),
     ("meshes", "shard of another mesh", lambda: mc.reshard(X, fake_bound("dp=4"), "(dp b) h", "b h", shape=(8, 6)), ShapeError,
      'local tensor on rank 1 has shape (4, 3), but layout "(dp b) h" of global shape (8,'
      ' 6) on Mesh(dp=4) gives it shape (2, 6). fix: pass the shard this rank holds, or'

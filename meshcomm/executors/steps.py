@@ -37,6 +37,8 @@ class Wire:
       chunks: (n - c) + (g-1) c both ways, c this position's chunk.
     - all_to_all: every split but the own one, both ways.
     - broadcast: the root sends its buffer to each of the g-1 others (as gloo does).
+    - p2p: a batch of point-to-point messages (`group` of them); what it sends is its
+      input, what it receives its output.
 
     >>> Wire("all_gather", 4, 0, 6, 24).sent, Wire("all_gather", 4, 0, 6, 24).received
     (18, 18)
@@ -66,6 +68,8 @@ class Wire:
             return _others(self.in_splits, n, g, self.pos)
         if self.kind == "broadcast":
             return (g - 1) * n if self.pos == self.root else 0
+        if self.kind == "p2p":
+            return n
         raise AssertionError(f"unknown collective {self.kind!r}")
 
     @property
@@ -81,6 +85,8 @@ class Wire:
             return _others(self.out_splits, self.numel_out, g, self.pos)
         if self.kind == "broadcast":
             return 0 if self.pos == self.root else self.numel_out
+        if self.kind == "p2p":
+            return self.numel_out
         raise AssertionError(f"unknown collective {self.kind!r}")
 
     def _ring(self) -> int:

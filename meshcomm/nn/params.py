@@ -29,7 +29,7 @@ from ..core.errors import MeshMismatchError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from ..core.names import positional_names
-from ..executors.distributed.execute import step_shape
+from ..executors.distributed.handlers import step_shape
 from ..planner.plan import plan
 from ..planner.values import CostModel, Plan
 from ..recipes import RecipeLike, logical

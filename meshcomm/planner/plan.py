@@ -191,6 +191,9 @@ def backward_plan(forward: Plan, dtype: torch.dtype) -> Plan:
             f" {', '.join(forward.src.partial_axes)} is not differentiable here."
             f" fix: reduce it first (reshard to \"{forward.src.without_reduction()}\") and"
             " differentiate from there, or detach the input")
-    return plan_untraced(forward.mesh, forward.shape, forward.dst.without_reduction(),
-                         forward.src.without_reduction(), dtype=dtype,
-                         cost_model=forward.cost_model)
+    across = forward.dst_mesh is not None and forward.dst_mesh != forward.mesh
+    # between meshes the gradient starts on the destination mesh and ends on the source
+    return plan_untraced(forward.dst_mesh if across else forward.mesh, forward.shape,
+                         forward.dst.without_reduction(), forward.src.without_reduction(),
+                         dtype=dtype, cost_model=forward.cost_model,
+                         dst_mesh=forward.mesh if across else None)

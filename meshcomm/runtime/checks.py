@@ -36,7 +36,7 @@ from ..core.errors import (
     MeshcommError,
 )
 from ..executors.distributed import wire
-from ..executors.distributed.execute import check_local
+from ..executors.distributed.handlers import check_local
 from ..planner.values import Plan
 from .bind import BoundMesh, check_default
 

@@ -430,7 +430,7 @@ def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
 
     `shift=k` means pairs (p, (p + k) % size). A position that receives nothing gets
     `zeros_like(x)` (as jax.lax.ppermute); every member passes the same shape and dtype.
-    Runs as one all_to_all in which only the pairs move bytes. Backward: the inverse permute.
+    Runs as point-to-point messages, one per pair (`wire.p2p`). Backward: the inverse permute.
     """
     fn = "collective_permute"
     x = _tensor(fn, x)
@@ -448,20 +448,20 @@ def collective_permute(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *,
 def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> Tensor:
     """Send `x` to caller positions `to`; the sum (in group order) of what `frm` send, or zeros.
 
-    One all_to_all in which only these blocks move. The result is built from the collective's
-    output even when that is empty, so a traced program never drops the collective on one rank.
+    Point-to-point messages (`wire.p2p`, the executor's permute too): one per destination
+    and one per source, posted together; a position in both is a local copy. The result is
+    built from the in-flight tensors, so a traced program never drops a message on one rank.
     """
-    flat, n = x.contiguous().reshape(-1), x.numel()
-    to_pg = sorted([g.order[p] for p in to])
-    frm_pg = sorted([g.order[p] for p in frm])
-    ins = [n if q in to_pg else 0 for q in range(g.size)]
-    outs = [n if q in frm_pg else 0 for q in range(g.size)]
-    got, _ = wire.all_to_all(torch.cat([flat] * len(to)) if to else flat[:0], g.wire, outs, ins,
-                             wait=False)
-    if len(frm) <= 1 or n == 0:
-        return torch.cat([got, flat.new_zeros(n - got.numel())]).view(x.shape)
-    blocks = dict(zip(frm_pg, torch.split(got, n)))
-    return op_reduce([blocks[g.order[p]] for p in sorted(frm)], "sum").view(x.shape)
+    flat = x.contiguous().reshape(-1)
+    bufs = {p: flat.new_empty(flat.numel()) for p in frm if p != g.pos}
+    inflight, _ = wire.p2p([(flat, g.order[p]) for p in to if p != g.pos],
+                           [(buf, g.order[p]) for p, buf in bufs.items()], g.name)
+    got = dict(zip(bufs, inflight[len(inflight) - len(bufs):]))
+    parts = [flat if p == g.pos else got[p].view(flat.shape) for p in sorted(frm)]
+    if not parts:     # receives nothing: zeros, tied to the send tokens (empty tensors)
+        tokens = [t.to(x.dtype).reshape(-1) for t in inflight]
+        return torch.cat([*tokens, flat.new_zeros(flat.numel())]).view(x.shape)
+    return (parts[0] if len(parts) == 1 else op_reduce(parts, "sum")).view(x.shape)
 
 
 class _Permute(torch.autograd.Function):

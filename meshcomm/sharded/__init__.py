@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..core.errors import ShapeError
 from ..core.layout import Layout
-from ..executors.distributed.execute import ByteTrace
+from ..executors.distributed.handlers import ByteTrace
 from ..interop.runtime import is_dtensor
 from ..planner.values import CostModel
 from ..runtime.bind import BoundMesh
@@ -41,7 +41,8 @@ def reshard(x_local: Tensor, mesh: BoundMesh, src: str | Layout, dst: str | Layo
 def reshard(x_local: Tensor | None, mesh: BoundMesh, src: str | Layout, dst: str | Layout, *,
             dst_mesh: BoundMesh, shape: Sequence[int] | None = None,
             dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
-            trace: ByteTrace | None = None, check: bool | None = None) -> Tensor | None: ...
+            trace: ByteTrace | None = None, check: bool | None = None,
+            requires_grad: bool = False) -> Tensor | None: ...
 @overload
 def reshard(x_local: DTensor, dst: str | Layout | Sequence[Placement], /, *,
             cost_model: CostModel | None = None, trace: ByteTrace | None = None,
@@ -53,7 +54,8 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
             dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
             trace: ByteTrace | None = None, check: bool | None = None,
             forward_dtype: torch.dtype | None = None,
-            backward_dtype: torch.dtype | None = None, async_op: bool = False) -> Tensor | None:
+            backward_dtype: torch.dtype | None = None, async_op: bool = False,
+            requires_grad: bool = False) -> Tensor | None:
     """This rank's shard under layout `dst` of the global tensor whose shard under `src` is
     `x_local` (call it on every rank of `mesh`). Differentiable and traceable.
 
@@ -71,12 +73,19 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     `dst_mesh` (another BoundMesh) puts `dst` on that mesh: call it on every rank of the
     world. Ranks only in `mesh` return None; ranks only in `dst_mesh` pass None as
     `x_local` and must pass `shape=` and `dtype=`; ranks in neither do nothing and return
-    None. Not differentiable: send gradients back with a second reshard (docs/crossmesh.md).
+    None. Differentiable: where `x_local` requires grad, ranks only in `dst_mesh` pass
+    `requires_grad=True` (they have no input to read it from), and ranks only in `mesh` get
+    an empty tensor instead of None, whose backward (`y.sum().backward()`, or in the loss)
+    receives `x_local`'s gradient while the destination's backward sends it
+    (docs/crossmesh.md).
 
     `mc.reshard(dtensor, dst)` takes a DTensor and `dst` (a layout or placements) and
     returns a DTensor (`meshcomm.sharded.reshard_dtensor`, docs/dtensor.md); it takes
     `forward_dtype=` and `backward_dtype=` as `DTensor.redistribute` does.
     """
+    if requires_grad and dst_mesh is None:
+        raise ShapeError("reshard(requires_grad=True) goes with dst_mesh=, on ranks only in the"
+                         " destination mesh; elsewhere the input's requires_grad decides")
     if async_op and (is_dtensor(x_local) or dst_mesh is not None):
         raise ShapeError("reshard(async_op=True) goes with a local tensor on one mesh; fix:"
                          " leave async_op out for DTensors and dst_mesh=")
@@ -95,4 +104,5 @@ def reshard(x_local: Tensor | None, mesh: Any, src: str | Layout | None = None,
     if src is None or dst is None:
         raise ShapeError("mc.reshard(x_local, mesh, src, dst): give both layouts, src and dst")
     return reshard_local(x_local, mesh, src, dst, dst_mesh=dst_mesh, shape=shape, dtype=dtype,
-                         cost_model=cost_model, trace=trace, check=check, async_op=async_op)
+                         cost_model=cost_model, trace=trace, check=check, async_op=async_op,
+                         requires_grad=requires_grad)

@@ -1,9 +1,10 @@
 """`reshard` of a local shard: the plan from `mc.plan`, run by the executor.
 
 Thin: the arguments normalized, the cached plan made (outside any fake-tensor mode), then
-run on this rank, differentiably (`executors.distributed.autograd`), across two meshes
-(`executors.distributed.cross`), or under torch.compile as one opaque call. Nothing here
-communicates except through a plan, and nothing communicates to learn a shape.
+run on this rank by the engine (`executors.distributed.execute`), differentiably on one mesh
+or across two (`executors.distributed.autograd`), or under torch.compile as one opaque
+call. Nothing here communicates except through a plan, and nothing communicates to learn a
+shape.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch import Tensor
 from ..core.errors import MeshcommError, MeshMismatchError, PlanError, ShapeError
 from ..core.layout import Layout, Shape, as_layout
 from ..core.mesh import Mesh
-from ..executors.distributed.autograd import reshard_autograd
-from ..executors.distributed.cross import execute_cross
-from ..executors.distributed.execute import ByteTrace, execute
+from ..executors.distributed.autograd import placeholder, reshard_autograd
+from ..executors.distributed.execute import prepare
+from ..executors.distributed.handlers import ByteTrace
 from ..planner.plan import backward_plan, plan_untraced
 from ..planner.values import CostModel, Plan
 from ..runtime.bind import BoundMesh, require_bound
@@ -34,12 +35,13 @@ def reshard_local(x_local: Tensor | None, mesh: Any, src: str | Layout, dst: str
                   dst_mesh: BoundMesh | None = None, shape: Sequence[int] | None = None,
                   dtype: torch.dtype | None = None, cost_model: CostModel | None = None,
                   trace: ByteTrace | None = None, check: bool | None = None,
-                  async_op: bool = False) -> Tensor | None:
+                  async_op: bool = False, requires_grad: bool = False) -> Tensor | None:
     """`mc.reshard` of a local tensor `x_local` (see `meshcomm.sharded.reshard`)."""
     if dst_mesh is not None and not (isinstance(mesh, BoundMesh) and
                                      isinstance(dst_mesh, BoundMesh) and
                                      dst_mesh.mesh == mesh.mesh):
-        return _reshard_cross(x_local, mesh, src, dst, dst_mesh, shape, dtype, cost_model, trace)
+        return _reshard_cross(x_local, mesh, src, dst, dst_mesh, shape, dtype, cost_model, trace,
+                              requires_grad)
     x = cast(Tensor, x_local)   # on one mesh: `_plan_for` refuses anything but a tensor
     if torch.compiler.is_compiling():
         if trace is not None:
@@ -58,14 +60,16 @@ def reshard_local(x_local: Tensor | None, mesh: Any, src: str | Layout, dst: str
             raise_together(mesh, err, "reshard")
         agree_reshard(x, mesh, p)
     if async_op:
-        return execute(p, x, mesh, trace=trace, wait=False)
+        return prepare([p], mesh).issue([x], trace=trace).unwaited()[0]
     return reshard_autograd(x, mesh, p, trace, reverse=backward_plan)
 
 
 def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
                    dst_bound: BoundMesh, shape: Sequence[int] | None, dtype: torch.dtype | None,
-                   cost_model: CostModel | None, trace: ByteTrace | None) -> Tensor | None:
-    """`reshard` onto another mesh (see `meshcomm.executors.distributed.cross`)."""
+                   cost_model: CostModel | None, trace: ByteTrace | None,
+                   requires_grad: bool) -> Tensor | None:
+    """`reshard` onto another mesh, differentiable when the gradient flows (see
+    `meshcomm.executors.distributed.autograd`)."""
     for name, b in (("mesh", bound), ("dst_mesh", dst_bound)):
         require_bound(b, "reshard(..., dst_mesh=...)", name)
     rank = bound.rank
@@ -81,12 +85,17 @@ def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: s
     else:
         p = plan_untraced(bound.mesh, tuple(shape), as_layout(src, "src"), as_layout(dst, "dst"),
                           dtype=dtype, cost_model=cost_model, dst_mesh=dst_bound.mesh)
-    if x is not None and torch.is_grad_enabled() and x.requires_grad:
+    grads = bool(x.requires_grad) if x is not None else requires_grad
+    if x is not None and requires_grad and not x.requires_grad:
         raise PlanError(
-            "reshard(..., dst_mesh=...) is not differentiable: ranks outside the destination"
-            " mesh get no output to call backward on. fix: pass x.detach(), and send the"
-            " gradient back with mc.reshard(grad, dst_mesh, dst, src, dst_mesh=mesh)")
-    return execute_cross(p, x, bound, dst_bound, trace=trace)
+            f"reshard(..., dst_mesh=..., requires_grad=True) on rank {rank}, whose input does"
+            " not require grad: requires_grad= is for ranks only in the destination mesh (no"
+            " input), and must say what the source ranks' inputs do. fix: leave it out here,"
+            " or x.requires_grad_()")
+    if not (grads and torch.is_grad_enabled()):
+        return prepare([p], bound, dst=dst_bound).issue([x], trace=trace).wait()[0]
+    held = x if x is not None else placeholder(p, dst_bound, True)
+    return reshard_autograd(held, bound, p, trace, reverse=backward_plan, dst=dst_bound)
 
 
 # Under torch.compile, Dynamo never traces the planner: `_static_args` only reads plain values

@@ -11,7 +11,8 @@ from torch import Tensor
 from ..core.errors import MeshcommError, ShapeError
 from ..core.layout import Layout
 from ..executors.distributed.autograd import reshard_autograd
-from ..executors.distributed.execute import ByteTrace, execute_many
+from ..executors.distributed.execute import execute_many
+from ..executors.distributed.handlers import ByteTrace
 from ..planner.plan import backward_plan
 from ..planner.values import CostModel, Plan
 from ..runtime.bind import BoundMesh

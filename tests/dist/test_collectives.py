@@ -204,7 +204,9 @@ def check_against_sim(bound: BoundMesh, axes_list: list[tuple[str, ...]]) -> lis
             if not same_bits(got, ref.outputs[rank]):
                 failures.append(f"{what}: got {got.tolist()} want {ref.outputs[rank].tolist()}")
             kinds = [k for k, _ in wire.calls]
-            idle = case.kind == "send_recv" and ref.send_bytes[rank] == ref.recv_bytes[rank] == 0
+            # point-to-point: a rank that neither sends nor receives makes no call
+            idle = (case.kind in ("send_recv", "collective_permute")
+                    and ref.send_bytes[rank] == ref.recv_bytes[rank] == 0)
             if len(kinds) != (0 if idle else 1):
                 failures.append(f"{what}: {len(kinds)} collective calls {kinds}")
             elif case.wire and kinds and wire.calls[0][1] != ref.send_bytes[rank]:

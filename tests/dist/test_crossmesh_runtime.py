@@ -26,8 +26,8 @@ import torch
 import meshcomm as mc
 from meshcomm.sharded import infer_shape
 from meshcomm.runtime.bind import BoundMesh
-from meshcomm.executors.distributed.cross import execute_cross
-from meshcomm.executors.distributed.execute import ByteTrace
+from meshcomm.executors.distributed.execute import execute_cross
+from meshcomm.executors.distributed.handlers import ByteTrace
 from meshcomm.core.errors import MeshMismatchError, PlanError, ShapeError
 from meshcomm.planner.explain import balance, transfer_lines, transfer_rows
 from meshcomm.testing import random_layout
@@ -310,9 +310,17 @@ def test_ranks_in_neither_mesh_do_nothing() -> None:
     assert trace.calls == []
 
 
-def test_reshard_between_meshes_is_not_differentiable() -> None:
+def test_requires_grad_is_for_ranks_only_in_the_destination_mesh() -> None:
+    """Between meshes a rank only in the destination has no input to read requires_grad
+    from, so it says it (`requires_grad=True`); said where an input does not require grad, or
+    without dst_mesh, it is an error before any communication. (Gradients through a
+    hand-off: tests/dist/test_engine.py.)"""
     with pytest.raises(PlanError, match=re.escape(
-            "reshard(..., dst_mesh=...) is not differentiable: ranks outside the destination"
-            " mesh get no output to call backward on. fix: pass x.detach()")):
-        mc.reshard(torch.zeros(4, 6, requires_grad=True), fake("A", 1), "(dp b) s",
-                   "(tp b) s", dst_mesh=fake("B", 1))
+            "reshard(..., dst_mesh=..., requires_grad=True) on rank 1, whose input does not"
+            " require grad: requires_grad= is for ranks only in the destination mesh")):
+        mc.reshard(torch.zeros(4, 6), fake("A", 1), "(dp b) s", "(tp b) s",
+                   dst_mesh=fake("B", 1), requires_grad=True)
+    with pytest.raises(ShapeError, match=re.escape(
+            "reshard(requires_grad=True) goes with dst_mesh=")):
+        mc.reshard(torch.zeros(4, 6), fake("A", 1), "(dp b) s", "(tp b) s",
+                   requires_grad=True)  # type: ignore[call-overload]

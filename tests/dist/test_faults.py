@@ -48,8 +48,8 @@ STEP_2 = ('step 2 of 2, all_gather over dp (group ranks [1, 3]), "(dp b) h" -> "
 
 
 def handlers() -> dict[str, Any]:
-    """The executor's step handlers (`meshcomm.executors.distributed.execute` is shadowed by its function)."""
-    return importlib.import_module("meshcomm.executors.distributed.execute").HANDLERS  # type: ignore[no-any-return]
+    """The executor's step handlers (`meshcomm.executors.distributed.handlers`)."""
+    return importlib.import_module("meshcomm.executors.distributed.handlers").HANDLERS  # type: ignore[no-any-return]
 
 
 def bind(rank: int, out_dir: str) -> mc.BoundMesh:

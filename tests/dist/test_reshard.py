@@ -27,7 +27,8 @@ import meshcomm as mc
 from meshcomm import cli
 from meshcomm.sharded import infer_shape
 from meshcomm.runtime.bind import BoundMesh
-from meshcomm.executors.distributed.execute import ByteTrace, execute
+from meshcomm.executors.distributed.execute import execute
+from meshcomm.executors.distributed.handlers import ByteTrace
 from meshcomm.core.errors import MeshMismatchError, ShapeError
 from meshcomm.executors.sim import execute as sim_execute
 from meshcomm.testing import random_layout

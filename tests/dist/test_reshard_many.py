@@ -19,7 +19,7 @@ from torch import Tensor
 
 import meshcomm as mc
 from meshcomm.runtime.bind import BoundMesh
-from meshcomm.executors.distributed.execute import ByteTrace, _buckets, signature
+from meshcomm.executors.distributed.handlers import ByteTrace, buckets, signature
 
 from conftest import ints, ranks_fixture, scaled
 
@@ -75,7 +75,7 @@ def expected_calls(items: list[Any], bucket_bytes: int) -> int:
     """One call per bucketed step per bucket of 2 or more, else one per tensor."""
     jobs = [plan_of(item) for item in items]
     total = 0
-    for bucket in _buckets(jobs, bucket_bytes):
+    for bucket in buckets(jobs, bucket_bytes):
         for step in jobs[bucket[0]][2].collectives:
             together = len(bucket) > 1 and step.kind in BUCKETED and step.dim is None
             total += 1 if together else len(bucket)

@@ -85,7 +85,7 @@ def test_case_plans_its_kind_with_its_wire(case: Case) -> None:
 def test_both_executors_have_one_handler_per_kind() -> None:
     # The packages re-export their `execute` functions, so take the modules by name.
     sim_run = importlib.import_module("meshcomm.executors.sim.execute").HANDLERS
-    dist_run = importlib.import_module("meshcomm.executors.distributed.execute").HANDLERS
+    dist_run = importlib.import_module("meshcomm.executors.distributed.handlers").HANDLERS
     assert set(sim_run) == set(KINDS) == set(dist_run)
 
 

@@ -162,6 +162,29 @@ def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
     return [t if kind == "irecv" else t.new_empty(0) for kind, t in zip(kinds, tensors)]
 
 
+WORLD = ""    # the default group's name for funcol: peers are global ranks
+
+
+def p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
+        name: str) -> tuple[tuple[Tensor, ...], Wire]:
+    """Post sends and receives (tensor, peer's rank in group `name`) together, without
+    waiting: the in-flight results (send tokens, then the filled receive buffers, in the
+    order given) and the measured `Wire` ("p2p": the elements sent and received)."""
+    kinds = ["isend"] * len(sends) + ["irecv"] * len(recvs)
+    pairs = [*sends, *recvs]
+    got = batch_p2p(kinds, [peer for _, peer in pairs],
+                    [as_real(t.contiguous()) if k == "isend" else as_real(t)
+                     for (t, _), k in zip(pairs, kinds)], name) if pairs else []
+    # a complex receive travels as real pairs: given back complex (a view, still in flight)
+    out = tuple(torch.view_as_complex(r) if k == "irecv" and t.is_complex() else r
+                for r, (t, _), k in zip(got, pairs, kinds))
+    call = Wire("p2p", len(pairs), 0, sum(t.numel() for t, _ in sends),
+                sum(t.numel() for t, _ in recvs))
+    for heard in _LISTENERS:
+        heard.append((call, (sends or recvs)[0][0].element_size() if pairs else 1))
+    return out, call
+
+
 def post_p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
              group: Any = None) -> list[Any]:
     """Post sends and receives (tensor, global peer rank) together in one batch; the works

@@ -1,0 +1,545 @@
+"""One short handler per step kind, run on this rank with PyTorch functional collectives.
+
+Executor layer. It mirrors `meshcomm.executors.sim.execute` handler for handler (same keys, same
+local rearranges, same p2p packing), so every rank's output is bit-identical to the
+simulated one for data movement; reductions are too whenever the floating-point result
+does not depend on the order of the summands (e.g. integer-valued floats). The executor
+decides nothing: every size comes from the plan's layouts, computed locally, and groups
+are addressed by name only, so a traced program holds no process-group object. NCCL and
+gloo share every line.
+
+A handler starts its collective and returns at once: its output is a `Later`, the tensors
+still on the wire and what to make of them once they land. The engine
+(`meshcomm.executors.distributed.execute`) decides when to wait: before the next step
+needs the data, or when the caller asks (`Handle.wait`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Union
+
+import torch
+from torch import Tensor
+
+from ...core.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    MeshcommError,
+    MeshMismatchError,
+    ShapeError,
+)
+from ...core.mesh import Mesh
+from ...core.reduce_ops import chunk_sizes, divide, op_reduce
+from ...planner.values import Plan, Step
+from ..local import (
+    exchange,
+    local_move,
+    pack,
+    rank_transfers,
+    received,
+    recv_splits,
+    run_tree,
+    send_buffer,
+    tree_run,
+    unpack,
+)
+from ..steps import Wire
+from . import wire
+from .groups import Groups, require_bound
+
+
+class Call(NamedTuple):
+    """One collective call on this rank: its kind, axes and the bytes it sent and received."""
+
+    kind: str
+    axes: tuple[str, ...]
+    send_bytes: int
+    recv_bytes: int
+
+
+@dataclass
+class ByteTrace:
+    """Bytes this rank sends and receives, recorded at each collective call (eager only).
+
+    >>> trace = ByteTrace()
+    >>> trace.add("all_gather", ("tp",), 8, 8)
+    >>> trace.send_bytes, trace.recv_bytes, len(trace.calls)
+    (8, 8, 1)
+    """
+
+    calls: list[Call] = field(default_factory=list)
+
+    def add(self, kind: str, axes: tuple[str, ...], send_bytes: int, recv_bytes: int) -> None:
+        self.calls.append(Call(kind, axes, send_bytes, recv_bytes))
+
+    @property
+    def send_bytes(self) -> int:
+        return sum(c.send_bytes for c in self.calls)
+
+    @property
+    def recv_bytes(self) -> int:
+        return sum(c.recv_bytes for c in self.calls)
+
+
+@functools.lru_cache(maxsize=4096)
+def group_of(mesh: Mesh, rank: int, axes: tuple[str, ...]) -> tuple[tuple[int, ...], int]:
+    """The ranks of `rank`'s group over `axes` (group order) and its position there."""
+    members = mesh.members(rank, *axes)
+    return members, members.index(rank)
+
+
+class Later(NamedTuple):
+    """A step's output still on the wire: `then` of the `inflight` tensors once they land
+    (every wait goes through `wire.waited`)."""
+
+    inflight: tuple[Tensor, ...]
+    then: Callable[..., Tensor]
+
+    def result(self, wait: bool = True) -> Tensor:
+        """`then` of the landed tensors; `wait=False` hands it the in-flight ones, which
+        PyTorch waits for at their first use that is not a view."""
+        return self.then(*(wire.waited(t) if wait else t for t in self.inflight))
+
+
+Out = Union[Tensor, Later]
+
+
+def landed(x: Out) -> Tensor:
+    """`x`, waited on and finished where it is a `Later`."""
+    return x.result() if isinstance(x, Later) else x
+
+
+def _same(y: Tensor) -> Tensor:
+    return y
+
+
+class Run(NamedTuple):
+    """What every handler needs besides the step: the bound mesh, global shape, byte trace."""
+
+    bound: Groups
+    shape: tuple[int, ...]
+    trace: ByteTrace | None
+
+    def group(self, step: Step) -> wire.Group:
+        """The step's group: its name, size and this rank's position."""
+        members, pos = group_of(self.bound.mesh, self.bound.rank, step.axes)
+        return wire.Group(self.bound.group_name(step.axes), len(members), pos)
+
+    def members(self, step: Step) -> tuple[int, ...]:
+        """Global ranks of the step's group, in group order."""
+        return group_of(self.bound.mesh, self.bound.rank, step.axes)[0]
+
+    def record(self, step: Step, call: Wire, itemsize: int) -> None:
+        """Record one collective call, measured from the buffers it was handed."""
+        if self.trace is not None:
+            self.trace.add(step.kind, step.axes, call.sent * itemsize, call.received * itemsize)
+
+
+def check_local(plan: Plan, local: Tensor, bound: Groups) -> None:
+    """Raise before any communication if `local` or `bound` do not fit the plan on this rank."""
+    require_bound(bound, "execute")
+    if bound.mesh != plan.mesh:
+        raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {bound.mesh!r}."
+                                " fix: plan with the bound mesh, mc.plan(bound.mesh, ...)")
+    if plan.dst_mesh is not None and plan.dst_mesh != plan.mesh:
+        raise MeshMismatchError(
+            f"plan goes from {plan.mesh!r} to dst_mesh={plan.dst_mesh!r}, so it runs on the ranks"
+            " of both meshes; fix: mc.reshard(x, mesh, src, dst, dst_mesh=bound_dst), which"
+            " runs it with meshcomm.executors.distributed.execute_cross")
+    if not bound.in_mesh:
+        raise MeshMismatchError(f"rank {bound.rank} is not in {bound.mesh!r}; only its ranks"
+                                f" {list(bound.mesh.ranks)} run its plans. fix: execute it on"
+                                " those ranks only (if bound.in_mesh: ...)")
+    rank = bound.rank
+    if not isinstance(local, Tensor):
+        raise ShapeError(f"local tensor of rank {rank} is a {type(local).__name__}, not a Tensor")
+    if local.dtype != plan.dtype:
+        raise ShapeError(f"local tensor of rank {rank} has dtype {local.dtype} but the plan was"
+                         f" made for {plan.dtype}; fix: mc.plan(..., dtype={local.dtype})"
+                         f" (reshard: dtype={local.dtype} or none), or pass x.to({plan.dtype})")
+    plan.src.check_local(plan.mesh, plan.shape, rank, tuple(local.shape), "local tensor")
+
+
+def raise_step_failure(err: RuntimeError, plan: Plan, k: int, bound: Groups,
+                       items: list[int] | None = None) -> None:
+    """Raise the meshcomm error for step `k` of `plan` failing with `err` on this rank: which
+    step (index, kind, axes, layouts), its group's ranks, and the backend's own message.
+    Returns (the caller re-raises `err`) for meshcomm errors, local steps and tracing."""
+    step = plan.steps[k]
+    if (isinstance(err, MeshcommError) or step.kind == "local" or torch.compiler.is_compiling()
+            or type(err).__module__.startswith("torch._dynamo")):
+        return
+    mesh = bound.mesh
+    ranks = mesh.ranks if step.kind == "send_recv" else group_of(mesh, bound.rank, step.axes)[0]
+    timeout = "timed out" in str(err).lower() or "timeout" in type(err).__name__.lower()
+    what = "reshard_many items " + str(items) if items is not None else "reshard"
+    over = f" over {', '.join(step.axes)}" if step.axes else ""
+    raise (CollectiveTimeout if timeout else CollectiveError)(
+        f'{what} "{plan.src}" -> "{plan.dst}" of shape {plan.shape} {plan.dtype} on {mesh!r},'
+        f" rank {bound.rank}: step {k + 1} of {len(plan.steps)}, {step.kind}{over} (group ranks"
+        f' {list(ranks)}), "{step.before}" -> "{step.after}",'
+        f" {'did not complete in time' if timeout else 'failed'}:"
+        f" {type(err).__name__}: {str(err).strip()}\n  fix: a rank of the group died, hangs,"
+        " or never reached this step (look for its own error or exit first; MESHCOMM_CHECK=1"
+        " or init_mesh(check=True) names ranks that call something else)"
+        + ("; if the step is only slow, raise init_mesh(timeout_s=...)" if timeout else "")
+    ) from err
+
+
+# -- handlers: (step, this rank's tensor, run) -> this rank's next tensor, maybe Later ----
+# Each follows `step.wire` (decided by the planner) and records the buffers it hands to
+# the collective (`Wire`): the trace is measured, never recomputed from the plan.
+def _local(step: Step, x: Tensor, run: Run) -> Tensor:
+    mesh, rank = run.bound.mesh, run.bound.rank
+    members, pos = group_of(mesh, rank, step.axes)
+    return local_move(step, x, pos, len(members), step.after.local_shape(mesh, run.shape, rank),
+                      rank, mesh, run.shape)
+
+
+def _all_gather(step: Step, x: Tensor, run: Run) -> Out:
+    if step.wire == "all_to_all":
+        return _all_gather_v(step, x, run)
+    y, call = wire.all_gather(x.unsqueeze(0).contiguous(), run.group(step), wait=False)
+    run.record(step, call, x.element_size())
+    return Later((y,), step.post.apply if step.post else _same)
+
+
+def _all_gather_v(step: Step, x: Tensor, run: Run) -> Out:
+    """Blocks differ in size along `step.dim`: one all_to_all sending the block to everyone."""
+    name, g, pos = run.group(step)
+    mesh, d = run.bound.mesh, step.dim
+    assert d is not None, f"an uneven all_gather names its dim: {step}"
+    sizes = [step.before.local_shape(mesh, run.shape, r)[d] for r in run.members(step)]
+    block = x.movedim(d, 0).contiguous()
+    buf = block.repeat((g,) + (1,) * (block.dim() - 1))
+    y = _a2a(step, run, buf, sizes, [sizes[pos]] * g)
+    return Later((y,), lambda y: y.movedim(0, d))
+
+
+def _reduce_scatter(step: Step, x: Tensor, run: Run) -> Out:
+    if step.wire == "all_to_all":
+        return _reduce_scatter_v(step, x, run)
+    group = run.group(step)
+    y = (step.pre.apply(x) if step.pre else x).contiguous()
+    op = step.op or "sum"
+    out, call = wire.reduce_scatter(y, _wire_op(op), group, wait=False)
+    run.record(step, call, x.element_size())
+    if op == "avg":
+        return Later((out,), lambda out: divide(out.squeeze(0), group.size))
+    return Later((out,), lambda out: out.squeeze(0))
+
+
+def _reduce_scatter_v(step: Step, x: Tensor, run: Run) -> Out:
+    """torch.chunk-sized chunks along `step.dim`: an all_to_all, then the reduction in group
+    order (`op_reduce`, as the simulator), so the result is bit-identical to it."""
+    _, g, pos = run.group(step)
+    d = step.dim
+    assert d is not None, f"an uneven reduce_scatter names its dim: {step}"
+    sizes = list(chunk_sizes(x.shape[d], g))
+    y = _a2a(step, run, x.movedim(d, 0).contiguous(), [sizes[pos]] * g, sizes)
+    c = sizes[pos]
+
+    def reduce(y: Tensor) -> Tensor:
+        return op_reduce([y.narrow(0, j * c, c) for j in range(g)],
+                         step.op or "sum").movedim(0, d)
+    return Later((y,), reduce)
+
+
+def _all_reduce(step: Step, x: Tensor, run: Run) -> Out:
+    group = run.group(step)
+    op = step.op or "sum"
+    out, call = wire.all_reduce(x.contiguous(), _wire_op(op), group, wait=False)
+    run.record(step, call, x.element_size())
+    return Later((out,), (lambda out: divide(out, group.size)) if op == "avg" else _same)
+
+
+def _all_to_all(step: Step, x: Tensor, run: Run) -> Out:
+    y = (step.pre.apply(x) if step.pre else x).contiguous()
+    out = _a2a(step, run, y)
+    return Later((out,), step.post.apply if step.post else _same)
+
+
+def _permute(step: Step, x: Tensor, run: Run) -> Out:
+    """Two point-to-point messages per rank at most: a position sends its whole tensor to
+    each of its destinations and receives from its source; one that receives nothing gets
+    zeros, as in the simulator. A pair from a position to itself is a local copy."""
+    _, g, pos = run.group(step)
+    members = run.members(step)
+    dests = [dst for src, dst in step.pairs if src == pos]
+    source = next((src for src, dst in step.pairs if dst == pos), None)
+    out_shape = tuple(x.shape) if source is None else step.before.local_shape(
+        run.bound.mesh, run.shape, members[source])
+    flat = x.contiguous().reshape(-1)
+    out = flat.new_empty(math.prod(out_shape))
+    sends = [(flat, d) for d in dests if d != pos]
+    recvs = [(out, source)] if source is not None and source != pos else []
+    inflight, call = wire.p2p(sends, recvs, run.group(step).name)
+    run.record(step, call, x.element_size())
+    if source is None:
+        return Later(inflight, lambda *_: torch.zeros_like(x))
+    if source == pos:
+        out.copy_(flat)
+        return Later(inflight, lambda *_: out.view(out_shape))
+    # the received tensor itself (not `out`, which it fills): unwaited, it waits at first use
+    return Later(inflight, lambda *got: got[-1].view(out_shape))
+
+
+def _send_recv(step: Step, x: Tensor, run: Run) -> Out:
+    mesh, rank = run.bound.mesh, run.bound.rank
+    if step.action == "tree":
+        return _tree(step, x, run)
+    in_shape = step.before.local_shape(mesh, run.shape, rank)   # static under torch.compile
+    out_shape = step.after.local_shape(mesh, run.shape, rank)
+    ex = exchange(step, rank, run.members(step), mesh, in_shape, out_shape, x.device)
+    if ex.even:   # equal splits: none passed (torch checks a split list per member)
+        y = _a2a(step, run, send_buffer(ex, x))
+    else:
+        y = _a2a(step, run, send_buffer(ex, x), ex.recv_splits, ex.send_splits)
+    return Later((y,), lambda y: received(ex, y, out_shape, step.op))
+
+
+def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
+    """A tree step: its rounds, each one all_to_all over the step's group, traced as one
+    call with the rounds' bytes summed (the plan counts the step's bytes)."""
+    mesh, rank = run.bound.mesh, run.bound.rank
+    out_shape = step.after.local_shape(mesh, run.shape, rank)
+    tree = tree_run(step, rank, run.members(step), x.device)
+    moved = [0, 0]
+
+    def exchange(r: int, buffers: list[Tensor]) -> list[Tensor]:
+        ex = tree.rounds[r]
+        y, call = (wire.all_to_all(buffers[0], run.group(step)) if ex.even else
+                   wire.all_to_all(buffers[0], run.group(step), ex.recv_splits, ex.send_splits))
+        moved[0], moved[1] = moved[0] + call.sent, moved[1] + call.received
+        return [y]
+
+    [y] = run_tree(step, mesh, [tree], [x], [out_shape], exchange)
+    if run.trace is not None:
+        run.trace.add(step.kind, step.axes, moved[0] * x.element_size(),
+                      moved[1] * x.element_size())
+    return y
+
+
+def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,
+         in_splits: list[int] | None = None) -> Tensor:
+    """all_to_all_single of `rows` along dim 0 over the step's group, recorded as measured."""
+    y, call = wire.all_to_all(rows, run.group(step), out_splits, in_splits, wait=False)
+    run.record(step, call, rows.element_size())
+    return y
+
+
+HANDLERS: dict[str, Callable[[Step, Tensor, Run], Out]] = {
+    "local": _local,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_to_all": _all_to_all,
+    "collective_permute": _permute,
+    "send_recv": _send_recv,
+}
+
+
+def _wire_op(op: str) -> str:
+    """The backend's op: avg runs as sum, then a division by the group size (as `op_reduce`)."""
+    return "sum" if op == "avg" else op
+
+
+# -- many plans at once: one collective per bucket of plans with the same shape ---------
+BUCKETED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+Job = tuple[Union[Tensor, None], Groups, Plan]
+
+
+def step_shape(plan: Plan) -> tuple[tuple[object, ...], ...]:
+    """Per step its kind, axes, op, local action and wire: what plans of one bucket share
+    besides mesh and dtype (not the tensor sizes)."""
+    return tuple((s.kind, s.axes, s.op, s.action, s.wire) for s in plan.steps)
+
+
+def signature(plan: Plan, bound: Groups) -> tuple[object, ...]:
+    """What plans must share to run in one bucket: mesh, dtype and `step_shape`."""
+    return (id(bound), plan.dtype, step_shape(plan))
+
+
+def buckets(jobs: Sequence[Job], bucket_bytes: int) -> list[list[int]]:
+    """Job indices per bucket; the same on every rank (plans and their peaks are)."""
+    open_: dict[tuple[object, ...], tuple[list[int], int]] = {}
+    done: list[list[int]] = []
+    for i, (_, bound, p) in enumerate(jobs):
+        key, size = signature(p, bound), max(p.peak_bytes, default=0)
+        members, total = open_.get(key, ([], 0))
+        if members and total + size > bucket_bytes:
+            done.append(members)
+            members, total = [], 0
+        open_[key] = (members + [i], total + size)
+    buckets = done + [members for members, _ in open_.values()]
+    return sorted(buckets, key=lambda b: b[0])
+
+
+def _rows(ys: list[Tensor], g: int) -> Tensor:
+    """The tensors side by side as one (g, total) buffer: row j holds every block j."""
+    return torch.cat([y.reshape(g, -1) for y in ys], dim=1).contiguous()
+
+
+def _unrows(buf: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+    """Undo `_rows`: column slices of `buf`, reshaped to `shapes`."""
+    out, at = [], 0
+    for shape in shapes:
+        n = math.prod(shape) // buf.shape[0]
+        out.append(buf[:, at:at + n].reshape(shape))
+        at += n
+    return out
+
+
+class _Cut:
+    """One bucket's landed buffer cut into its items' outputs once, for every item's Later."""
+
+    def __init__(self, cut: Callable[[Tensor], list[Tensor]]) -> None:
+        self.cut = cut
+        self.parts: list[Tensor] | None = None
+
+    def part(self, i: int, buf: Tensor) -> Tensor:
+        if self.parts is None:
+            self.parts = self.cut(buf)
+        return self.parts[i]
+
+
+def _items(buf: Tensor, cut: Callable[[Tensor], list[Tensor]], n: int) -> list[Out]:
+    """`n` Laters of one in-flight bucket buffer, item i the i-th of `cut(buf)`."""
+    shared = _Cut(cut)
+    return [Later((buf,), functools.partial(shared.part, i)) for i in range(n)]
+
+
+def _all_gather_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
+    group = run.group(steps[0])
+    flat = _rows(xs, 1)
+    y, call = wire.all_gather(flat, group, wait=False)
+    run.record(steps[0], call, flat.element_size())
+
+    def cut(y: Tensor) -> list[Tensor]:
+        parts = _unrows(y, [(group.size, *x.shape) for x in xs])
+        return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
+    return _items(y, cut, len(xs))
+
+
+def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
+    group = run.group(steps[0])
+    g = group.size
+    ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
+    assert all(y.shape[0] == g for y in ys), f"even reduce_scatter inputs lead with {g}"
+    op = steps[0].op or "sum"
+    buf = _rows(ys, g)
+    out, call = wire.reduce_scatter(buf, _wire_op(op), group, wait=False)
+    run.record(steps[0], call, buf.element_size())
+
+    def cut(out: Tensor) -> list[Tensor]:
+        rows = _unrows(out, [(1, *y.shape[1:]) for y in ys])
+        parts = [p.reshape(y.shape[1:]) for p, y in zip(rows, ys)]
+        return [divide(p, g) for p in parts] if op == "avg" else parts
+    return _items(out, cut, len(xs))
+
+
+def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
+    group = run.group(steps[0])
+    g = group.size
+    op = steps[0].op or "sum"
+    flat = _rows(xs, 1)
+    out, call = wire.all_reduce(flat, _wire_op(op), group, wait=False)
+    run.record(steps[0], call, flat.element_size())
+
+    def cut(out: Tensor) -> list[Tensor]:
+        parts = [p.reshape(x.shape)
+                 for p, x in zip(_unrows(out, [(1, *x.shape) for x in xs]), xs)]
+        return [divide(p, g) for p in parts] if op == "avg" else parts
+    return _items(out, cut, len(xs))
+
+
+def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
+    ys = [s.pre.apply(x) if s.pre else x for s, x in zip(steps, xs)]
+    out = _a2a(steps[0], run, _rows(ys, run.group(steps[0]).size))
+
+    def cut(out: Tensor) -> list[Tensor]:
+        parts = _unrows(out, [tuple(y.shape) for y in ys])
+        return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
+    return _items(out, cut, len(xs))
+
+
+RUN_MANY: dict[str, Callable[[list[Step], list[Tensor], Run], list[Out]]] = {
+    "all_gather": _all_gather_many,
+    "reduce_scatter": _reduce_scatter_many,
+    "all_reduce": _all_reduce_many,
+    "all_to_all": _all_to_all_many,
+}
+
+
+# -- between two meshes (see `meshcomm.planner.crossmesh`) ----------------------------------
+# A step on one mesh runs with the handlers above on that mesh's ranks (the others skip it).
+# The transfer step runs on every rank of either mesh as one batch of point-to-point
+# messages, one per (sender, receiver) pair, so all transfers overlap. A sender packs with
+# `pack` (blocks in transfer order, grouped by receiver) and sends each receiver its slice; a
+# receiver receives each sender's message into its slice of one flat buffer, which `unpack`
+# reads. So the bytes and their order are the simulator's (`sim.execute_cross`). What a rank
+# in both meshes keeps is a local copy and moves no bytes. Ranks in neither mesh do nothing.
+def check_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups) -> None:
+    """Raise before any communication if `local`, `src` or `dst` do not fit the plan here."""
+    if plan.dst_mesh is None:
+        raise MeshMismatchError(
+            f"execute_cross runs plans between two meshes, but this plan stays on"
+            f" {plan.mesh!r}. fix: run it with"
+            " mc.executors.distributed.execute(plan, local, bound)")
+    for word, bound, mesh in (("source", src, plan.mesh), ("destination", dst, plan.dst_mesh)):
+        require_bound(bound, "execute_cross", f"the {word} mesh")
+        if bound.mesh != mesh:
+            raise MeshMismatchError(
+                f"plan's {word} mesh is {mesh!r} but the bound {word} mesh is {bound.mesh!r}."
+                " fix: plan with the bound meshes, mc.plan(src.mesh, ..., dst_mesh=dst.mesh)")
+    if src.rank != dst.rank:
+        raise MeshMismatchError(f"the source and destination meshes were bound on different"
+                                f" processes (ranks {src.rank} and {dst.rank})")
+    rank = src.rank
+    if rank not in plan.ranks:
+        return                                  # in neither mesh: it does nothing
+    if rank not in plan.mesh.ranks:
+        if local is not None:
+            raise ShapeError(
+                f"rank {rank} is not in the source mesh {plan.mesh!r}, so it has no input,"
+                f" but it got a {type(local).__name__}. fix: pass None on ranks"
+                f" {[r for r in plan.ranks if r not in plan.mesh.ranks]}")
+        return
+    if not isinstance(local, Tensor):
+        raise ShapeError(f"local tensor of rank {rank} is a {type(local).__name__}, not a"
+                         f" Tensor; ranks {list(plan.mesh.ranks)} of the source mesh pass"
+                         " their shard")
+    if local.dtype != plan.dtype:
+        raise ShapeError(f"local tensor of rank {rank} has dtype {local.dtype} but the plan was"
+                         f" made for {plan.dtype}; fix: mc.plan(..., dtype={local.dtype})")
+    plan.src.check_local(plan.mesh, plan.shape, rank, tuple(local.shape), "local tensor")
+
+
+def transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
+             trace: ByteTrace | None) -> Later:
+    """The send_recv between meshes, posted: one batch of point-to-point messages, one per
+    pair (on a rank outside the destination mesh, its result is an empty tensor)."""
+    ranks, rank = plan.ranks, dst.rank
+    me = ranks.index(rank)
+    held = x if x is not None else torch.empty(0, dtype=plan.dtype, device=dst.device)
+    mine = rank_transfers(step, rank)     # this rank's blocks only
+    flat, send_splits = pack(mine, ranks, rank, held)
+    wanted = recv_splits(mine, ranks, rank)
+    out = flat.new_empty(sum(wanted))
+    sends = torch.split(flat, send_splits)
+    recvs = torch.split(out, wanted)
+    to = [(sends[j], peer) for j, peer in enumerate(ranks) if j != me and send_splits[j]]
+    back = [(recvs[j], peer) for j, peer in enumerate(ranks) if j != me and wanted[j]]
+    inflight, call = wire.p2p(to, back, wire.WORLD)   # peers are global ranks
+    recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
+    if trace is not None:
+        trace.add(step.kind, step.axes, call.sent * flat.element_size(),
+                  call.received * flat.element_size())
+    if not dst.in_mesh:
+        return Later(inflight, lambda *_: out)
+    shape = step.after.local_shape(dst.mesh, plan.shape, rank)
+    return Later(inflight, lambda *_: unpack(mine, ranks, rank, out, shape, step.op))
