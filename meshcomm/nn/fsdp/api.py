@@ -81,7 +81,7 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
                 getattr(m, UNIT_ATTR).schedule = shared
     pre, post = _eager_hooks()
     module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(post, with_kwargs=True)
+    module.register_forward_hook(post, with_kwargs=True, always_call=True)   # cleans up a raise
     return module
 
 

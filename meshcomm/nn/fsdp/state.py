@@ -4,6 +4,7 @@ place and take them out again (the order units run in is schedule.py)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch.utils._pytree import tree_leaves
 from ...executors.distributed import wire
 from .param import UNIT_ATTR
 from .schedule import Schedule
-from .unit import Unit
+from .unit import Pending, Unit
 
 
 def finish_backward(schedule: Schedule[Unit]) -> None:
@@ -23,13 +24,16 @@ def finish_backward(schedule: Schedule[Unit]) -> None:
     outs = [out if done else unit.issue_replica_reduce(out) for unit, out, done in pending]
     for (unit, _, _), out in zip(pending, outs):
         unit.finish_reduce(out)
-    for unit in schedule.order:     # a prefetch no forward used would be stale next step
+    for unit in schedule.order:
         put_back(unit)
         unit.kept = None
         unit.regather.release()
-        if unit.pending is not None:
-            wire.waited(unit.pending.out)
-            unit.pending = None
+    schedule.drop_ahead(_wait)    # a prefetch no forward used would be stale next step
+
+
+def _wait(issued: object) -> None:
+    if isinstance(issued, Pending):
+        wire.waited(issued.out)
 
 
 class Gathered(torch.autograd.Function):
@@ -126,12 +130,20 @@ def pre_backward(unit: Unit) -> None:
 
 
 def post_forward(module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+    """After the unit's forward, also on the way out of one that raised (the hook is
+    registered with always_call): the saved-tensor hooks left, the parameters put back;
+    after a failure, nothing the unit or the schedule holds survives it."""
     unit: Unit = getattr(module, UNIT_ATTR)
     if unit.hooks is not None:
         unit.hooks.__exit__(None, None, None)
         unit.hooks = None
     put_back(unit)
     unit.regather.forget()
+    if sys.exc_info()[0] is not None:      # forward raised: called from its except block
+        unit.kept = None
+        unit.regather.release()
+        unit.schedule.abandon(_wait)
+        return None
     if unit.params and torch.is_grad_enabled():
         outputs = [t for t in tree_leaves(output) if isinstance(t, Tensor) and t.requires_grad]
         if outputs:    # as FSDP2's pre-backward hook: the first gradient of any output

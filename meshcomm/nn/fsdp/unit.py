@@ -51,7 +51,6 @@ class Unit:
         self.short = any(p.rows[self.pos] < p.pad for p in params)   # padding to zero
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
-        self.pending: Pending | None = None
         self.kept: list[Tensor] | None = None   # gathered, kept to backward (no reshard)
         self.regather = Regather(self)   # the saved-tensor hooks (regather.py)
         self.hooks: Any = None
@@ -96,12 +95,15 @@ class Unit:
         return out
 
     def gather(self) -> list[Tensor]:
-        pending, self.pending = self.pending, None
-        return self.finish_gather(pending or self.issue_gather())
+        """The gathered parameters: the all_gather issued ahead (prefetched), else one now."""
+        pending = self.schedule.take(self)
+        return self.finish_gather(pending if isinstance(pending, Pending)
+                                  else self.issue_gather())
 
     def prefetch_gather(self) -> None:
-        if self.pending is None and self.params:
-            self.pending = self.issue_gather()
+        """Issue the all_gather now (once), for `gather` to finish when the unit runs."""
+        if self.params:
+            self.schedule.issue_ahead(self, self.issue_gather)
 
     # -- reduce_scatter -----------------------------------------------------------------
     def accumulate(self, grads: Sequence[Tensor | None]) -> list[Tensor]:
