@@ -454,14 +454,14 @@ def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> T
     """
     flat = x.contiguous().reshape(-1)
     bufs = {p: flat.new_empty(flat.numel()) for p in frm if p != g.pos}
-    inflight, _ = wire.p2p([(flat, g.order[p]) for p in to if p != g.pos],
-                           [(buf, g.order[p]) for p, buf in bufs.items()], g.name)
-    got = dict(zip(bufs, inflight[len(inflight) - len(bufs):]))
+    posted, _ = wire.p2p([(flat, g.order[p]) for p in to if p != g.pos],
+                         [(buf, g.order[p]) for p, buf in bufs.items()], g.name)
+    got = dict(zip(bufs, posted.landed()))
     parts = [flat if p == g.pos else got[p].view(flat.shape) for p in sorted(frm)]
-    if not parts:     # receives nothing: zeros, tied to the send tokens (empty tensors)
-        tokens = [t.to(x.dtype).reshape(-1) for t in inflight]
-        return torch.cat([*tokens, flat.new_zeros(flat.numel())]).view(x.shape)
-    return (parts[0] if len(parts) == 1 else op_reduce(parts, "sum")).view(x.shape)
+    if not parts:     # receives nothing: zeros, after the sends
+        return posted.tied(flat.new_zeros(flat.numel())).view(x.shape)
+    out = parts[0] if len(parts) == 1 else op_reduce(parts, "sum")
+    return posted.tied(out.clone() if out is flat else out).view(x.shape)
 
 
 class _Permute(torch.autograd.Function):
@@ -521,6 +521,9 @@ def _exchange(x: Tensor | None, like: Tensor | None, g: _Group, dst: int | None,
 
     Returns what `src` sent, or (no `src`) zeros like `like` built from the send's token, or
     (only a send) the token. The send's token may go unused: the send still completes.
+    Functional ops, not `wire.p2p`'s waited works: a send here must not block (two ranks
+    that each send, then receive, would wait for each other), and an eager send left
+    unwaited would be dropped when the process group is destroyed.
     """
     kinds, peers, tensors = [], [], []
     if dst is not None:

@@ -155,11 +155,30 @@ COLLECTIVE_OPS = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce
 
 
 class Wire(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records each collective this rank calls and the bytes it puts on the wire."""
+    """Records each collective this rank calls and the bytes it puts on the wire: functional
+    collectives as they are dispatched, eager point-to-point batches at
+    `torch.distributed.batch_isend_irecv` (patched while the mode is on)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[tuple[str, int]] = []
+        self._patch = pytest.MonkeyPatch()
+
+    def __enter__(self) -> Wire:
+        batch = torch.distributed.batch_isend_irecv
+
+        def counted(ops: list[Any]) -> Any:
+            self.calls.append(("batch_isend_irecv", sum(
+                op.tensor.numel() * op.tensor.element_size() for op in ops
+                if op.op is torch.distributed.isend)))
+            return batch(ops)
+        self._patch.setattr(torch.distributed, "batch_isend_irecv", counted)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._patch.undo()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         from torch.distributed import distributed_c10d as c10d

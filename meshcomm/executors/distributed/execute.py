@@ -79,6 +79,8 @@ class Prepared:
             first = self.jobs[bucket[0]]
             if first.dst is not None:
                 outs[bucket[0]] = _issue_cross(first, tensors[bucket[0]], trace)
+            elif len(bucket) == 1:
+                outs[bucket[0]] = _issue_one(first, tensors[bucket[0]], trace)  # type: ignore[arg-type]
             else:
                 _issue_bucket([self.jobs[i] for i in bucket], bucket, outs, trace)
         return Handle(self.jobs, tuple(outs))
@@ -105,9 +107,11 @@ class Handle:
         return self._done if self._done is not None else self._finish(wait=False)
 
     def _finish(self, wait: bool) -> list[Tensor | None]:
-        return [None if out is None or (job.dst is not None and not job.dst.in_mesh)
-                else _landed(out, job, len(job.plan.steps) - 1, wait)
-                for job, out in zip(self._jobs, self._outs)]
+        # a rank outside the destination mesh waits too: for its sends to complete
+        landed = [None if out is None else _landed(out, job, len(job.plan.steps) - 1, wait)
+                  for job, out in zip(self._jobs, self._outs)]
+        return [None if job.dst is not None and not job.dst.in_mesh else out
+                for job, out in zip(self._jobs, landed)]
 
 
 def _landed(out: Out, job: Job, k: int, wait: bool = True) -> Tensor:
@@ -138,11 +142,27 @@ def prepare(plans: Sequence[Plan], bound: Groups | Sequence[Groups], *,
         raise ValueError(f"prepare: {len(bounds)} bound meshes for {len(plans)} plans")
     jobs = tuple(Job(p, b, dst if p.dst_mesh is not None and p.dst_mesh != p.mesh else None)
                  for p, b in zip(plans, bounds))
+    if len(jobs) == 1:       # nothing to share a bucket with: no plan's peaks are read
+        return Prepared(jobs, ((0,),))
     alone = [(i,) for i, job in enumerate(jobs) if job.dst is not None]
     local = [i for i, job in enumerate(jobs) if job.dst is None]
     shared = buckets([(None, jobs[i].bound, jobs[i].plan) for i in local], bucket_bytes)
     together = [tuple(local[k] for k in bucket) for bucket in shared]
     return Prepared(jobs, tuple(sorted(alone + together, key=lambda b: b[0])))
+
+
+def _issue_one(job: Job, x: Tensor, trace: ByteTrace | None) -> Out:
+    """Every step of one plan on one mesh (a bucket of one); the last stays in flight."""
+    run = Run(job.bound, job.plan.shape, trace)
+    out: Out = x
+    for k, step in enumerate(job.plan.steps):
+        x = _landed(out, job, k - 1)
+        try:
+            out = HANDLERS[step.kind](step, x, run)
+        except RuntimeError as err:
+            raise_step_failure(err, job.plan, k, job.bound)
+            raise
+    return out
 
 
 def _issue_bucket(jobs: list[Job], bucket: tuple[int, ...], outs: list[Out | None],
@@ -195,9 +215,9 @@ def execute(plan: Plan, local: Tensor, bound: Groups, *,
 
     >>> out = execute(mc.plan(bound.mesh, (8,), "(tp b)", "b"), x, bound)  # doctest: +SKIP
     """
-    out = prepare([plan], bound, bucket_bytes=0).issue([local], trace=trace).wait()[0]
-    assert out is not None, "a plan on one mesh has an output on each of its ranks"
-    return out
+    job = Job(plan, bound)        # a bucket of one, issued and waited on at once
+    check_local(plan, local, bound)
+    return _landed(_issue_one(job, local, trace), job, len(plan.steps) - 1)
 
 
 def execute_many(jobs: Sequence[tuple[Tensor, Groups, Plan]], *,

@@ -94,15 +94,22 @@ def group_of(mesh: Mesh, rank: int, axes: tuple[str, ...]) -> tuple[tuple[int, .
 
 class Later(NamedTuple):
     """A step's output still on the wire: `then` of the `inflight` tensors once they land
-    (every wait goes through `wire.waited`)."""
+    (collective results waited with `wire.waited`; point-to-point batches, `wire.Posted`,
+    give their receive buffers)."""
 
-    inflight: tuple[Tensor, ...]
+    inflight: tuple[Tensor | wire.Posted, ...]
     then: Callable[..., Tensor]
 
     def result(self, wait: bool = True) -> Tensor:
         """`then` of the landed tensors; `wait=False` hands it the in-flight ones, which
         PyTorch waits for at their first use that is not a view."""
-        return self.then(*(wire.waited(t) if wait else t for t in self.inflight))
+        got: list[Tensor] = []
+        for t in self.inflight:
+            if isinstance(t, wire.Posted):
+                got.extend(t.landed() if wait else t.unwaited())
+            else:
+                got.append(wire.waited(t) if wait else t)
+        return self.then(*got)
 
 
 Out = Union[Tensor, Later]
@@ -277,15 +284,15 @@ def _permute(step: Step, x: Tensor, run: Run) -> Out:
     out = flat.new_empty(math.prod(out_shape))
     sends = [(flat, d) for d in dests if d != pos]
     recvs = [(out, source)] if source is not None and source != pos else []
-    inflight, call = wire.p2p(sends, recvs, run.group(step).name)
+    posted, call = wire.p2p(sends, recvs, run.group(step).name)
     run.record(step, call, x.element_size())
     if source is None:
-        return Later(inflight, lambda *_: torch.zeros_like(x))
+        return Later((posted,), lambda *_: posted.tied(torch.zeros_like(x)))
     if source == pos:
         out.copy_(flat)
-        return Later(inflight, lambda *_: out.view(out_shape))
-    # the received tensor itself (not `out`, which it fills): unwaited, it waits at first use
-    return Later(inflight, lambda *got: got[-1].view(out_shape))
+        return Later((posted,), lambda *_: posted.tied(out.view(out_shape)))
+    # the received tensor itself (traced: the op's output, waited at first use)
+    return Later((posted,), lambda got: got.view(out_shape))
 
 
 def _send_recv(step: Step, x: Tensor, run: Run) -> Out:
@@ -534,12 +541,12 @@ def transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
     recvs = torch.split(out, wanted)
     to = [(sends[j], peer) for j, peer in enumerate(ranks) if j != me and send_splits[j]]
     back = [(recvs[j], peer) for j, peer in enumerate(ranks) if j != me and wanted[j]]
-    inflight, call = wire.p2p(to, back, wire.WORLD)   # peers are global ranks
+    posted, call = wire.p2p(to, back, wire.WORLD)   # peers are global ranks
     recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
     if trace is not None:
         trace.add(step.kind, step.axes, call.sent * flat.element_size(),
                   call.received * flat.element_size())
     if not dst.in_mesh:
-        return Later(inflight, lambda *_: out)
+        return Later((posted,), lambda *_: out)
     shape = step.after.local_shape(dst.mesh, plan.shape, rank)
-    return Later(inflight, lambda *_: unpack(mine, ranks, rank, out, shape, step.op))
+    return Later((posted,), lambda *_: unpack(mine, ranks, rank, out, shape, step.op))

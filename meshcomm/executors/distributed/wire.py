@@ -165,24 +165,66 @@ def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
 WORLD = ""    # the default group's name for funcol: peers are global ranks
 
 
+class Posted(NamedTuple):
+    """A batch of point-to-point messages in flight (`p2p`): the receive buffers, and what
+    to wait on before reading them (eager: the batch's works; traced: the functional op's
+    outputs, which are the buffers themselves, with the send tokens)."""
+
+    received: tuple[Tensor, ...]
+    works: tuple[Any, ...] = ()
+    tokens: tuple[Tensor, ...] = ()
+
+    def landed(self) -> tuple[Tensor, ...]:
+        """The receive buffers, filled: every message of the batch waited on."""
+        for work in self.works:
+            work.wait()
+        for token in self.tokens:
+            waited(token)
+        return tuple(waited(t) for t in self.received)
+
+    def unwaited(self) -> tuple[Tensor, ...]:
+        """The receive buffers without waiting where they wait at first use (traced);
+        eager messages are waited on here (a work has no lazy tensor)."""
+        return self.landed() if self.works else self.received
+
+    def tied(self, x: Tensor) -> Tensor:
+        """`x`, made to depend on the sends' tokens (empty tensors) where traced, so that a
+        compiled program keeps the sends of a rank that receives nothing."""
+        if not self.tokens:
+            return x
+        parts = [t.to(x.dtype).reshape(-1) for t in self.tokens]
+        return torch.cat([*parts, x.reshape(-1)]).view(x.shape)
+
+
 def p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
-        name: str) -> tuple[tuple[Tensor, ...], Wire]:
-    """Post sends and receives (tensor, peer's rank in group `name`) together, without
-    waiting: the in-flight results (send tokens, then the filled receive buffers, in the
-    order given) and the measured `Wire` ("p2p": the elements sent and received)."""
-    kinds = ["isend"] * len(sends) + ["irecv"] * len(recvs)
-    pairs = [*sends, *recvs]
-    got = batch_p2p(kinds, [peer for _, peer in pairs],
-                    [as_real(t.contiguous()) if k == "isend" else as_real(t)
-                     for (t, _), k in zip(pairs, kinds)], name) if pairs else []
-    # a complex receive travels as real pairs: given back complex (a view, still in flight)
-    out = tuple(torch.view_as_complex(r) if k == "irecv" and t.is_complex() else r
-                for r, (t, _), k in zip(got, pairs, kinds))
-    call = Wire("p2p", len(pairs), 0, sum(t.numel() for t, _ in sends),
+        name: str) -> tuple[Posted, Wire]:
+    """Post sends and receives (tensor, peer's rank in group `name`; `WORLD`: global ranks)
+    together, without waiting, and the measured `Wire` ("p2p": the elements sent and
+    received). Receives fill the tensors given. Eager, the messages are one
+    `batch_isend_irecv` whose works `Posted.landed` waits (PyTorch's functional
+    `batch_p2p_ops` leaves one work per batch in its registry even once every output is
+    waited on: a leak per step); traced, the functional op."""
+    call = Wire("p2p", len(sends) + len(recvs), 0, sum(t.numel() for t, _ in sends),
                 sum(t.numel() for t, _ in recvs))
     for heard in _LISTENERS:
-        heard.append((call, (sends or recvs)[0][0].element_size() if pairs else 1))
-    return out, call
+        heard.append((call, (sends or recvs)[0][0].element_size() if sends or recvs else 1))
+    if not sends and not recvs:
+        return Posted(()), call
+    if not torch.compiler.is_compiling():
+        group = resolve_group(name) if name != WORLD else None
+        peer = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
+        works = post_p2p([(t.contiguous(), peer(p)) for t, p in sends],
+                         [(t, peer(p)) for t, p in recvs], group)
+        return Posted(tuple(t for t, _ in recvs), tuple(works)), call
+    kinds = ["isend"] * len(sends) + ["irecv"] * len(recvs)
+    pairs = [*sends, *recvs]
+    got = batch_p2p(kinds, [p for _, p in pairs],
+                    [as_real(t.contiguous()) if k == "isend" else as_real(t)
+                     for (t, _), k in zip(pairs, kinds)], name)
+    # a complex receive travels as real pairs: given back complex (a view, still in flight)
+    received = tuple(torch.view_as_complex(r) if t.is_complex() else r
+                     for r, (t, _) in zip(got[len(sends):], recvs))
+    return Posted(received, (), tuple(got[:len(sends)])), call
 
 
 def post_p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
