@@ -179,3 +179,29 @@ def outcome(call: Callable[[], Any]) -> str:
         return "ran"
     except mc.errors.MeshcommError as err:
         return f"{type(err).__name__}: {err}"
+
+
+def slow_wire(mp: pytest.MonkeyPatch, delay_s: float) -> None:
+    """A slow wire (the overlap tests): every functional collective issued through meshcomm's
+    wire module lands `delay_s` after it is issued; `wire.waited` sleeps until then. Undo
+    with `mp.undo()`."""
+    import time
+
+    from meshcomm.executors.distributed import wire
+
+    issued: dict[int, float] = {}
+    call, waited = wire.call, wire.waited
+
+    def slow_call(fn: Any, x: Any, *args: Any, wait: bool = True) -> Any:
+        y = call(fn, x, *args, wait=False)
+        issued[id(y)] = time.perf_counter()
+        return slow_waited(y) if wait else y
+
+    def slow_waited(t: Any) -> Any:
+        start = issued.pop(id(t), None)
+        if start is not None:
+            time.sleep(max(0.0, start + delay_s - time.perf_counter()))
+        return waited(t)
+
+    mp.setattr(wire, "call", slow_call)
+    mp.setattr(wire, "waited", slow_waited)

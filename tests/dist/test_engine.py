@@ -20,7 +20,7 @@ from meshcomm.executors.sim import execute as sim_execute
 from meshcomm.executors.sim import scatter
 from meshcomm.runtime.bind import BoundMesh
 
-from conftest import ints, ranks_fixture
+from conftest import ints, ranks_fixture, slow_wire
 
 MESH = mc.Mesh("dp=2 tp=4")
 STAGE0 = mc.Mesh("dp=2 tp=2")                      # ranks 0-3
@@ -70,26 +70,6 @@ def check_permute_is_point_to_point(bound: BoundMesh) -> list[str]:
     return problems
 
 
-def _slow_wire(monkeypatch: Any) -> None:
-    """Each collective lands DELAY_S after it is issued: `wire.waited` sleeps until then."""
-    issued: dict[int, float] = {}
-    call, waited = wire.call, wire.waited
-
-    def slow_call(fn: Any, x: Any, *args: Any, wait: bool = True) -> Any:
-        y = call(fn, x, *args, wait=False)
-        issued[id(y)] = time.perf_counter()
-        return slow_waited(y) if wait else y
-
-    def slow_waited(t: Any) -> Any:
-        start = issued.pop(id(t), None)
-        if start is not None:
-            time.sleep(max(0.0, start + DELAY_S - time.perf_counter()))
-        return waited(t)
-
-    monkeypatch.setattr(wire, "call", slow_call)
-    monkeypatch.setattr(wire, "waited", slow_waited)
-
-
 def check_overlap(bound: BoundMesh) -> dict[str, float]:
     """N all_gathers each followed by DELAY_S of compute: issued and waited at once they
     take N (comm + compute); with each next one issued before this one's compute, about
@@ -99,7 +79,7 @@ def check_overlap(bound: BoundMesh) -> dict[str, float]:
     ready = prepare([p], bound)
     mp = pytest.MonkeyPatch()
     try:
-        _slow_wire(mp)
+        slow_wire(mp, DELAY_S)
         torch.distributed.barrier()
         start = time.perf_counter()
         for _ in range(N_OVERLAP):

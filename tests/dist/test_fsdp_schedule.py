@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ranks_fixture
+from conftest import ranks_fixture, slow_wire
 from torch import nn
 
 import meshcomm as mc
-from meshcomm.executors.distributed import wire
 from meshcomm.nn.fsdp.param import UNIT_ATTR
 
 BATCH = 8
@@ -109,25 +108,6 @@ def check_raise(bound: mc.BoundMesh) -> dict[str, Any]:
     return out
 
 
-def _slow_wire(mp: pytest.MonkeyPatch) -> None:
-    issued: dict[int, float] = {}
-    call, waited = wire.call, wire.waited
-
-    def slow_call(fn: Any, x: Any, *args: Any, wait: bool = True) -> Any:
-        y = call(fn, x, *args, wait=False)
-        issued[id(y)] = time.perf_counter()
-        return slow_waited(y) if wait else y
-
-    def slow_waited(t: Any) -> Any:
-        start = issued.pop(id(t), None)
-        if start is not None:
-            time.sleep(max(0.0, start + DELAY_S - time.perf_counter()))
-        return waited(t)
-
-    mp.setattr(wire, "call", slow_call)
-    mp.setattr(wire, "waited", slow_waited)
-
-
 def check_overlap(bound: mc.BoundMesh) -> dict[str, float]:
     """Forward (no grad) of UNITS units, each DELAY_S of compute, on a wire whose all_gathers
     take DELAY_S: without prefetch UNITS (comm + compute); with it about (UNITS + 1) max."""
@@ -143,7 +123,7 @@ def check_overlap(bound: mc.BoundMesh) -> dict[str, float]:
             m(x)                   # records the order
         mp = pytest.MonkeyPatch()
         try:
-            _slow_wire(mp)
+            slow_wire(mp, DELAY_S)
             torch.distributed.barrier()
             start = time.perf_counter()
             with torch.no_grad():
