@@ -114,9 +114,10 @@ def in_flight(bound: mc.BoundMesh, prefetch: bool) -> list[tuple[str, bool]]:
     m = sharded(bound, prefetch=prefetch)
     unit = getattr(m[2], mc.nn.fsdp.UNIT_ATTR)
     seen: list[tuple[str, bool]] = []
-    m[0].register_forward_hook(lambda *_: seen.append(("forward", unit.pending is not None)))
+    m[0].register_forward_hook(
+        lambda *_: seen.append(("forward", id(unit) in unit.schedule.ahead)))
     m[4].register_full_backward_hook(
-        lambda *_: seen.append(("backward", unit.pending is not None)))
+        lambda *_: seen.append(("backward", id(unit) in unit.schedule.ahead)))
     train(bound, m, 2)
     return seen
 

@@ -203,14 +203,15 @@ def p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]]
     received). Receives fill the tensors given. Eager, the messages are one
     `batch_isend_irecv` whose works `Posted.landed` waits (PyTorch's functional
     `batch_p2p_ops` leaves one work per batch in its registry even once every output is
-    waited on: a leak per step); traced, the functional op."""
+    waited on: a leak per step); traced (or on the meta device), the functional op."""
     call = Wire("p2p", len(sends) + len(recvs), 0, sum(t.numel() for t, _ in sends),
                 sum(t.numel() for t, _ in recvs))
     for heard in _LISTENERS:
         heard.append((call, (sends or recvs)[0][0].element_size() if sends or recvs else 1))
     if not sends and not recvs:
         return Posted(()), call
-    if not torch.compiler.is_compiling():
+    first = (sends or recvs)[0][0]
+    if not torch.compiler.is_compiling() and not first.is_meta:   # meta: no eager backend
         group = resolve_group(name) if name != WORLD else None
         peer = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
         works = post_p2p([(t.contiguous(), peer(p)) for t, p in sends],
