@@ -156,7 +156,8 @@ def _issue_one(job: Job, x: Tensor, trace: ByteTrace | None) -> Out:
     run = Run(job.bound, job.plan.shape, trace)
     out: Out = x
     for k, step in enumerate(job.plan.steps):
-        x = _landed(out, job, k - 1)
+        if k:
+            x = _landed(out, job, k - 1)
         try:
             out = HANDLERS[step.kind](step, x, run)
         except RuntimeError as err:

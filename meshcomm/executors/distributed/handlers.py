@@ -103,6 +103,9 @@ class Later(NamedTuple):
     def result(self, wait: bool = True) -> Tensor:
         """`then` of the landed tensors; `wait=False` hands it the in-flight ones, which
         PyTorch waits for at their first use that is not a view."""
+        one = self.inflight[0] if len(self.inflight) == 1 else None
+        if isinstance(one, Tensor):   # one collective's result: the common case, kept short
+            return self.then(wire.waited(one) if wait else one)
         got: list[Tensor] = []
         for t in self.inflight:
             if isinstance(t, wire.Posted):
