@@ -80,7 +80,8 @@ class Prepared:
             if first.dst is not None:
                 outs[bucket[0]] = _issue_cross(first, tensors[bucket[0]], trace)
             elif len(bucket) == 1:
-                outs[bucket[0]] = _issue_one(first, tensors[bucket[0]], trace)  # type: ignore[arg-type]
+                outs[bucket[0]] = _issue_one(first.plan, first.bound,
+                                             tensors[bucket[0]], trace)  # type: ignore[arg-type]
             else:
                 _issue_bucket([self.jobs[i] for i in bucket], bucket, outs, trace)
         return Handle(self.jobs, tuple(outs))
@@ -108,21 +109,22 @@ class Handle:
 
     def _finish(self, wait: bool) -> list[Tensor | None]:
         # a rank outside the destination mesh waits too: for its sends to complete
-        landed = [None if out is None else _landed(out, job, len(job.plan.steps) - 1, wait)
+        landed = [None if out is None
+                  else _landed(out, job.plan, job.bound, len(job.plan.steps) - 1, wait)
                   for job, out in zip(self._jobs, self._outs)]
         return [None if job.dst is not None and not job.dst.in_mesh else out
                 for job, out in zip(self._jobs, landed)]
 
 
-def _landed(out: Out, job: Job, k: int, wait: bool = True) -> Tensor:
-    """`out`, the output of step `k` of `job`'s plan, landed; a failure there raises the
-    meshcomm error that names the step (`raise_step_failure`)."""
+def _landed(out: Out, plan: Plan, bound: Groups, k: int, wait: bool = True) -> Tensor:
+    """`out`, the output of step `k` of `plan` on `bound`, landed; a failure there raises
+    the meshcomm error that names the step (`raise_step_failure`)."""
     if not isinstance(out, Later):
         return out
     try:
         return out.result(wait)
     except RuntimeError as err:
-        raise_step_failure(err, job.plan, k, job.bound)
+        raise_step_failure(err, plan, k, bound)
         raise
 
 
@@ -151,17 +153,17 @@ def prepare(plans: Sequence[Plan], bound: Groups | Sequence[Groups], *,
     return Prepared(jobs, tuple(sorted(alone + together, key=lambda b: b[0])))
 
 
-def _issue_one(job: Job, x: Tensor, trace: ByteTrace | None) -> Out:
+def _issue_one(plan: Plan, bound: Groups, x: Tensor, trace: ByteTrace | None) -> Out:
     """Every step of one plan on one mesh (a bucket of one); the last stays in flight."""
-    run = Run(job.bound, job.plan.shape, trace)
+    run = Run(bound, plan.shape, trace)
     out: Out = x
-    for k, step in enumerate(job.plan.steps):
+    for k, step in enumerate(plan.steps):
         if k:
-            x = _landed(out, job, k - 1)
+            x = _landed(out, plan, bound, k - 1)
         try:
             out = HANDLERS[step.kind](step, x, run)
         except RuntimeError as err:
-            raise_step_failure(err, job.plan, k, job.bound)
+            raise_step_failure(err, plan, k, bound)
             raise
     return out
 
@@ -173,7 +175,8 @@ def _issue_bucket(jobs: list[Job], bucket: tuple[int, ...], outs: list[Out | Non
     runs = [Run(job.bound, job.plan.shape, trace) for job in jobs]
     for k, step in enumerate(first.plan.steps):
         steps = [job.plan.steps[k] for job in jobs]
-        xs = [_landed(outs[i], job, k - 1) for i, job in zip(bucket, jobs)]  # type: ignore[arg-type]
+        xs = [_landed(outs[i], job.plan, job.bound, k - 1)  # type: ignore[arg-type]
+              for i, job in zip(bucket, jobs)]
         try:
             if len(bucket) > 1 and step.kind in BUCKETED and step.wire == step.kind:
                 ys = RUN_MANY[step.kind](steps, xs, runs[0])
@@ -196,7 +199,7 @@ def _issue_cross(job: Job, x: Tensor | None, trace: ByteTrace | None) -> Out | N
     bounds = {plan.mesh: src, dst.mesh: dst}
     out: Out | None = x
     for k, step in enumerate(plan.steps):
-        held = None if out is None else _landed(out, job, k - 1)
+        held = None if out is None else _landed(out, plan, src, k - 1)
         if step.dst_mesh is not None:
             out = transfer(step, held, plan, dst, trace)
             continue
@@ -216,9 +219,8 @@ def execute(plan: Plan, local: Tensor, bound: Groups, *,
 
     >>> out = execute(mc.plan(bound.mesh, (8,), "(tp b)", "b"), x, bound)  # doctest: +SKIP
     """
-    job = Job(plan, bound)        # a bucket of one, issued and waited on at once
-    check_local(plan, local, bound)
-    return _landed(_issue_one(job, local, trace), job, len(plan.steps) - 1)
+    check_local(plan, local, bound)     # a bucket of one, issued and waited on at once
+    return _landed(_issue_one(plan, bound, local, trace), plan, bound, len(plan.steps) - 1)
 
 
 def execute_many(jobs: Sequence[tuple[Tensor, Groups, Plan]], *,
