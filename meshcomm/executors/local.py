@@ -379,8 +379,7 @@ def run_tree(step: Step, mesh: Mesh, runs: Sequence[TreeRun], xs: Sequence[Tenso
     torch.distributed), their TreeRuns in `runs`: `exchange(r, buffers)` runs round r's
     all_to_all on what each rank sends and gives back what each received."""
     op = step.op or "sum"
-    g = math.prod(mesh.axis_size(a) for a in step.before.partial_axes
-                  if a not in step.after.partial_axes)
+    g = mesh.group_size(a for a in step.before.partial_axes if a not in step.after.partial_axes)
     works = [_tree_work(run, x, out, op) for run, x, out in zip(runs, xs, out_shapes)]
     for r in range(step.rounds):
         if r == step.merge_rounds:

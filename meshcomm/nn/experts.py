@@ -1,6 +1,6 @@
 """Expert parallelism: top-1 routed tokens dispatched to their experts' ranks and combined back.
 
-Executor layer. The experts are split over the axes of the recipe's `experts` rule (`ep`).
+Building-block layer. The experts are split over the axes of the recipe's `experts` rule (`ep`).
 Tokens per expert vary, so the all_to_all is uneven and its receive sizes are data:
 
 1. metadata exchange: an even `mc.collectives.all_to_all` of the token counts per expert (int64), so

@@ -1,6 +1,6 @@
 """Parameters stored sharded, gathered for use, gradients reduced back: FSDP from a recipe.
 
-Executor layer: every collective here is a meshcomm plan, run by `mc.reshard_many` (one
+Building-block layer: every collective here is a meshcomm plan, run by `mc.reshard_many` (one
 collective per bucket of parameters). A parameter has three layouts, all from a recipe
 (see `param_spec`):
 
@@ -17,7 +17,6 @@ and the loss being trained is the mean of those over the ranks that split the ba
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +116,7 @@ def param_spec(mesh: Mesh, recipe: RecipeLike, dims: str, shape: Sequence[int],
     own = set(use.sharded_axes(mesh))
     part = tuple(a for a in logical_axes(partial, recipe, mesh) if a not in own)
     loss_axes = logical_axes(loss, recipe, mesh)
-    n = math.prod(mesh.axis_size(a) for a in loss_axes)
+    n = mesh.group_size(loss_axes)
     if part and set(part) == set(loss_axes):
         grad, scale = use.pending("avg", part), 1.0
     elif part:

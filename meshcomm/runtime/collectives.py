@@ -1,6 +1,6 @@
 """Functional collectives addressed by mesh axis, over torch.distributed.
 
-Executor layer. Each collective checks every input it can check locally, then
+Runtime layer. Each collective checks every input it can check locally, then
 calls PyTorch's functional collectives (`torch.distributed._functional_collectives`)
 with a process-group *name*, so it returns a new tensor at once, is waited on at
 first use, and traces under `torch.compile(fullgraph=True)` with no process-group
