@@ -118,11 +118,6 @@ class Later(NamedTuple):
 Out = Union[Tensor, Later]
 
 
-def landed(x: Out) -> Tensor:
-    """`x`, waited on and finished where it is a `Later`."""
-    return x.result() if isinstance(x, Later) else x
-
-
 def _same(y: Tensor) -> Tensor:
     return y
 
@@ -360,7 +355,7 @@ def _wire_op(op: str) -> str:
 
 # -- many plans at once: one collective per bucket of plans with the same shape ---------
 BUCKETED = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
-Job = tuple[Union[Tensor, None], Groups, Plan]
+Item = tuple[Union[Tensor, None], Groups, Plan]   # (local or None, bound, plan)
 
 
 def step_shape(plan: Plan) -> tuple[tuple[object, ...], ...]:
@@ -374,8 +369,8 @@ def signature(plan: Plan, bound: Groups) -> tuple[object, ...]:
     return (id(bound), plan.dtype, step_shape(plan))
 
 
-def buckets(jobs: Sequence[Job], bucket_bytes: int) -> list[list[int]]:
-    """Job indices per bucket; the same on every rank (plans and their peaks are)."""
+def buckets(jobs: Sequence[Item], bucket_bytes: int) -> list[list[int]]:
+    """Item indices per bucket; the same on every rank (plans and their peaks are)."""
     open_: dict[tuple[object, ...], tuple[list[int], int]] = {}
     done: list[list[int]] = []
     for i, (_, bound, p) in enumerate(jobs):
