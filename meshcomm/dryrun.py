@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from .core.errors import MeshMismatchError
 from .core.units import format_bytes
-from .executors.distributed import wire
+from .executors.distributed.groups import resolve_group
 from .executors.local import storage_key
 from .executors.steps import Wire
 from .runtime.bind import GROUP_DESC
@@ -240,7 +240,7 @@ def _collective(kind: str, args: Any, out: Any) -> Collective:
 def _group(name: str) -> tuple[int, str]:
     """(size, what to call it) of a process group by name: the mesh axes meshcomm made it
     for (its group_desc), "world", or its size."""
-    pg = wire.resolve_group(name)
+    pg = resolve_group(name)
     size = pg.size()
     desc = getattr(pg, "group_desc", "") or ""
     if desc.startswith(GROUP_DESC):
@@ -249,4 +249,4 @@ def _group(name: str) -> tuple[int, str]:
 
 
 def _position(name: str) -> int:
-    return int(wire.resolve_group(name).rank())
+    return int(resolve_group(name).rank())

@@ -53,11 +53,16 @@ REQUIRED = (
     "meshcomm.recipes", "meshcomm.display", "meshcomm.nn", "meshcomm.dtensor",
     "meshcomm.collectives", "meshcomm.errors", "meshcomm.cli", "meshcomm.dryrun",
     "meshcomm.sim", "meshcomm.executors.distributed.wire", "meshcomm.executors.distributed.groups",
+    "meshcomm.executors.distributed.agreement",
     "meshcomm.runtime.bind", "meshcomm.runtime.checks", "meshcomm.runtime.collectives",
     "meshcomm.runtime.compiler",
 )
 # The one module that hands tensors to torch's functional collectives (and records them).
 WIRE = "meshcomm.executors.distributed.wire"
+# Who may import it: the engine's own package, and the functional collectives of the
+# runtime (`mc.collectives`: one wire call per collective, no plan to run).
+ENGINE = "meshcomm.executors.distributed"
+FUNCTIONAL_COLLECTIVES = "meshcomm.runtime.collectives"
 # The pure layers: no process groups, no printers, no config parsing, no executors.
 PURE_LAYERS = ("meshcomm.core", "meshcomm.planner")
 FORBIDDEN_IN_PURE = ("torch.distributed", "rich", "pydantic", "meshcomm.executors",
@@ -295,6 +300,40 @@ def test_only_the_wire_module_calls_functional_collectives() -> None:
     callers = sorted(name for name, path in modules().items()
                      if "torch.distributed._functional_collectives" in imports(path))
     assert callers == [WIRE], callers
+
+
+def wire_importers(edges: Mapping[str, Iterable[str]]) -> list[str]:
+    """The modules importing `WIRE` other than the engine package and the functional
+    collectives."""
+    return sorted(name for name, dsts in edges.items() if WIRE in dsts
+                  and not within(name, ENGINE) and name != FUNCTIONAL_COLLECTIVES)
+
+
+def test_the_wire_checker_finds_a_second_caller(tmp_path: Path) -> None:
+    pkg = tmp_path / "meshcomm"
+    files = {
+        "executors/distributed/wire.py": "",
+        "executors/distributed/handlers.py": "from . import wire\n",
+        "runtime/collectives.py": "from ..executors.distributed import wire\n",
+        "runtime/checks.py": "def f():\n    from ..executors.distributed.wire import waited\n",
+        "nn/losses.py": "from ..executors.distributed import groups\n",
+    }
+    for folder in ("", "executors", "executors/distributed", "runtime", "nn"):
+        (pkg / folder).mkdir(parents=True, exist_ok=True)
+        (pkg / folder / "__init__.py").write_text("")
+    (pkg / "executors/distributed/groups.py").write_text("")
+    for name, text in files.items():
+        (pkg / name).write_text(text)
+    assert wire_importers(graph(pkg)) == ["meshcomm.runtime.checks"]
+
+
+def test_only_the_engine_imports_the_wire_module() -> None:
+    """Only the engine (`meshcomm.executors.distributed`) and the functional collectives
+    (`meshcomm.runtime.collectives`, one wire call each) import `wire`: every other module
+    communicates through the engine (check mode: `agreement.compare`; group names:
+    `groups.resolve_group`; a collective's result waited on: `runtime.collectives.wait`)."""
+    bad = wire_importers(GRAPH)
+    assert bad == [], f"{bad} import {WIRE}; fix: go through the engine package"
 
 
 def test_executors_import_only_planner_values() -> None:

@@ -17,9 +17,8 @@ from torch.autograd.function import once_differentiable
 
 from ..core.errors import MeshAxisError, MeshMismatchError, ShapeError, did_you_mean
 from ..core.layout import chunk_range
-from ..executors.distributed import wire
 from ..runtime.bind import BoundMesh, require_bound
-from ..runtime.collectives import all_reduce
+from ..runtime.collectives import all_reduce, wait
 
 __all__ = ["vocab_parallel_cross_entropy", "vocab_range"]
 
@@ -207,7 +206,7 @@ class _VocabParallelCE(torch.autograd.Function):
                      torch.full((rows,), float("-inf"), dtype=cdtype, device=x.device))
         if vocab is None:
             sizes = torch.tensor([local, -local], dtype=cdtype, device=x.device)
-            got = wire.waited(all_reduce(torch.cat([local_max, sizes]), bound, axis, op="max"))
+            got = wait(all_reduce(torch.cat([local_max, sizes]), bound, axis, op="max"))
             most, neg_least = (int(v) for v in got[rows:].tolist())
             least = -neg_least
             if most != least:
@@ -224,7 +223,7 @@ class _VocabParallelCE(torch.autograd.Function):
                 _check_targets(target, vocab, ignore_index)
             top = got[:rows]
         else:
-            top = wire.waited(all_reduce(local_max, bound, axis, op="max"))
+            top = wait(all_reduce(local_max, bound, axis, op="max"))
         start, end = vocab_range(vocab, n, pos)
         # 2. one sum of a (2, rows) stack: the exp-sums and the target logits
         t = target.reshape(rows).long()
@@ -236,7 +235,7 @@ class _VocabParallelCE(torch.autograd.Function):
             picked = torch.where(owned, x.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
         else:
             picked = torch.zeros(rows, dtype=cdtype, device=x.device)
-        sums = wire.waited(all_reduce(torch.stack([exp_sum, picked]), bound, axis, op="sum"))
+        sums = wait(all_reduce(torch.stack([exp_sum, picked]), bound, axis, op="sum"))
         total, z = sums[0], sums[1]
         # log_softmax at the target is (z - max) - log(sum); the loss is its negative
         per_row = torch.where(valid, torch.log(total) - (z - top), 0.0)

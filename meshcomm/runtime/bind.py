@@ -26,8 +26,7 @@ import torch.distributed as dist
 
 from ..core.errors import MeshAxisError, MeshMismatchError
 from ..core.mesh import AxisName, Mesh
-from ..executors.distributed import wire
-from ..executors.distributed.groups import Groups
+from ..executors.distributed.groups import Groups, resolve_group
 from ..executors.distributed.groups import require_bound as require_groups
 
 if TYPE_CHECKING:
@@ -133,7 +132,7 @@ class BoundMesh(Groups):
         if not self.in_mesh:
             raise MeshMismatchError(f"rank {self.rank} is not in {self.mesh!r}, so it has no"
                                     " DeviceMesh over it")
-        groups = [wire.resolve_group(self.group_name(a)) for a in self.mesh.axis_names]
+        groups = [resolve_group(self.group_name(a)) for a in self.mesh.axis_names]
         grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
         return DeviceMesh.from_group(groups, self.device.type, mesh=grid,
                                      mesh_dim_names=self.mesh.axis_names)

@@ -35,7 +35,8 @@ from ..core.errors import (
     CollectiveTimeout,
     MeshcommError,
 )
-from ..executors.distributed import wire
+from ..executors.distributed.agreement import compare
+from ..executors.distributed.groups import Group
 from ..executors.distributed.handlers import check_local
 from ..planner.values import Plan
 from .bind import BoundMesh, check_default
@@ -140,8 +141,7 @@ def _agree_on_mesh(bound: BoundMesh, mine: Fingerprint, what: str) -> None:
     """`agree` over the group of the whole mesh."""
     axes = bound.mesh.axis_names
     ranks = bound.mesh.groups(*axes)[0]
-    agree(wire.Group(bound.group_name(axes), len(ranks), ranks.index(bound.rank)), ranks, mine,
-          what)
+    agree(Group(bound.group_name(axes), len(ranks), ranks.index(bound.rank)), ranks, mine, what)
 
 
 def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
@@ -162,7 +162,7 @@ def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
                        f"reshard_many on {bound.mesh!r}")
 
 
-def agree_collective(fn: str, group: wire.Group, pg_ranks: Sequence[int], where: str,
+def agree_collective(fn: str, group: Group, pg_ranks: Sequence[int], where: str,
                      x: Tensor, args: Fields) -> None:
     """Raise on every member unless all of them called `fn` over this group with the same
     dtype and the same `args` (each collective passes those that must agree)."""
@@ -175,18 +175,16 @@ def _collective_fingerprint(fields: Fields, device: torch.device) -> Fingerprint
     return encode(fields, "", device)
 
 
-def agree(group: wire.Group, ranks: Sequence[int], mine: Fingerprint, what: str) -> None:
+def agree(group: Group, ranks: Sequence[int], mine: Fingerprint, what: str) -> None:
     """Compare `mine` across `group` (members `ranks`, in group order) and raise
     `CollectiveMismatchError` on every member when the fingerprints differ.
 
     One all_reduce(max) of the probe (h, -h) gives (max h, -min h): it equals this rank's
     probe on every rank when all hashes agree, and differs on every rank otherwise (32 bytes
-    a rank instead of 256). Only then are the rows gathered, to say who asked for what."""
+    a rank instead of 256; `executors.distributed.agreement.compare`). Only then are the rows
+    gathered, to say who asked for what."""
     try:
-        seen, _ = wire.all_reduce(mine.probe, "max", group)
-        if torch.equal(seen, mine.probe):
-            return
-        got, _ = wire.all_gather(mine.row, group)
+        got = compare(mine.probe, mine.row, group)
     except RuntimeError as err:
         kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
         raise kind(f"{what}: check mode could not compare the call across the group"
@@ -194,6 +192,8 @@ def agree(group: wire.Group, ranks: Sequence[int], mine: Fingerprint, what: str)
                    f" this call. cause: {type(err).__name__}: {str(err).strip()}\n  fix: look"
                    " for a rank that failed earlier or skipped this call (its own error comes"
                    " first)") from err
+    if got is None:
+        return
     raise CollectiveMismatchError(mismatch_message(what, ranks, got.cpu().tolist()))
 
 

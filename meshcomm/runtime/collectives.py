@@ -617,3 +617,18 @@ def sendrecv(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, dst: int |
         out = _SendRecv.apply(x, g, dst, src, like.shape, like.dtype)  # type: ignore[no-untyped-call]
         return cast(Tensor, out)
     return _exchange(x, like, g, dst, src)
+
+
+def wait(t: Tensor) -> Tensor:
+    """`t` waited on now: a collective's result above as a plain tensor (any other tensor
+    as given).
+
+    >>> top = wait(all_reduce(x, bound, "tp", op="max"))   # doctest: +SKIP
+
+    Results are waited on at their first use anyway; meshcomm's own layers wait at once
+    where a result is used inside a `torch.autograd.Function`'s forward or read on the host
+    (`mc.nn.vocab_parallel_cross_entropy`). Not exported by `mc.collectives`: a user's
+    code never needs it. Waits through `wire`, the one module that touches torch's
+    collectives.
+    """
+    return wire.waited(t)

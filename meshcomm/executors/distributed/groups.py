@@ -2,18 +2,39 @@
 
 Executor layer. The bound mesh itself (`meshcomm.runtime.bind.BoundMesh`, made by
 `mc.init_mesh`) lives in the runtime above; executors see it as `Groups`: its mesh, this
-rank, its device, and the name of this rank's group over some axes.
+rank, its device, and the name of this rank's group over some axes. One call's group as
+the wire module takes it is a `Group`; `resolve_group` turns a group's name back into its
+process group. This module never communicates.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 from ...core.errors import MeshMismatchError
 from ...core.mesh import AxisName, Mesh
 
 if TYPE_CHECKING:
     import torch
+    import torch.distributed as dist
+
+
+class Group(NamedTuple):
+    """This rank's group for one call: its funcol name, its size, this rank's position."""
+
+    name: str
+    size: int
+    pos: int
+
+
+def resolve_group(name: str) -> dist.ProcessGroup:
+    """The process group named `name` (functional collectives address groups by name)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    resolve: Callable[[c10d.GroupName], dist.ProcessGroup] = getattr(
+        c10d, "_resolve_process_group")
+    return resolve(c10d.GroupName(name))
 
 
 class Groups:

@@ -29,15 +29,8 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 from ..steps import Wire
-
-
-class Group(NamedTuple):
-    """This rank's group for one call: its funcol name, its size, this rank's position."""
-
-    name: str
-    size: int
-    pos: int
-
+from .groups import Group as Group  # re-exported: every call takes one (`wire.Group`)
+from .groups import resolve_group
 
 Heard = tuple[Wire, int]          # one call's Wire and its element size in bytes
 _LISTENERS: list[list[Heard]] = []
@@ -120,15 +113,6 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
 
 
 # -- torch's names across versions --------------------------------------------------------------
-
-
-def resolve_group(name: str) -> dist.ProcessGroup:
-    """The process group named `name` (functional collectives address groups by name)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    resolve: Callable[[c10d.GroupName], dist.ProcessGroup] = getattr(
-        c10d, "_resolve_process_group")
-    return resolve(c10d.GroupName(name))
 
 
 def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
