@@ -18,7 +18,6 @@ from .fsdp import (
 from .losses import vocab_parallel_cross_entropy, vocab_range
 from .parallel import STYLES, parallelize, tp_style
 from .params import (
-                     FullyShard,
                      ParamSpec,
                      ShardedModule,
                      gather_params,
@@ -33,7 +32,7 @@ from .tensor_parallel import (
                      VocabParallelEmbedding,
 )
 
-__all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm", "FullyShard",
+__all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
            "MixedPrecision", "MoE", "ParamSpec",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
@@ -41,3 +40,18 @@ __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm", 
            "logical_axes", "parallelize", "param_spec", "planning_mesh", "save_checkpoint",
            "set_requires_gradient_sync", "tp_style",
            "vocab_parallel_cross_entropy", "vocab_range"]
+
+
+# Removed in meshcomm 0.3 (docs/changelog.md): reading one raises an AttributeError that names
+# what to use instead. Nothing here works as an alias.
+_REMOVED = {
+    "FullyShard": "mc.nn.fully_shard(module, bound) (it takes recipe modules too: for block in"
+                  " model.blocks: fully_shard(block, bound); then fully_shard(model, bound))",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _REMOVED:
+        raise AttributeError(f"mc.nn.{name} was removed in meshcomm 0.3 (docs/changelog.md);"
+                             f" use {_REMOVED[name]}")
+    raise AttributeError(f"module 'meshcomm.nn' has no attribute {name!r}")

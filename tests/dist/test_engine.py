@@ -16,8 +16,10 @@ import torch
 import meshcomm as mc
 from meshcomm.core.errors import ShapeError
 from meshcomm.executors.distributed import Handle, prepare, wire
+from meshcomm.executors.distributed.rows import misfit, rows_of
 from meshcomm.executors.sim import execute as sim_execute
 from meshcomm.executors.sim import scatter
+from meshcomm.planner.values import CostModel
 from meshcomm.runtime.bind import BoundMesh
 
 from conftest import ints, ranks_fixture, slow_wire
@@ -101,6 +103,62 @@ def check_overlap(bound: BoundMesh) -> dict[str, float]:
     return {"serial": serial, "overlapped": overlapped}
 
 
+# -- padded rows: FSDP2's flat buffer -------------------------------------------------------
+ROWS_MESH = mc.Mesh("rep=2 dp=4")
+ROWS = [(8, 6), (10, 3), (3, 5), (2, 7), (1, 4), (6,)]    # even, uneven, empty positions
+
+
+def _rows_plans(src_of: Any, dst_of: Any) -> list[Any]:
+    out = []
+    for shape in ROWS:
+        use = mc.Layout(" ".join(f"a{i}" for i in range(len(shape))))
+        out.append(mc.plan(ROWS_MESH, shape, src_of(use), dst_of(use), dtype=torch.float64,
+                           cost_model=CostModel(trees=False)))   # FSDP's plans (no trees)
+    return out
+
+
+def check_padded_rows(bound: BoundMesh) -> list[str]:
+    """Gather and scatter of mixed even and uneven dim-0 shards as one padded buffer each: one
+    collective per step for the whole bucket, each output equal to the simulator's; float32
+    inputs are cast into the float64 buffer; `steps=1` leaves HSDP's all_reduce to
+    `advance()`."""
+    problems = []
+    gathers = _rows_plans(lambda u: u.split(0, "dp"), lambda u: u)
+    xs = [ints(p.shape, k, torch.float64) for k, p in enumerate(gathers)]
+    locals_ = [scatter(x, ROWS_MESH, p.src)[bound.rank].float() for x, p in zip(xs, gathers)]
+    with wire.recording() as heard:
+        outs = prepare(gathers, bound, pad_rows=True).issue(locals_).wait()
+    if [w.kind for w, _ in heard] != ["all_gather"]:
+        problems.append(f"gather: calls {[w.kind for w, _ in heard]}")
+    for p, x, out in zip(gathers, xs, outs):
+        if out is None or out.dtype != torch.float64 or not torch.equal(out, x):
+            problems.append(f'gather "{p.src}" -> "{p.dst}" {p.shape}: wrong output')
+    reduces = _rows_plans(lambda u: u.pending("avg", ["dp", "rep"]), lambda u: u.split(0, "dp"))
+    grads = [ints(p.shape, 10 + k + bound.rank, torch.float64) for k, p in enumerate(reduces)]
+    outs = prepare(reduces, bound, pad_rows=True).issue(grads).wait()
+    # the planner reduces (2, 7) and (1, 4) otherwise (all_to_alls, an all_reduce): those
+    # run their own plans in buckets of their own; the others share one padded buffer
+    fits = [p for p in reduces if misfit(p) is None]
+    if [p.shape for p in fits] != [(8, 6), (10, 3), (3, 5), (6,)]:
+        problems.append(f"fitting: {[p.shape for p in fits]}")
+    # one reduce_scatter over dp for them all; their all_reduce over rep waits for advance()
+    with wire.recording() as heard:
+        handle = prepare(fits, bound, pad_rows=True).issue(
+            [g for g, p in zip(grads, reduces) if p in fits], steps=1)
+        first = [(w.kind, w.group) for w, _ in heard]
+        more = handle.advance()
+        second = [(w.kind, w.group) for w, _ in heard[len(first):]]
+        handle.wait()
+    if first != [("reduce_scatter", 4)] or second != [("all_reduce", 2)] or more:
+        problems.append(f"reduce: calls {first} then {second}")
+    for k, (p, out) in enumerate(zip(reduces, outs)):
+        total = sum(ints(p.shape, 10 + k + r, torch.float64) for r in range(8)) / 8
+        want = scatter(total, ROWS_MESH, p.dst)[bound.rank]
+        if out is None or not torch.equal(out, want):
+            problems.append(f'reduce "{p.src}" -> "{p.dst}" {p.shape}: wrong output')
+    return problems
+
+
 # -- a hand-off between two meshes trains -----------------------------------------------------
 def _stage_weights() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
@@ -147,6 +205,7 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     return {"issue": check_issue_and_wait(bound),
             "permute": check_permute_is_point_to_point(bound),
             "overlap": check_overlap(bound),
+            "rows": check_padded_rows(mc.init_mesh(ROWS_MESH)),
             "handoff": check_handoff(a, b)}
 
 
@@ -156,6 +215,31 @@ eight = ranks_fixture(eight_ranks, 8)
 def test_issued_plans_equal_the_simulator(eight: list[dict[str, Any]]) -> None:
     problems = [p for r in eight for p in r["issue"]]
     assert not problems, "\n".join(problems[:10])
+
+
+def test_padded_rows_run_one_collective_per_step_and_equal_the_simulator(
+        eight: list[dict[str, Any]]) -> None:
+    problems = [p for r in eight for p in r["rows"]]
+    assert not problems, "\n".join(problems[:10])
+
+
+def test_pad_rows_buckets_the_plans_that_fit_and_checks_shapes() -> None:
+    """Rows plans share one padded bucket; another plan gets a bucket of its own (its own
+    plan runs); an input of the wrong shape is refused before any communication."""
+    bound = BoundMesh(MESH, "gloo", torch.device("cpu"), 1, {("dp",): "g-dp", ("tp",): "g-tp"})
+    plans = [mc.plan(MESH, (8, 4), "(dp b) h", "b h"),
+             mc.plan(MESH, (8, 4), "(dp b) h", "b (tp h)"),      # also splits h: not rows
+             mc.plan(MESH, (6,), "(dp b)", "b"),
+             mc.plan(MESH, (8, 4), "b (dp h)", "b h")]            # gathers dim 1: not rows
+    assert [misfit(p) is None for p in plans] == [True, False, True, False]
+    ready = prepare(plans, bound, pad_rows=True)
+    assert [b for b, r in zip(ready.buckets, ready.rows) if r is not None] == [(0, 2)]
+    assert sorted(b for b, r in zip(ready.buckets, ready.rows) if r is None) == [(1,), (3,)]
+    assert [c.kind for c in ready.calls()][:1] == ["all_gather"]
+    with pytest.raises(ShapeError, match=r"tensor 0 .* this rank holds \(4, 4\)"):
+        ready.issue([torch.zeros(3, 4), torch.zeros(4, 1), torch.zeros(3), torch.zeros(8, 2)])
+    with pytest.raises(ValueError, match="cannot run as padded rows: .*dim-0 rows"):
+        rows_of([plans[3]], bound)
 
 
 def test_a_permute_is_two_point_to_point_messages_at_most(eight: list[dict[str, Any]]) -> None:

@@ -45,8 +45,9 @@ class Reshard(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, src: Groups, dst: Groups | None, plan_: Plan,
-                trace: ByteTrace | None, reverse: Reverse) -> Tensor:
+                trace: ByteTrace | None, reverse: Reverse, scale: float) -> Tensor:
         ctx.src, ctx.dst, ctx.plan, ctx.reverse = src, dst, plan_, reverse
+        ctx.scale = scale
         ctx.like = (x.shape, x.dtype, x.device)
         out = _run(x, src, dst, plan_, trace)
         return x.view_as(x) if out is x else out
@@ -54,7 +55,7 @@ class Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         back = ctx.reverse(ctx.plan, grad.dtype)
-        scale = grad_scale(ctx.plan)
+        scale = grad_scale(ctx.plan) * ctx.scale
         if ctx.dst is None:
             out = reshard_autograd(grad, ctx.src, back, reverse=ctx.reverse)
         else:   # the reverse plan from the destination mesh back to the source
@@ -62,7 +63,7 @@ class Reshard(torch.autograd.Function):
             if not ctx.src.in_mesh:       # the input was a placeholder
                 shape, dtype, device = ctx.like
                 out = torch.zeros(shape, dtype=dtype, device=device)
-        return (out * scale if scale != 1 else out), None, None, None, None, None
+        return (out * scale if scale != 1 else out), None, None, None, None, None, None
 
 
 def _run(x: Tensor, src: Groups, dst: Groups | None, plan_: Plan,
@@ -85,11 +86,14 @@ def placeholder(plan_: Plan, bound: Groups, requires_grad: bool) -> Tensor:
 
 
 def reshard_autograd(x: Tensor, bound: Groups, plan_: Plan, trace: ByteTrace | None = None,
-                     *, reverse: Reverse, dst: Groups | None = None) -> Tensor:
+                     *, reverse: Reverse, dst: Groups | None = None,
+                     scale: float = 1.0) -> Tensor:
     """`plan_` on this rank (from `bound` to `dst` for a plan between meshes, where a rank
     outside the source mesh passes `placeholder(...)`), recorded for autograd when `x` needs
-    a gradient; backward runs `reverse(plan_, grad.dtype)` (the planner's `backward_plan`)."""
+    a gradient; backward runs `reverse(plan_, grad.dtype)` (the planner's `backward_plan`, or
+    a parameter's reduce plan) and multiplies by `scale` too (a parameter's grad_scale)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        out: Tensor = Reshard.apply(x, bound, dst, plan_, trace, reverse)  # type: ignore[no-untyped-call]
+        out: Tensor = Reshard.apply(x, bound, dst, plan_, trace, reverse,  # type: ignore[no-untyped-call]
+                                    scale)
         return out
     return _run(x, bound, dst, plan_, trace)

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from ...core.errors import ShapeError
 from ...planner.values import Plan
 from .groups import Groups
 from .handlers import (
@@ -28,6 +29,7 @@ from .handlers import (
     HANDLERS,
     RUN_MANY,
     ByteTrace,
+    Call,
     Later,
     Out,
     Run,
@@ -37,6 +39,9 @@ from .handlers import (
     raise_step_failure,
     transfer,
 )
+from .rows import Item as RowsItem
+from .rows import Rows, misfit, rows_of
+from .rows import issue as rows_issue
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -62,58 +67,134 @@ class Prepared:
 
     jobs: tuple[Job, ...]
     buckets: tuple[tuple[int, ...], ...]
+    rows: tuple[Rows | None, ...] = ()     # per bucket: its padded rows (pad_rows), or None
+    cast: bool = False                     # inputs cast to their plan's dtype (pad_rows)
 
-    def issue(self, tensors: Sequence[Tensor | None], *,
-              trace: ByteTrace | None = None) -> Handle:
+    @property
+    def steps(self) -> int:
+        """The most steps of any plan: a Handle is done after that many."""
+        return max((len(job.plan.steps) for job in self.jobs), default=0)
+
+    def calls(self) -> list[Call]:
+        """The collective calls one issue makes on this rank, in order (step by step, bucket
+        by bucket), with their bytes: a padded-rows bucket's as its buffers give them (the
+        padding travels), any other bucket's from its plans (a bucket's plans share a call).
+        Computed, never measured: what a report prints before anything runs."""
+        out: list[Call] = []
+        for k in range(self.steps):
+            for b, bucket in enumerate(self.buckets):
+                rows = self.rows[b] if self.rows else None
+                if rows is not None:
+                    if k < len(rows.kinds):
+                        w, size = rows.wires()[k], rows.dtype.itemsize
+                        out.append(Call(w.kind, rows.axes[k], w.sent * size, w.received * size))
+                    continue
+                steps = [(job.plan.steps[k], job) for job in (self.jobs[i] for i in bucket)
+                         if k < len(job.plan.steps) and job.plan.steps[k].kind != "local"]
+                if steps:
+                    step, job = steps[0]
+                    at = job.plan.ranks.index(job.bound.rank)
+                    out.append(Call(step.kind, step.axes, sum(s.send_bytes[at] for s, _ in steps),
+                                    sum(s.recv_bytes[at] for s, _ in steps)))
+        return out
+
+    def issue(self, tensors: Sequence[Tensor | None], *, trace: ByteTrace | None = None,
+              steps: int | None = None) -> Handle:
         """Start every plan on this rank's `tensors` (checked first, before any communication);
-        `trace` records each collective's bytes as it is made."""
+        `trace` records each collective's bytes as it is made. `steps`: issue only each
+        plan's first `steps` steps now, the next ones at `Handle.advance()` (or `wait()`)."""
         if len(tensors) != len(self.jobs):
             raise ValueError(f"issue: {len(tensors)} tensors for {len(self.jobs)} prepared plans")
-        for job, x in zip(self.jobs, tensors):
-            if job.dst is None:
+        xs = list(tensors)
+        for b, bucket in enumerate(self.buckets):
+            rows = self.rows[b] if self.rows else None
+            for j, i in enumerate(bucket):
+                job, x = self.jobs[i], xs[i]
+                if job.dst is not None:
+                    check_cross(job.plan, x, job.bound, job.dst)
+                    continue
+                if rows is not None:
+                    _check_rows(job.plan, x, rows.items[j], i)
+                    continue
+                if self.cast and isinstance(x, Tensor) and x.dtype != job.plan.dtype:
+                    xs[i] = x = x.to(job.plan.dtype)
                 check_local(job.plan, x, job.bound)      # type: ignore[arg-type]
-            else:
-                check_cross(job.plan, x, job.bound, job.dst)
-        outs: list[Out | None] = list(tensors)
-        for bucket in self.buckets:
-            first = self.jobs[bucket[0]]
-            if first.dst is not None:
-                outs[bucket[0]] = _issue_cross(first, tensors[bucket[0]], trace)
-            elif len(bucket) == 1:
-                outs[bucket[0]] = _issue_one(first.plan, first.bound,
-                                             tensors[bucket[0]], trace)  # type: ignore[arg-type]
-            else:
-                _issue_bucket([self.jobs[i] for i in bucket], bucket, outs, trace)
-        return Handle(self.jobs, tuple(outs))
+        handle = Handle(self, xs, trace)
+        handle.advance(self.steps if steps is None else steps)
+        return handle
+
+
+def _check_rows(plan: Plan, x: Tensor | None, item: RowsItem, i: int) -> None:
+    """A padded-rows input: a tensor of its plan's local shape (any dtype: it is cast)."""
+    if not isinstance(x, Tensor) or tuple(x.shape) != item.shape_in:
+        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+        raise ShapeError(f'issue: tensor {i} ("{plan.src}" -> "{plan.dst}" of shape'
+                         f" {plan.shape}) is {got}, but this rank holds {item.shape_in}"
+                         " under the source layout; fix: pass this rank's local shard")
 
 
 class Handle:
     """Plans in flight on this rank: `wait()` gives each plan's output (None where this rank
     holds none: outside a plan's destination mesh). Waiting twice gives the same tensors."""
 
-    __slots__ = ("_jobs", "_outs", "_done")
+    __slots__ = ("_ready", "_outs", "_trace", "_at", "_done")
 
-    def __init__(self, jobs: tuple[Job, ...], outs: tuple[Out | None, ...]) -> None:
-        self._jobs, self._outs = jobs, outs
+    def __init__(self, ready: Prepared, outs: list[Out | None],
+                 trace: ByteTrace | None) -> None:
+        self._ready, self._outs, self._trace = ready, outs, trace
+        self._at = 0                     # the next step to issue
         self._done: list[Tensor | None] | None = None
+
+    @property
+    def steps_left(self) -> int:
+        """Steps not issued yet (`advance` issues them)."""
+        return self._ready.steps - self._at
+
+    def advance(self, steps: int = 1) -> bool:
+        """Issue the next `steps` steps of every plan (landing the ones in flight that they
+        read); True while steps remain to issue."""
+        ready, start = self._ready, self._at
+        stop = min(start + steps, ready.steps)
+        if stop <= start:
+            return False
+        outs, trace = self._outs, self._trace
+        for b, bucket in enumerate(ready.buckets):
+            first = ready.jobs[bucket[0]]
+            rows = ready.rows[b] if ready.rows else None
+            if rows is not None:
+                _issue_rows(rows, bucket, outs, trace, start, stop)
+            elif first.dst is not None:
+                outs[bucket[0]] = _issue_cross(first, outs[bucket[0]], trace, start, stop)
+            elif len(bucket) == 1:
+                outs[bucket[0]] = _issue_one(first.plan, first.bound, outs[bucket[0]],
+                                             trace, start, stop)   # type: ignore[arg-type]
+            else:
+                _issue_bucket([ready.jobs[i] for i in bucket], bucket, outs, trace, start, stop)
+        self._at = stop
+        return stop < ready.steps
 
     def wait(self) -> list[Tensor | None]:
         if self._done is None:
+            self.advance(self._ready.steps)
             self._done = self._finish(wait=True)
         return self._done
 
     def unwaited(self) -> list[Tensor | None]:
         """The outputs without waiting: tensors PyTorch waits for at their first use that is
         not a view (AsyncCollectiveTensor), so a failure surfaces there, as PyTorch's error."""
-        return self._done if self._done is not None else self._finish(wait=False)
+        if self._done is not None:
+            return self._done
+        self.advance(self._ready.steps)
+        return self._finish(wait=False)
 
     def _finish(self, wait: bool) -> list[Tensor | None]:
         # a rank outside the destination mesh waits too: for its sends to complete
+        jobs = self._ready.jobs
         landed = [None if out is None
                   else _landed(out, job.plan, job.bound, len(job.plan.steps) - 1, wait)
-                  for job, out in zip(self._jobs, self._outs)]
+                  for job, out in zip(jobs, self._outs)]
         return [None if job.dst is not None and not job.dst.in_mesh else out
-                for job, out in zip(self._jobs, landed)]
+                for job, out in zip(jobs, landed)]
 
 
 def _landed(out: Out, plan: Plan, bound: Groups, k: int, wait: bool = True) -> Tensor:
@@ -129,13 +210,19 @@ def _landed(out: Out, plan: Plan, bound: Groups, k: int, wait: bool = True) -> T
 
 
 def prepare(plans: Sequence[Plan], bound: Groups | Sequence[Groups], *,
-            dst: Groups | None = None, bucket_bytes: int = BUCKET_BYTES) -> Prepared:
+            dst: Groups | None = None, bucket_bytes: int = BUCKET_BYTES,
+            pad_rows: bool = False) -> Prepared:
     """`plans` ready to be issued on this rank: on `bound` (one bound mesh for all, or one per
     plan), or from `bound` to `dst` for plans between two meshes (each runs alone).
 
     Plans with the same collective shape (`handlers.signature`) share buckets: consecutive
     plans of one signature, in order, up to `bucket_bytes` of their peak bytes (max over
     ranks); a plan larger than that runs alone. Buckets are the same on every rank.
+
+    `pad_rows` (FSDP's mode): plans that gather or scatter dim-0 rows over one group, then
+    maybe all_reduce (`rows.misfit`), share one bucket of padded rows per step shape, FSDP2's
+    flat buffer (`rows.py`) whatever its size; any other plan is bucketed as usual. Inputs
+    may be of any dtype: each is cast to its plan's (mixed precision), in the copy-in.
     """
     # a single bound mesh is checked with the tensors (`check_local` names what is wrong)
     bounds: list[Groups] = (list(bound) if isinstance(bound, (list, tuple))
@@ -144,6 +231,8 @@ def prepare(plans: Sequence[Plan], bound: Groups | Sequence[Groups], *,
         raise ValueError(f"prepare: {len(bounds)} bound meshes for {len(plans)} plans")
     jobs = tuple(Job(p, b, dst if p.dst_mesh is not None and p.dst_mesh != p.mesh else None)
                  for p, b in zip(plans, bounds))
+    if pad_rows:
+        return _prepare_rows(jobs, bucket_bytes)
     if len(jobs) == 1:       # nothing to share a bucket with: no plan's peaks are read
         return Prepared(jobs, ((0,),))
     alone = [(i,) for i, job in enumerate(jobs) if job.dst is not None]
@@ -153,13 +242,48 @@ def prepare(plans: Sequence[Plan], bound: Groups | Sequence[Groups], *,
     return Prepared(jobs, tuple(sorted(alone + together, key=lambda b: b[0])))
 
 
-def _issue_one(plan: Plan, bound: Groups, x: Tensor, trace: ByteTrace | None) -> Out:
-    """Every step of one plan on one mesh (a bucket of one); the last stays in flight."""
+def _prepare_rows(jobs: tuple[Job, ...], bucket_bytes: int) -> Prepared:
+    """`prepare(..., pad_rows=True)`: one padded-rows bucket per step shape of the plans that
+    fit, the others in buckets as usual."""
+    if any(job.dst is not None or job.bound is not jobs[0].bound for job in jobs):
+        raise ValueError("prepare(pad_rows=True): the plans must stay on one bound mesh")
+    fit: dict[tuple[object, ...], list[int]] = {}
+    rest = []
+    for i, job in enumerate(jobs):
+        if misfit(job.plan) is None:
+            key = (job.plan.dtype, tuple((s.kind, s.axes, s.op) for s in job.plan.steps))
+            fit.setdefault(key, []).append(i)
+        else:
+            rest.append(i)
+    groups = [tuple(b) for b in fit.values()]
+    rows: list[Rows | None] = [rows_of([jobs[i].plan for i in b], jobs[0].bound) for b in groups]
+    for b in buckets([(None, jobs[i].bound, jobs[i].plan) for i in rest], bucket_bytes):
+        groups.append(tuple(rest[k] for k in b))
+        rows.append(None)
+    return Prepared(jobs, tuple(groups), tuple(rows), cast=True)
+
+
+def _issue_rows(rows: Rows, bucket: tuple[int, ...], outs: list[Out | None],
+                trace: ByteTrace | None, start: int, stop: int) -> None:
+    """Steps start..stop-1 of a padded-rows bucket (`rows.issue`); every item holds the
+    bucket's flat buffer until the last step gives each its own output."""
+    for k in range(start, min(stop, len(rows.kinds))):
+        got = rows_issue(rows, [outs[i] for i in bucket] if k == 0 else (),  # type: ignore[misc]
+                         k, outs[bucket[0]], trace)
+        for j, i in enumerate(bucket):
+            outs[i] = got[j] if isinstance(got, list) else got
+
+
+def _issue_one(plan: Plan, bound: Groups, x: Out, trace: ByteTrace | None,
+               start: int = 0, stop: int | None = None) -> Out:
+    """Steps start..stop-1 of one plan on one mesh (a bucket of one) from `x` (the input, or
+    step start-1's output); the last issued stays in flight."""
     run = Run(bound, plan.shape, trace)
     out: Out = x
-    for k, step in enumerate(plan.steps):
-        if k:
-            x = _landed(out, plan, bound, k - 1)
+    steps = plan.steps
+    for k in range(start, len(steps) if stop is None else min(stop, len(steps))):
+        step = steps[k]
+        x = _landed(out, plan, bound, k - 1) if k else out
         try:
             out = HANDLERS[step.kind](step, x, run)
         except RuntimeError as err:
@@ -169,11 +293,12 @@ def _issue_one(plan: Plan, bound: Groups, x: Tensor, trace: ByteTrace | None) ->
 
 
 def _issue_bucket(jobs: list[Job], bucket: tuple[int, ...], outs: list[Out | None],
-                  trace: ByteTrace | None) -> None:
-    """Every step of a bucket of plans on one mesh; the last step's output stays in flight."""
+                  trace: ByteTrace | None, start: int, stop: int) -> None:
+    """Steps start..stop-1 of a bucket of plans on one mesh; the last issued stays in flight."""
     first = jobs[0]
     runs = [Run(job.bound, job.plan.shape, trace) for job in jobs]
-    for k, step in enumerate(first.plan.steps):
+    for k in range(start, min(stop, len(first.plan.steps))):
+        step = first.plan.steps[k]
         steps = [job.plan.steps[k] for job in jobs]
         xs = [_landed(outs[i], job.plan, job.bound, k - 1)  # type: ignore[arg-type]
               for i, job in zip(bucket, jobs)]
@@ -190,15 +315,18 @@ def _issue_bucket(jobs: list[Job], bucket: tuple[int, ...], outs: list[Out | Non
             outs[i] = y
 
 
-def _issue_cross(job: Job, x: Tensor | None, trace: ByteTrace | None) -> Out | None:
-    """A plan between meshes: steps on one mesh run on its ranks, the transfer on both."""
+def _issue_cross(job: Job, x: Out | None, trace: ByteTrace | None, start: int,
+                 stop: int) -> Out | None:
+    """Steps start..stop-1 of a plan between meshes: steps on one mesh run on its ranks, the
+    transfer on both."""
     plan, src, dst = job.plan, job.bound, job.dst
     assert dst is not None, "a plan between meshes has a destination"
     if src.rank not in plan.ranks:
         return None
     bounds = {plan.mesh: src, dst.mesh: dst}
     out: Out | None = x
-    for k, step in enumerate(plan.steps):
+    for k in range(start, min(stop, len(plan.steps))):
+        step = plan.steps[k]
         held = None if out is None else _landed(out, plan, src, k - 1)
         if step.dst_mesh is not None:
             out = transfer(step, held, plan, dst, trace)

@@ -412,7 +412,7 @@ class _Cut:
         return self.parts[i]
 
 
-def _items(buf: Tensor, cut: Callable[[Tensor], list[Tensor]], n: int) -> list[Out]:
+def parts_of(buf: Tensor, cut: Callable[[Tensor], list[Tensor]], n: int) -> list[Out]:
     """`n` Laters of one in-flight bucket buffer, item i the i-th of `cut(buf)`."""
     shared = _Cut(cut)
     return [Later((buf,), functools.partial(shared.part, i)) for i in range(n)]
@@ -427,7 +427,7 @@ def _all_gather_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]
     def cut(y: Tensor) -> list[Tensor]:
         parts = _unrows(y, [(group.size, *x.shape) for x in xs])
         return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
-    return _items(y, cut, len(xs))
+    return parts_of(y, cut, len(xs))
 
 
 def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
@@ -444,7 +444,7 @@ def _reduce_scatter_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[
         rows = _unrows(out, [(1, *y.shape[1:]) for y in ys])
         parts = [p.reshape(y.shape[1:]) for p, y in zip(rows, ys)]
         return [divide(p, g) for p in parts] if op == "avg" else parts
-    return _items(out, cut, len(xs))
+    return parts_of(out, cut, len(xs))
 
 
 def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
@@ -459,7 +459,7 @@ def _all_reduce_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]
         parts = [p.reshape(x.shape)
                  for p, x in zip(_unrows(out, [(1, *x.shape) for x in xs]), xs)]
         return [divide(p, g) for p in parts] if op == "avg" else parts
-    return _items(out, cut, len(xs))
+    return parts_of(out, cut, len(xs))
 
 
 def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]:
@@ -469,7 +469,7 @@ def _all_to_all_many(steps: list[Step], xs: list[Tensor], run: Run) -> list[Out]
     def cut(out: Tensor) -> list[Tensor]:
         parts = _unrows(out, [tuple(y.shape) for y in ys])
         return [s.post.apply(p) if s.post else p for s, p in zip(steps, parts)]
-    return _items(out, cut, len(xs))
+    return parts_of(out, cut, len(xs))
 
 
 RUN_MANY: dict[str, Callable[[list[Step], list[Tensor], Run], list[Out]]] = {

@@ -22,7 +22,8 @@ from ...interop.runtime import (
     placements_of,
 )
 from ...runtime.bind import BoundMesh, require_bound
-from .param import UNIT_ATTR, MixedPrecision, owned_params, shard_param
+from ..params import ShardedModule
+from .param import UNIT_ATTR, MixedPrecision, owned_params, recipe_param, shard_param
 from .schedule import Schedule
 from .state import post_forward, pre_forward
 from .unit import Unit
@@ -50,6 +51,12 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     gradients averaged too (one all_reduce of the shard per unit after its reduce_scatter).
     Parameters on the meta device stay on it (shard-sized): `model.to_empty(device=...)`
     then `mc.nn.init_shards(model, fn)` fills them.
+
+    A recipe module (`mc.nn.ShardedModule`: `ColumnParallelLinear`, your own blocks) keeps
+    its parameters as its recipe stores them: the unit runs each one's `ParamSpec` plans
+    (stored -> use in forward, handed to `use(name)`; grad -> stored and its grad_scale in
+    backward), bucketed with the unit's other parameters; `axis` and `replicate` do not
+    change them.
     """
     bound = _bound(mesh)
     axis = _axis(bound, axis)
@@ -69,8 +76,10 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     if reshard_after_forward is None:
         reshard_after_forward = not has_units
     owned, tied = owned_params(module)
-    params = [shard_param(bound, axis, m, attr, name, p, replicate, tied.get(id(p), ()),
-                           module) for m, attr, name, p in owned]
+    params = [recipe_param(bound, m, attr, name, p, tied.get(id(p), ()))
+              if isinstance(m, ShardedModule) and attr in m.specs else
+              shard_param(bound, axis, m, attr, name, p, replicate, tied.get(id(p), ()), module)
+              for m, attr, name, p in owned]
     unit = Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
                 reshard_after_forward, prefetch, Schedule(), replicate)
     setattr(module, UNIT_ATTR, unit)

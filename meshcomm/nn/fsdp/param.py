@@ -4,12 +4,11 @@ communicates."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ...core.errors import MeshMismatchError, ShapeError
 from ...core.layout import Layout
@@ -20,11 +19,13 @@ from ...interop.runtime import (
     device_mesh_of,
     global_shape,
     is_dtensor,
+    like,
     local_of,
     placements_of,
     wrap,
 )
 from ...runtime.bind import BoundMesh
+from ..params import ParamSpec
 
 UNIT_ATTR = "_meshcomm_fsdp_unit"     # the attribute a fully_shard'ed module holds its unit in
 
@@ -44,29 +45,64 @@ class MixedPrecision:
 
 @dataclass
 class Param:
-    """One parameter of a unit: where it lives, its layouts and its shard sizes.
+    """One parameter of a unit: where it lives and how it moves (its `ParamSpec`, the one
+    per-parameter record of meshcomm.nn: stored, use and grad layouts, grad_scale).
 
-    Everything a step needs is a number computed here, once: a step never looks at every
-    position of the axis (`rows` is for reports only)."""
+    A parameter fully_shard sharded is a DTensor `nn.Parameter` that forward replaces by the
+    gathered tensor; one of a recipe module (`ShardedModule`) stays in place, stored as its
+    recipe says, and forward hands the gathered tensor to the module's `use(name)`."""
 
     module: nn.Module
     attr: str
     name: str
-    param: Any                     # the DTensor parameter (an nn.Parameter over a DTensor)
-    shape: tuple[int, ...]         # global shape
-    use_shape: tuple[int, ...]     # gathered: the shape forward computes with
-    rows: tuple[int, ...]          # dim-0 rows of each position along the axis
-    stored: Layout
-    use: Layout
+    param: Any                     # the stored parameter (a DTensor, or a recipe's local shard)
+    spec: ParamSpec
+    use_shape: tuple[int, ...]     # this rank's gathered tensor: what forward computes with
     aliases: tuple[tuple[nn.Module, str], ...] = ()   # other places of a tied parameter
+    recipe: bool = False           # a recipe module's parameter (used through `use(name)`)
 
-    def __post_init__(self) -> None:
-        # torch.chunk rows: full chunks of `pad` rows, one shorter, then empty ones; so the
-        # gathered rows are the first use_shape[0] of the n padded chunks laid end to end.
-        self.pad = max(self.rows, default=0)
-        self.inner = math.prod(self.use_shape[1:])
-        self.even = all(r == self.pad for r in self.rows)
-        self.local_shape = tuple(self.param.to_local().shape)   # this rank's shard
+    def place(self, t: Tensor) -> None:
+        """`t` where forward reads this parameter (a tied one: in each of its places)."""
+        if self.recipe:
+            self.module.in_use[self.attr] = t      # type: ignore[index, operator]
+            return
+        self.module._parameters[self.attr] = t     # type: ignore[assignment]
+        for m, a in self.aliases:
+            m._parameters[a] = t                   # type: ignore[assignment]
+
+    def put_back(self) -> None:
+        """The stored parameter back in its places."""
+        if self.recipe:
+            self.module.in_use.pop(self.attr, None)   # type: ignore[operator, union-attr]
+        else:
+            self.place(self.param)
+
+    def local(self) -> Tensor:
+        """This rank's stored shard (detached)."""
+        return (self.param.to_local() if not self.recipe else self.param).detach()
+
+    def set_grad(self, local: Tensor) -> None:
+        """Add `local` (this rank's reduced gradient) to the parameter's `.grad`."""
+        grad = local.to(self.param.dtype)
+        if not self.recipe:
+            grad = like(grad, self.param)
+        if self.param.grad is None:
+            self.param.grad = grad
+        else:
+            self.param.grad += grad
+
+
+def recipe_param(bound: BoundMesh, module: Any, attr: str, name: str, p: nn.Parameter,
+                 aliases: tuple[tuple[nn.Module, str], ...] = ()) -> Param:
+    """A parameter of a recipe module (`ShardedModule`): stored as its spec says already."""
+    spec = module.specs[attr]
+    if spec.mesh != bound.mesh:
+        raise MeshMismatchError(f"fully_shard: parameter {name} is stored on {spec.mesh!r}"
+                                f" (its module's mesh), not on {bound.mesh!r}; fix: pass the"
+                                " module's own bound mesh")
+    p._meshcomm_fsdp = True          # type: ignore[attr-defined]
+    return Param(module, attr, name, p, spec,
+                 spec.use.local_shape(spec.mesh, spec.shape, bound.rank), aliases, recipe=True)
 
 
 Tied = dict[int, tuple[tuple[nn.Module, str], ...]]
@@ -104,7 +140,7 @@ def owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.
                     " another fully_shard unit manages already (tied weights across units);"
                     " fix: put every module that holds it in one unit (fully_shard their"
                     " common parent, not each of them)")
-            if is_dtensor(p) and getattr(p, "_meshcomm_fsdp", False):
+            if getattr(p, "_meshcomm_fsdp", False):
                 raise ShapeError(
                     f"fully_shard: parameter {name} is sharded by another unit already: a"
                     " module around this one was fully_shard'ed first. fix: fully_shard the"
@@ -177,4 +213,6 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
     module._parameters[attr] = param
     for m, a in aliases:             # tied: every place holds the one sharded parameter
         m._parameters[a] = param
-    return Param(module, attr, name, param, shape, use_shape, rows, stored, use, aliases)
+    grad = use.pending("avg", [axis] if replicate is None else [axis, replicate])
+    spec = ParamSpec(" ".join(names), mesh, shape, p.dtype, stored, use, grad)
+    return Param(module, attr, name, param, spec, use_shape, aliases)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, Literal, TypeVar
 
-from torch import Tensor
+from ...executors.distributed import Handle
 
 U = TypeVar("U")
 T = TypeVar("T")
@@ -31,7 +31,7 @@ class Schedule(Generic[U]):
         self.position: dict[int, int] = {}        # id(unit) -> its index in `order`
         self.state: State = "recording"
         self.ahead: dict[int, object] = {}        # id(unit) -> what was issued for it
-        self.pending_reduce: list[tuple[U, Tensor, bool]] = []   # (unit, out, replicas done)
+        self.pending_reduce: list[tuple[U, Handle]] = []   # (unit, its issued reduction)
         self.callback_queued = False
 
     @property

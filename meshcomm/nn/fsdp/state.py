@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from ...executors.distributed import wire
 from .param import UNIT_ATTR
 from .schedule import Schedule
 from .unit import Pending, Unit
@@ -21,9 +20,10 @@ from .unit import Pending, Unit
 def finish_backward(schedule: Schedule[Unit]) -> None:
     pending, schedule.pending_reduce = schedule.pending_reduce, []
     schedule.callback_queued = False
-    outs = [out if done else unit.issue_replica_reduce(out) for unit, out, done in pending]
-    for (unit, _, _), out in zip(pending, outs):
-        unit.finish_reduce(out)
+    for _, handle in pending:          # HSDP: every all_reduce issued before any is waited
+        handle.advance(handle.steps_left)
+    for unit, handle in pending:
+        unit.finish_reduce(handle)
     for unit in schedule.order:
         put_back(unit)
         unit.kept = None
@@ -33,7 +33,7 @@ def finish_backward(schedule: Schedule[Unit]) -> None:
 
 def _wait(issued: object) -> None:
     if isinstance(issued, Pending):
-        wire.waited(issued.out)
+        issued.handle.wait()
 
 
 class Gathered(torch.autograd.Function):
@@ -60,13 +60,12 @@ class Gathered(torch.autograd.Function):
         if not unit.sync:          # gradient accumulation: keep them unsharded, send nothing
             unit.unsharded_grads = grads_now
             return (None, None) + (None,) * len(unit.params)
-        if schedule.pending_reduce and not schedule.pending_reduce[-1][2]:
+        if schedule.pending_reduce:
             # HSDP: the previous unit's reduce_scatter had this unit's backward to finish;
             # its all_reduce over the replicas now runs while the rest of backward computes
-            before, out, _ = schedule.pending_reduce[-1]
-            schedule.pending_reduce[-1] = (before, before.issue_replica_reduce(out), True)
-        schedule.pending_reduce.append((unit, unit.issue_reduce(grads_now),
-                                        unit.rep_group is None))
+            before = schedule.pending_reduce[-1][1]
+            before.advance(before.steps_left)
+        schedule.pending_reduce.append((unit, unit.issue_reduce(grads_now)))
         return (None, None) + (None,) * len(unit.params)
 
 
@@ -84,7 +83,7 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
         used = list(Gathered.apply(unit, gathered, *params))  # type: ignore[no-untyped-call]
     else:
         used = gathered
-    unit.regather.remember(used)
+    unit.regather.remember(used, unit.moved)
     unit.kept = None if unit.reshard_after_forward else used
     place(unit, used)
     if unit.reshard_after_forward and torch.is_grad_enabled():
@@ -101,16 +100,15 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
 
 
 def place(unit: Unit, tensors: Sequence[Tensor]) -> None:
-    """`tensors` in the places of the unit's parameters (a tied one: in each of its places)."""
+    """`tensors` where forward reads the unit's parameters (`Param.place`)."""
     for p, t in zip(unit.params, tensors):
-        p.module._parameters[p.attr] = t      # type: ignore[assignment]
-        for m, a in p.aliases:
-            m._parameters[a] = t              # type: ignore[assignment]
+        p.place(t)
 
 
 def put_back(unit: Unit) -> None:
-    """The DTensor parameters back in the modules' places."""
-    place(unit, [p.param for p in unit.params])
+    """The stored parameters back in the modules' places."""
+    for p in unit.params:
+        p.put_back()
 
 
 def pre_backward(unit: Unit) -> None:
