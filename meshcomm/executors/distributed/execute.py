@@ -105,11 +105,11 @@ class Prepared:
         plan's first `steps` steps now, the next ones at `Handle.advance()` (or `wait()`)."""
         if len(tensors) != len(self.jobs):
             raise ValueError(f"issue: {len(tensors)} tensors for {len(self.jobs)} prepared plans")
-        xs = list(tensors)
+        xs: list[Out | None] = list(tensors)
         for b, bucket in enumerate(self.buckets):
             rows = self.rows[b] if self.rows else None
             for j, i in enumerate(bucket):
-                job, x = self.jobs[i], xs[i]
+                job, x = self.jobs[i], tensors[i]
                 if job.dst is not None:
                     check_cross(job.plan, x, job.bound, job.dst)
                     continue
@@ -166,8 +166,9 @@ class Handle:
             elif first.dst is not None:
                 outs[bucket[0]] = _issue_cross(first, outs[bucket[0]], trace, start, stop)
             elif len(bucket) == 1:
-                outs[bucket[0]] = _issue_one(first.plan, first.bound, outs[bucket[0]],
-                                             trace, start, stop)   # type: ignore[arg-type]
+                held = outs[bucket[0]]
+                assert held is not None, "a plan on one mesh has an input on its ranks"
+                outs[bucket[0]] = _issue_one(first.plan, first.bound, held, trace, start, stop)
             else:
                 _issue_bucket([ready.jobs[i] for i in bucket], bucket, outs, trace, start, stop)
         self._at = stop
@@ -283,7 +284,7 @@ def _issue_one(plan: Plan, bound: Groups, x: Out, trace: ByteTrace | None,
     steps = plan.steps
     for k in range(start, len(steps) if stop is None else min(stop, len(steps))):
         step = steps[k]
-        x = _landed(out, plan, bound, k - 1) if k else out
+        x = _landed(out, plan, bound, k - 1)
         try:
             out = HANDLERS[step.kind](step, x, run)
         except RuntimeError as err:

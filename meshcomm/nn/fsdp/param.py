@@ -79,7 +79,8 @@ class Param:
 
     def local(self) -> Tensor:
         """This rank's stored shard (detached)."""
-        return (self.param.to_local() if not self.recipe else self.param).detach()
+        held: Tensor = self.param if self.recipe else self.param.to_local()
+        return held.detach()
 
     def set_grad(self, local: Tensor) -> None:
         """Add `local` (this rank's reduced gradient) to the parameter's `.grad`."""
