@@ -227,8 +227,12 @@ def as_real(x: Tensor) -> Tensor:
 
 
 def waited(t: Tensor) -> Tensor:
-    """`t`, waited on if it is an eager functional-collective result."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
+    """`t`, waited on if it is an eager functional-collective result (once: the items of a
+    bucket share one result, and a second wait would be a second wait_tensor op)."""
+    if isinstance(t, funcol.AsyncCollectiveTensor):
+        out: Tensor = t.trigger_wait()
+        return out
+    return t
 
 
 def call(fn: Callable[..., Tensor], x: Tensor, *args: object, wait: bool = True) -> Tensor:
