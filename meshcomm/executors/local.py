@@ -250,7 +250,7 @@ def _exchange(step: Step, key: object, rank: int, order: Order, mesh: Mesh,
     got, recv_splits = _by_peer((t for t in transfers if t.dst == rank), where, sending=False,
                                 place=lambda t: block_flat(t.dst_index, out_shape)
                                 + slot(t.src) * numel)
-    slots = math.prod(sizes)
+    slots = mesh.group_size(resolve)
     ex = _made(sent, send_splits, got, recv_splits, slots, device)
     assert len(ex.recv) == slots * numel, f"{step}: rank {rank} receives {len(ex.recv)} of" \
         f" {slots} x {numel} elements"

@@ -78,10 +78,7 @@ def _groups(mesh: Mesh, step: Step) -> tuple[tuple[int, ...], ...]:
 
 
 def _size(mesh: Mesh, step: Step) -> int:
-    size = 1
-    for a in step.axes:
-        size *= mesh.axis_size(a)
-    return size
+    return mesh.group_size(step.axes)
 
 
 def _positions(mesh: Mesh, step: Step) -> list[int]:

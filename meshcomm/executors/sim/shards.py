@@ -22,11 +22,10 @@ def _partial_owner(mesh: Mesh, layout: Layout, rank: int, numel: int,
     """Per element, True where this rank holds the value of a partial layout."""
     axes = layout.partial_axes
     coords = mesh.coords(rank)
-    pos, group = 0, 1
+    pos = 0
     for a in axes:
         pos = pos * mesh.axis_size(a) + coords[a]
-        group *= mesh.axis_size(a)
-    return torch.arange(numel, device=device) % group == pos
+    return torch.arange(numel, device=device) % mesh.group_size(axes) == pos
 
 
 def scatter(global_tensor: Tensor, mesh: Mesh, layout: str | Layout) -> list[Tensor]:
@@ -59,10 +58,7 @@ def shard_of(global_tensor: Tensor, mesh: Mesh, layout: str | Layout, rank: int)
 
 
 def _group_size(mesh: Mesh, layout: Layout) -> int:
-    size = 1
-    for a in layout.partial_axes:
-        size *= mesh.axis_size(a)
-    return size
+    return mesh.group_size(layout.partial_axes)
 
 
 def gather(locals_: Sequence[Tensor], mesh: Mesh, layout: str | Layout, shape: Shape) -> Tensor:
