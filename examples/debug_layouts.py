@@ -1,5 +1,6 @@
 """Print how a recipe lays out a model: every parameter's layouts, the activations', one
-picture, one plan and one block's `explain()`. One process, no communication.
+picture, one plan, one module's `explain()` and the plans a `mc.nn.fully_shard` unit of one
+block runs. One process, no communication.
 
     python examples/debug_layouts.py                          # fsdp_tp on Mesh(fsdp=2, tp=2)
     python examples/debug_layouts.py --mesh "dp=2 tp=2"       # the same recipe, no fsdp axis
@@ -17,7 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_2d import CONFIG, Block, Transformer, init_params
+from torch import nn
+from train_2d import CONFIG, Transformer, init_params
 
 import meshcomm as mc
 from meshcomm.runtime.launch import print_on_rank0
@@ -37,15 +39,25 @@ def table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def param_rows(model: mc.nn.ShardedModule | object, mesh: mc.Mesh, rank: int) -> list[tuple[str, ...]]:
+def param_rows(model: nn.Module, mesh: mc.Mesh, rank: int) -> list[tuple[str, ...]]:
     rows = [("parameter", "logical", "shape", "stored", f"rank {rank}", "use", "grad (pending)")]
-    for path, module in model.named_modules():  # type: ignore[attr-defined]
+    for path, module in model.named_modules():
         if isinstance(module, mc.nn.ShardedModule):
             for name, s in module.specs.items():
-                rows.append((f"{path.replace('module.', '')}.{name}", s.dims, str(s.shape),
-                             str(s.stored), str(s.stored.local_shape(mesh, s.shape, rank)),
-                             str(s.use), str(s.grad)))
+                rows.append((f"{path}.{name}", s.dims, str(s.shape), str(s.stored),
+                             str(s.stored.local_shape(mesh, s.shape, rank)), str(s.use),
+                             str(s.grad)))
     return rows
+
+
+def unit_comms(block: nn.Module) -> list[mc.nn.Comm]:
+    """What a fully_shard unit of `block` runs for each recipe parameter it holds: its
+    ParamSpec's gather (stored -> use) in forward, again in backward (the unit reshards
+    after forward), and its reduction (grad -> stored, times grad_scale) in backward."""
+    return [c for path, module in block.named_modules()
+            if isinstance(module, mc.nn.ShardedModule)
+            for name, spec in module.specs.items()
+            for c in spec.comms(f"{path}.{name}", regather=True)]
 
 
 def activation_rows(recipe: str, mesh: mc.Mesh, rank: int) -> list[tuple[str, ...]]:
@@ -53,7 +65,8 @@ def activation_rows(recipe: str, mesh: mc.Mesh, rank: int) -> list[tuple[str, ..
     for what, dims, names in ACTIVATIONS:
         shape = tuple(CONFIG[n] for n in names)
         layout = mc.logical(dims, recipe, mesh)
-        rows.append((what, dims, str(shape), str(layout), str(layout.local_shape(mesh, shape, rank))))
+        rows.append((what, dims, str(shape), str(layout),
+                     str(layout.local_shape(mesh, shape, rank))))
     return rows
 
 
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     bound = mc.nn.planning_mesh(args.mesh, args.rank)
     mesh, recipe = bound.mesh, mc.recipe(args.recipe)
     cfg, params = CONFIG, init_params(CONFIG)
-    model = mc.nn.FullyShard(Transformer(bound, args.recipe, params, cfg))
+    model = Transformer(bound, args.recipe, params, cfg)
 
     print(f'recipe "{recipe.name}" on {mesh!r}, as rank {args.rank} sees it')
     print("rules: " + "; ".join(f"{n} -> {', '.join(a) or '(whole)'}" for n, a in recipe.rules)
@@ -76,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n== activations ==")
     print(table(activation_rows(args.recipe, mesh, args.rank)))
 
-    up = model.module.blocks[0].module.up
+    up = model.blocks[0].up
+    assert isinstance(up, mc.nn.ColumnParallelLinear), type(up)
     w = up.specs["weight"]
     print(f"\n== picture: blocks.0.up.weight {w.shape} stored as \"{w.stored}\" ==")
     mc.show(mesh, w.shape, w.stored, width=100)
@@ -85,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     x_shape = (cfg["batch"], cfg["seq"], cfg["embed"])
     print(f"\n== explain: blocks.0.up for an input of shape {x_shape} ==")
     print(up.explain(x_shape))
-    print("\n== explain: FullyShard of blocks.0 (its parameters bucketed) ==")
-    block = mc.nn.FullyShard(Block(bound, args.recipe, params, 0, cfg["embed"] // cfg["heads"]))
-    print(block.explain())
+    print("\n== fully_shard(blocks.0): the plans its unit runs, per parameter ==")
+    comms = unit_comms(model.blocks[0])
+    print(mc.nn.format_comms(
+        f"blocks.0 on {mesh!r}, recipe {recipe.name}: {len(comms)} plans", comms,
+        notes=("the unit runs each phase's plans bucketed, one collective per bucket;"
+               " mc.nn.fsdp_schedule(model) prints those calls on a bound mesh",)))
     return 0
 
 

@@ -137,8 +137,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.embedding = mc.nn.VocabParallelEmbedding(bound, recipe, p["embedding"])
         self.blocks = nn.ModuleList(
-            mc.nn.FullyShard(Block(bound, recipe, p, i, cfg["embed"] // cfg["heads"]))
-            for i in range(cfg["layers"]))
+            Block(bound, recipe, p, i, cfg["embed"] // cfg["heads"]) for i in range(cfg["layers"]))
         self.norm = RMSNorm(bound, recipe, p["norm"])
         self.head = mc.nn.ColumnParallelLinear(bound, recipe, p["head"], dims="embed vocab",
                                                gather_output=True)
@@ -151,8 +150,13 @@ class Transformer(nn.Module):
 
 
 def build(bound: mc.BoundMesh, cfg: dict[str, int], dtype: torch.dtype) -> nn.Module:
-    """The parallel model: one FullyShard unit per block, one for the rest."""
-    return mc.nn.FullyShard(Transformer(bound, RECIPE, init_params(cfg, dtype), cfg))
+    """The parallel model: one fully_shard unit per block, then one for the rest (the root).
+    Its recipe modules keep their parameters as the recipe stores them; each unit gathers
+    them for forward (one collective per bucket) and reduces their gradients in backward."""
+    model = Transformer(bound, RECIPE, init_params(cfg, dtype), cfg)
+    for block in model.blocks:
+        mc.nn.fully_shard(block, bound)
+    return mc.nn.fully_shard(model, bound)
 
 
 def train_parallel(bound: mc.BoundMesh, cfg: dict[str, int], dtype: torch.dtype) -> list[float]:
@@ -172,7 +176,8 @@ def train_parallel(bound: mc.BoundMesh, cfg: dict[str, int], dtype: torch.dtype)
     return losses
 
 
-def worker(rank: int, world: int, cfg: dict[str, int], dtype: torch.dtype) -> dict[str, list[float]]:
+def worker(rank: int, world: int, cfg: dict[str, int],
+           dtype: torch.dtype) -> dict[str, list[float]]:
     out = {}
     for mesh in MESHES:
         start = time.perf_counter()

@@ -16,8 +16,8 @@ EXAMPLES = ROOT / "examples"
 
 def run_example(name: str, *args: str) -> str:
     # the examples' own run_ranks timeouts are 240-300 s
-    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, check=False,
-                          text=True, timeout=scaled(300), cwd=ROOT,
+    done = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True,
+                          check=False, text=True, timeout=scaled(300), cwd=ROOT,
                           env={**os.environ, "NO_COLOR": "1", "COLUMNS": "120"})
     assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout[-3000:]}" \
                                  f"\n{done.stderr[-3000:]}"
@@ -63,7 +63,11 @@ def test_debug_layouts_prints_layouts_and_plans() -> None:
     assert 'plan "(fsdp embed) (tp mlp)" -> "embed (tp mlp)"' in out
     assert "r3 fsdp1 tp1" in out                               # the picture
     assert "input grad (4, 8, 16)" in out and "all_reduce sum(tp) 1.0 KiB" in out
-    assert "bucketed: forward runs 1 all_gather for all the parameters" in out
+    assert "== fully_shard(blocks.0): the plans its unit runs, per parameter ==" in out
+    assert ('  backward  up.weight regather (16, 32): "(fsdp embed) (tp mlp)" -> "embed (tp mlp)":'
+            " all_gather(fsdp) 512 B") in out
+    assert ('  backward  up.weight grad (16, 32): "embed (tp mlp) | avg(fsdp)" ->'
+            ' "(fsdp embed) (tp mlp)": reduce_scatter avg(fsdp) 512 B') in out
     other = run_example("debug_layouts.py", "--mesh", "dp=2 tp=2")
     assert re.search(r"blocks\.0\.up\.weight\s+embed mlp\s+\(16, 32\)\s+embed \(tp mlp\)", other)
     assert "embed (tp mlp) | avg(dp)" in other

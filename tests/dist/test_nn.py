@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 import meshcomm as mc
 from meshcomm.core.errors import MeshMismatchError, ShapeError
+from meshcomm.nn.fsdp.param import UNIT_ATTR
 
 from conftest import ranks_fixture
 
@@ -115,7 +116,7 @@ class Run:
         for path, module in block.named_modules():
             if isinstance(module, mc.nn.ShardedModule):
                 for name, spec in module.specs.items():
-                    where = f"{path}.{name}".replace("module.", "").lstrip(".")
+                    where = f"{path}.{name}".lstrip(".")
                     grad = mc.Sharded(getattr(module, name).grad, self.bound, spec.stored,
                                       spec.shape).full()
                     self.close(f"{where} grad", grad, want_p[names[where]].grad)
@@ -174,23 +175,88 @@ def check_embedding(bound: mc.BoundMesh) -> dict[str, Any]:
 
 
 def check_fsdp(bound: mc.BoundMesh) -> dict[str, Any]:
-    """FSDP x TP under `fsdp_tp` on fsdp=2 tp=2: bucketed gathers, regather or keep, and the
-    same MLP with each layer gathering its own parameters (no unit)."""
+    """FSDP x TP under `fsdp_tp` on fsdp=2 tp=2: a fully_shard unit over recipe modules
+    (bucketed gathers, regather or keep), and the same MLP with each layer gathering its own
+    parameters (no unit)."""
     out: dict[str, Any] = {"problems": []}
     p = mlp_weights(11)
     x = rand(B, S, E, seed=12)
     for name, wrap in (("reshard", True), ("keep", False), ("no unit", None)):
         r = Run(bound, "fsdp_tp")
         mlp = MLP(bound, "fsdp_tp", p)
-        block = mlp if wrap is None else mc.nn.FullyShard(mlp, reshard_after_forward=wrap)
+        block = mlp if wrap is None else mc.nn.fully_shard(mlp, bound,
+                                                           reshard_after_forward=wrap)
+        assert block is mlp, "fully_shard works in place and returns its module"
         r.run(block, mlp_ref, p, x, "batch seq embed", MLP_NAMES)
         out["problems"] += [f"{name}: {msg}" for msg in r.problems]
         out[name] = r.calls
-        if isinstance(block, mc.nn.FullyShard):
-            out[f"{name} buckets"] = block.buckets()
-            out[f"{name} explain"] = block.explain()
+        if wrap is not None:
+            unit = getattr(block, UNIT_ATTR)
+            out[f"{name} schedule"] = mc.nn.fsdp_schedule(block)
+            out[f"{name} received"] = unit.received_bytes     # measured by the engine
+            out[f"{name} planned"] = (    # what its prepared plans say one step receives
+                sum(c.recv_bytes for c in unit.gathers.calls()) * (2 if wrap else 1)
+                + sum(c.recv_bytes for c in unit.reduces.calls()))
         out["stored"] = tuple(mlp.up.weight.shape)
     return out
+
+
+class Stack(nn.Module):
+    """Two MLP blocks and a root-owned ColumnParallelLinear: nested fully_shard units."""
+
+    def __init__(self, bound: mc.BoundMesh, p: list[dict[str, Tensor]], w_out: Tensor) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MLP(bound, "fsdp_tp", q) for q in p)
+        self.out = mc.nn.ColumnParallelLinear(bound, "fsdp_tp", w_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+def check_fsdp_training(bound: mc.BoundMesh, steps: int = 3, lr: float = 0.01) -> dict[str, Any]:
+    """Recipe modules under fully_shard (each block, then the root) on fsdp=2 tp=2, trained
+    with SGD on the local shards: every step's output and the final parameters equal one
+    process's training of the same model."""
+    r = Run(bound, "fsdp_tp")
+    blocks = [mlp_weights(31), mlp_weights(41)]
+    w_out = rand(E, M, seed=51, std=E ** -0.5)
+    model = Stack(bound, blocks, w_out)
+    for block in model.blocks:
+        mc.nn.fully_shard(block, bound)
+    mc.nn.fully_shard(model, bound)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    want = {f"blocks.{i}.{where}": q[k].clone().requires_grad_()
+            for i, q in enumerate(blocks) for where, k in MLP_NAMES.items()}
+    want["out.weight"] = w_out.clone().requires_grad_()
+    want_opt = torch.optim.SGD(want.values(), lr=lr)
+
+    def ref(x: Tensor) -> Tensor:
+        for i in range(len(blocks)):
+            x = x + mlp_ref({k: want[f"blocks.{i}.{w}"] for w, k in MLP_NAMES.items()}, x)
+        return x @ want["out.weight"]
+
+    layout = mc.logical("batch seq embed", "fsdp_tp", bound.mesh)
+    out_layout = mc.logical("batch seq mlp", "fsdp_tp", bound.mesh)
+    for step in range(steps):
+        x, dy = rand(B, S, E, seed=60 + step), rand(B, S, M, seed=70 + step)
+        want_y = ref(x)
+        want_opt.zero_grad()
+        ((want_y * dy).sum() / r.n).backward()
+        want_opt.step()
+        y = model(mc.distribute(x, bound, layout).local)
+        opt.zero_grad()
+        (y * mc.distribute(dy, bound, out_layout).local).sum().backward()
+        opt.step()
+        r.close(f"step {step} output", y.detach(),
+                mc.distribute(want_y.detach(), bound, out_layout).local)
+    for path, module in model.named_modules():
+        if isinstance(module, mc.nn.ShardedModule):
+            for name in module.specs:
+                r.close(f"{path}.{name} after {steps} steps", module.full_param(name),
+                        want[f"{path}.{name}"].detach())
+    return r.report()
 
 
 def check_moe(bound: mc.BoundMesh) -> dict[str, Any]:
@@ -221,7 +287,8 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     count_collectives()
     tp, fsdp, ep = (mc.init_mesh(m) for m in ("dp=2 tp=2", "fsdp=2 tp=2", "ep=4"))
     return {"tp": check_tp(tp), "sp": check_sequence_parallel(tp),
-            "embedding": check_embedding(tp), "fsdp": check_fsdp(fsdp), "moe": check_moe(ep)}
+            "embedding": check_embedding(tp), "fsdp": check_fsdp(fsdp),
+            "fsdp training": check_fsdp_training(fsdp), "moe": check_moe(ep)}
 
 
 four = ranks_fixture(four_ranks, 4)
@@ -232,7 +299,7 @@ def problems(four: list[dict[str, Any]], key: str) -> list[str]:
 
 
 # -- values and gradients ---------------------------------------------------------------------
-@pytest.mark.parametrize("key", ["tp", "sp", "embedding", "fsdp", "moe"])
+@pytest.mark.parametrize("key", ["tp", "sp", "embedding", "fsdp", "fsdp training", "moe"])
 def test_block_matches_single_process(four: list[dict[str, Any]], key: str) -> None:
     found = problems(four, key)
     assert not found, "\n".join(found[:8])
@@ -266,18 +333,39 @@ def test_embedding_collectives(four: list[dict[str, Any]]) -> None:
 def test_fully_shard_buckets_gathers_and_reduces(four: list[dict[str, Any]]) -> None:
     rep = four[0]["fsdp"]
     assert rep["stored"] == (8, 16)     # (fsdp embed) (tp mlp) of (16, 32)
-    # w_up, w_down, b_down gathered by one all_gather; b_up "(tp mlp)" needs none.
-    assert rep["reshard"]["forward"] == {"all_gather": 1, "all_reduce": 1}
-    # again one all_gather for backward; one reduce_scatter for the three gathered
-    # gradients, one all_reduce avg(fsdp) for b_up, one for f over tp.
-    assert rep["reshard"]["backward"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+    # One all_gather for the shards of dim 0, w_up "(fsdp embed) (tp mlp)" and b_down
+    # "(fsdp embed)" (one bucket of padded rows), one for w_down "(tp mlp) (fsdp embed)"
+    # (split on dim 1: a bucket of its own); b_up "(tp mlp)" needs none. The all_reduce
+    # is the row layer's over tp.
+    assert rep["reshard"]["forward"] == {"all_gather": 2, "all_reduce": 1}
+    # backward: the two all_gathers again, one reduce_scatter per bucket, one all_reduce
+    # avg(fsdp) for b_up, one for f over tp.
+    assert rep["reshard"]["backward"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
     assert rep["keep"]["forward"] == rep["reshard"]["forward"]
-    assert rep["keep"]["backward"] == {"reduce_scatter": 1, "all_reduce": 2}
-    assert rep["reshard buckets"] == rep["keep buckets"] == (1, 2)
-    assert "forward runs 1 all_gather" in rep["reshard explain"]
+    assert rep["keep"]["backward"] == {"reduce_scatter": 2, "all_reduce": 2}
+    # fsdp_schedule prints the unit's calls, in order
+    rows = [tuple(line.split()[:3]) for line in rep["reshard schedule"].splitlines()]
+    assert rows == [("forward", "all_gather", "(root)")] * 2 + [
+        ("backward", "all_gather", "(root)")] * 2 + [
+        ("backward", kind, "(root)") for kind in ("reduce_scatter", "all_reduce",
+                                                  "reduce_scatter")]
+    # bytes received (float64): w_up + b_down shards 1,088 B and w_down's 1,024 B per
+    # gather and per reduce_scatter, b_up's all_reduce 128 B; the engine measured what the
+    # prepared plans say.
+    assert rep["reshard received"] == rep["reshard planned"] == 2 * 2112 + 2112 + 128
+    assert rep["keep received"] == rep["keep planned"] == 2112 + 2112 + 128
     # without a unit each layer gathers its own: 3 all_gathers, 3 reduce_scatters.
     assert rep["no unit"]["forward"] == {"all_gather": 3, "all_reduce": 1}
     assert rep["no unit"]["backward"] == {"reduce_scatter": 3, "all_reduce": 2}
+
+
+def test_fully_shard_class_is_gone() -> None:
+    """mc.nn.FullyShard was removed in 0.3; reading it names the replacement."""
+    with pytest.raises(AttributeError, match=re.escape(
+            "mc.nn.FullyShard was removed in meshcomm 0.3 (docs/changelog.md); use"
+            " mc.nn.fully_shard(module, bound)")):
+        mc.nn.FullyShard  # noqa: B018
+    assert not hasattr(mc.nn, "FullyShard") and "FullyShard" not in mc.nn.__all__
 
 
 def test_moe_routes_unevenly(four: list[dict[str, Any]]) -> None:
