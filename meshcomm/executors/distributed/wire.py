@@ -230,7 +230,7 @@ def waited(t: Tensor) -> Tensor:
     """`t`, waited on if it is an eager functional-collective result (once: the items of a
     bucket share one result, and a second wait would be a second wait_tensor op)."""
     if isinstance(t, funcol.AsyncCollectiveTensor):
-        out: Tensor = t.trigger_wait()
+        out: Tensor = t.trigger_wait()  # type: ignore[no-untyped-call]
         return out
     return t
 
