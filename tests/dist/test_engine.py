@@ -105,14 +105,17 @@ def check_overlap(bound: BoundMesh) -> dict[str, float]:
 
 # -- padded rows: FSDP2's flat buffer -------------------------------------------------------
 ROWS_MESH = mc.Mesh("rep=2 dp=4")
-ROWS = [(8, 6), (10, 3), (3, 5), (2, 7), (1, 4), (6,)]    # even, uneven, empty positions
+# (shape, split dim): even, uneven, empty positions; dim 1 as a row-parallel weight's
+ROWS = [((8, 6), 0), ((10, 3), 0), ((3, 10), 1), ((3, 5), 0), ((2, 7), 0), ((1, 4), 0),
+        ((6,), 0), ((2, 3, 6), 1)]
 
 
 def _rows_plans(src_of: Any, dst_of: Any) -> list[Any]:
     out = []
-    for shape in ROWS:
+    for shape, d in ROWS:
         use = mc.Layout(" ".join(f"a{i}" for i in range(len(shape))))
-        out.append(mc.plan(ROWS_MESH, shape, src_of(use), dst_of(use), dtype=torch.float64,
+        out.append(mc.plan(ROWS_MESH, shape, src_of(use, d), dst_of(use, d),
+                           dtype=torch.float64,
                            cost_model=CostModel(trees=False)))   # FSDP's plans (no trees)
     return out
 
@@ -123,7 +126,7 @@ def check_padded_rows(bound: BoundMesh) -> list[str]:
     inputs are cast into the float64 buffer; `steps=1` leaves HSDP's all_reduce to
     `advance()`."""
     problems = []
-    gathers = _rows_plans(lambda u: u.split(0, "dp"), lambda u: u)
+    gathers = _rows_plans(lambda u, d: u.split(d, "dp"), lambda u, d: u)
     xs = [ints(p.shape, k, torch.float64) for k, p in enumerate(gathers)]
     locals_ = [scatter(x, ROWS_MESH, p.src)[bound.rank].float() for x, p in zip(xs, gathers)]
     with wire.recording() as heard:
@@ -133,13 +136,14 @@ def check_padded_rows(bound: BoundMesh) -> list[str]:
     for p, x, out in zip(gathers, xs, outs):
         if out is None or out.dtype != torch.float64 or not torch.equal(out, x):
             problems.append(f'gather "{p.src}" -> "{p.dst}" {p.shape}: wrong output')
-    reduces = _rows_plans(lambda u: u.pending("avg", ["dp", "rep"]), lambda u: u.split(0, "dp"))
+    reduces = _rows_plans(lambda u, d: u.pending("avg", ["dp", "rep"]),
+                          lambda u, d: u.split(d, "dp"))
     grads = [ints(p.shape, 10 + k + bound.rank, torch.float64) for k, p in enumerate(reduces)]
     outs = prepare(reduces, bound, pad_rows=True).issue(grads).wait()
     # the planner reduces (2, 7) and (1, 4) otherwise (all_to_alls, an all_reduce): those
     # run their own plans in buckets of their own; the others share one padded buffer
     fits = [p for p in reduces if misfit(p) is None]
-    if [p.shape for p in fits] != [(8, 6), (10, 3), (3, 5), (6,)]:
+    if [p.shape for p in fits] != [(8, 6), (10, 3), (3, 10), (3, 5), (6,), (2, 3, 6)]:
         problems.append(f"fitting: {[p.shape for p in fits]}")
     # one reduce_scatter over dp for them all; their all_reduce over rep waits for advance()
     with wire.recording() as heard:
@@ -230,16 +234,19 @@ def test_pad_rows_buckets_the_plans_that_fit_and_checks_shapes() -> None:
     plans = [mc.plan(MESH, (8, 4), "(dp b) h", "b h"),
              mc.plan(MESH, (8, 4), "(dp b) h", "b (tp h)"),      # also splits h: not rows
              mc.plan(MESH, (6,), "(dp b)", "b"),
-             mc.plan(MESH, (8, 4), "b (dp h)", "b h")]            # gathers dim 1: not rows
+             mc.plan(MESH, (8, 4), "(tp dp b) h", "(dp b) h")]    # a send_recv: not rows
     assert [misfit(p) is None for p in plans] == [True, False, True, False]
+    assert misfit(mc.plan(MESH, (8, 4), "b (dp h)", "b h")) is None     # rows of dim 1
     ready = prepare(plans, bound, pad_rows=True)
     assert [b for b, r in zip(ready.buckets, ready.rows) if r is not None] == [(0, 2)]
     assert sorted(b for b, r in zip(ready.buckets, ready.rows) if r is None) == [(1,), (3,)]
     assert [c.kind for c in ready.calls()][:1] == ["all_gather"]
     with pytest.raises(ShapeError, match=r"tensor 0 .* this rank holds \(4, 4\)"):
         ready.issue([torch.zeros(3, 4), torch.zeros(4, 1), torch.zeros(3), torch.zeros(8, 2)])
-    with pytest.raises(ValueError, match="cannot run as padded rows: .*dim-0 rows"):
+    with pytest.raises(ValueError, match="cannot run as padded rows: its first step"):
         rows_of([plans[3]], bound)
+    with pytest.raises(ValueError, match="cannot run as padded rows: .*2 axes, not one"):
+        rows_of([mc.plan(MESH, (8, 4), "(dp tp b) h", "b h")], bound)
 
 
 def test_a_permute_is_two_point_to_point_messages_at_most(eight: list[dict[str, Any]]) -> None:

@@ -333,22 +333,21 @@ def test_embedding_collectives(four: list[dict[str, Any]]) -> None:
 def test_fully_shard_buckets_gathers_and_reduces(four: list[dict[str, Any]]) -> None:
     rep = four[0]["fsdp"]
     assert rep["stored"] == (8, 16)     # (fsdp embed) (tp mlp) of (16, 32)
-    # One all_gather for the shards of dim 0, w_up "(fsdp embed) (tp mlp)" and b_down
-    # "(fsdp embed)" (one bucket of padded rows), one for w_down "(tp mlp) (fsdp embed)"
-    # (split on dim 1: a bucket of its own); b_up "(tp mlp)" needs none. The all_reduce
+    # One all_gather for every shard: w_up "(fsdp embed) (tp mlp)" and b_down "(fsdp embed)"
+    # split dim 0, w_down "(tp mlp) (fsdp embed)" dim 1 (its rows padded in runs, one per
+    # row of dim 0): one bucket of padded rows; b_up "(tp mlp)" needs none. The all_reduce
     # is the row layer's over tp.
-    assert rep["reshard"]["forward"] == {"all_gather": 2, "all_reduce": 1}
-    # backward: the two all_gathers again, one reduce_scatter per bucket, one all_reduce
-    # avg(fsdp) for b_up, one for f over tp.
-    assert rep["reshard"]["backward"] == {"all_gather": 2, "reduce_scatter": 2, "all_reduce": 2}
+    assert rep["reshard"]["forward"] == {"all_gather": 1, "all_reduce": 1}
+    # backward: the all_gather again, one reduce_scatter, one all_reduce avg(fsdp) for
+    # b_up, one for f over tp.
+    assert rep["reshard"]["backward"] == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
     assert rep["keep"]["forward"] == rep["reshard"]["forward"]
-    assert rep["keep"]["backward"] == {"reduce_scatter": 2, "all_reduce": 2}
+    assert rep["keep"]["backward"] == {"reduce_scatter": 1, "all_reduce": 2}
     # fsdp_schedule prints the unit's calls, in order
     rows = [tuple(line.split()[:3]) for line in rep["reshard schedule"].splitlines()]
-    assert rows == [("forward", "all_gather", "(root)")] * 2 + [
-        ("backward", "all_gather", "(root)")] * 2 + [
-        ("backward", kind, "(root)") for kind in ("reduce_scatter", "all_reduce",
-                                                  "reduce_scatter")]
+    assert rows == [("forward", "all_gather", "(root)"), ("backward", "all_gather", "(root)"),
+                    ("backward", "reduce_scatter", "(root)"),
+                    ("backward", "all_reduce", "(root)")]
     # bytes received (float64): w_up + b_down shards 1,088 B and w_down's 1,024 B per
     # gather and per reduce_scatter, b_up's all_reduce 128 B; the engine measured what the
     # prepared plans say.

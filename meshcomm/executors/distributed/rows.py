@@ -1,11 +1,13 @@
 """Padded rows: a bucket of plans run on one flat buffer, the way FSDP2 runs a unit.
 
 Executor layer, part of the engine (`prepare(..., pad_rows=True)`). A plan fits when its
-first step gathers (all_gather) or scatters (reduce_scatter) dim 0 of the local tensor over
-one group in `torch.chunk` rows (position p holds rows p*pad .. of the gathered tensor, the
-last positions fewer or none), and every further step is an all_reduce of the scattered
-shard (HSDP's replicas). Then each plan's shard is padded to the longest position's rows
-and the bucket's shards lie side by side in one buffer:
+first step gathers (all_gather) or scatters (reduce_scatter) one dim of the local tensor
+over one group in `torch.chunk` rows (position p holds rows p*pad .. of that dim, the last
+positions fewer or none), and every further step is an all_reduce of the scattered shard
+(HSDP's replicas). FSDP2 splits dim 0; a recipe may split another (a row-parallel weight
+stored "(tp mlp) (fsdp embed)"): its rows are then `outer` runs of rows, one per index of
+the dims before. Each plan's shard is padded to the longest position's rows and the
+bucket's shards lie side by side in one buffer:
 
 - gather: one `_foreach_copy_` of every shard into its place (casting to the plan's dtype:
   mixed precision's copy-in), one all_gather; each output is its rows of the gathered
@@ -44,7 +46,8 @@ FIRST = ("all_gather", "reduce_scatter")
 @dataclass(frozen=True)
 class Item:
     """One plan's place in the buffer: this position's rows, the longest position's rows
-    (`pad`), the elements of a row, the rows gathered, and this rank's shapes."""
+    (`pad`), the elements of a row, the rows gathered, this rank's shapes, and the runs of
+    rows (`outer`: the product of the dims before the split one; 1 for dim 0)."""
 
     rows: int
     pad: int
@@ -52,6 +55,12 @@ class Item:
     total: int
     shape_in: tuple[int, ...]
     shape_out: tuple[int, ...]
+    outer: int = 1
+
+    @property
+    def size(self) -> int:
+        """The item's elements in one position's part of the buffer."""
+        return self.outer * self.pad * self.inner
 
 
 @dataclass(frozen=True)
@@ -105,13 +114,20 @@ def misfit(plan: Plan) -> str | None:
         return "a step after the first is not an all_reduce"
     if first.kind == "all_gather" and len(steps) > 1:
         return "it gathers, then reduces"
-    whole, part = ((first.after, first.before) if first.kind == "all_gather"
-                   else (first.before, first.after))
-    if whole.ndim == 0 or whole.without_reduction().split(0, first.axes[0]) != \
-            part.without_reduction():
-        return (f'its {first.kind} does not move dim-0 rows ("{first.before}" ->'
+    if split_dim(plan) is None:
+        return (f'its {first.kind} does not move the rows of one dim ("{first.before}" ->'
                 f' "{first.after}")')
     return None
+
+
+def split_dim(plan: Plan) -> int | None:
+    """The dim whose rows the plan's first step gathers or scatters (its axis the dim's most
+    minor split), or None."""
+    first = plan.steps[0]
+    whole, part = ((first.after, first.before) if first.kind == "all_gather"
+                   else (first.before, first.after))
+    whole, part = whole.without_reduction(), part.without_reduction()
+    return next((d for d in range(whole.ndim) if whole.split(d, first.axes[0]) == part), None)
 
 
 def rows_of(plans: Sequence[Plan], bound: Groups) -> Rows:
@@ -133,20 +149,21 @@ def rows_of(plans: Sequence[Plan], bound: Groups) -> Rows:
             raise ValueError(f"prepare(pad_rows=True): plan {i} (\"{p.src}\" -> \"{p.dst}\")"
                              f" cannot run as padded rows: {why}. fix: prepare it without"
                              " pad_rows")
-        s = p.steps[0]
+        s, d = p.steps[0], split_dim(p)
+        assert d is not None, "a plan that fits has a split dim"
         whole = s.after if s.kind == "all_gather" else s.before
         full = whole.local_shape(mesh, p.shape, rank)
         members, pos = group_of(mesh, rank, s.axes)
-        sizes = chunk_sizes(full[0], len(members))
-        shard = (sizes[pos], *full[1:])
+        sizes = chunk_sizes(full[d], len(members))
+        shard = (*full[:d], sizes[pos], *full[d + 1:])
         shape_in, shape_out = (shard, full) if s.kind == "all_gather" else (full, shard)
         if s.before.local_shape(mesh, p.shape, rank) != shape_in or \
                 s.after.local_shape(mesh, p.shape, rank) != shape_out:
             raise ValueError(f"prepare(pad_rows=True): plan {i} (\"{p.src}\" -> \"{p.dst}\")"
                              f" does not cut dim 0 in torch.chunk rows on rank {rank}")
-        items.append(Item(sizes[pos], max(sizes, default=0), math.prod(full[1:]), full[0],
-                          shape_in, shape_out))
-    sizes_ = [it.pad * it.inner for it in items]
+        items.append(Item(sizes[pos], max(sizes, default=0), math.prod(full[d + 1:]), full[d],
+                          shape_in, shape_out, math.prod(full[:d])))
+    sizes_ = [it.size for it in items]
     groups = []
     for ax in axes:
         members, pos = group_of(mesh, rank, ax)
@@ -194,8 +211,13 @@ def _gather_in(rows: Rows, xs: Sequence[Tensor]) -> Tensor:
     buf = torch.empty(rows.width, dtype=rows.dtype, device=xs[0].device)
     if rows.short:               # some shard of this rank is short: zero its padding
         buf.zero_()
-    flats = [x.reshape(-1) for x in xs]
-    torch._foreach_copy_([buf[o:o + t.numel()] for o, t in zip(rows.offsets, flats)], flats)
+    # dim 0: a prefix of the item's part; another dim: `outer` runs of rows, each padded
+    srcs = [x.reshape(-1) if it.outer == 1 else x.reshape(it.outer, it.rows, it.inner)
+            for it, x in zip(rows.items, xs)]
+    dsts = [buf[o:o + t.numel()] if it.outer == 1
+            else buf[o:o + it.size].view(it.outer, it.pad, it.inner)[:, :it.rows]
+            for it, o, t in zip(rows.items, rows.offsets, srcs)]
+    torch._foreach_copy_(dsts, srcs)
     return buf
 
 
@@ -204,9 +226,14 @@ def _gather_out(rows: Rows, y: Tensor) -> list[Tensor]:
     flat = y.view(rows.n, rows.width)
     out = []
     for it, off in zip(rows.items, rows.offsets):
-        block = flat[:, off:off + it.pad * it.inner].reshape(rows.n * it.pad, it.inner)
-        out.append((block if it.total == rows.n * it.pad else block[:it.total])
-                   .view(it.shape_out))
+        if it.outer == 1:
+            block = flat[:, off:off + it.size].reshape(rows.n * it.pad, it.inner)
+        else:    # (n, outer, pad, inner) -> (outer, n * pad, inner)
+            block = flat[:, off:off + it.size].view(rows.n, it.outer, it.pad, it.inner) \
+                .transpose(0, 1).reshape(it.outer, rows.n * it.pad, it.inner)
+        if it.total != rows.n * it.pad:
+            block = block[:it.total] if it.outer == 1 else block[:, :it.total]
+        out.append(block.reshape(it.shape_out))
     return out
 
 
@@ -214,10 +241,17 @@ def _scatter_in(rows: Rows, xs: Sequence[Tensor]) -> Tensor:
     """Each position's chunks side by side: a pad per short item, one concatenation."""
     n, columns = rows.n, []
     for it, x in zip(rows.items, xs):
-        flat = x.reshape(-1)
+        if it.outer == 1:
+            flat = x.reshape(-1)
+            if it.total != n * it.pad:
+                flat = F.pad(flat, (0, (n * it.pad - it.total) * it.inner))
+            columns.append(flat.view(n, it.size))
+            continue
+        block = x.reshape(it.outer, it.total, it.inner)
         if it.total != n * it.pad:
-            flat = F.pad(flat, (0, (n * it.pad - it.total) * it.inner))
-        columns.append(flat.view(n, it.pad * it.inner))
+            block = F.pad(block, (0, 0, 0, n * it.pad - it.total))
+        columns.append(block.view(it.outer, n, it.pad, it.inner).transpose(0, 1)
+                       .reshape(n, it.size))
     return torch.cat(columns, dim=1).reshape(-1)
 
 
@@ -226,6 +260,7 @@ def _scatter_out(rows: Rows, y: Tensor) -> list[Tensor]:
     div = math.prod(g.size for g, op in zip(rows.groups, rows.ops) if op == "avg")
     if div != 1:
         y = y.div_(div) if y.is_floating_point() else divide(y, div)
-    return [y[off:off + it.rows * it.inner].view(it.shape_out)
-            for it, off in zip(rows.items, rows.offsets)]
+    return [y[off:off + it.rows * it.inner].view(it.shape_out) if it.outer == 1
+            else y[off:off + it.size].view(it.outer, it.pad, it.inner)[:, :it.rows]
+            .reshape(it.shape_out) for it, off in zip(rows.items, rows.offsets)]
 
