@@ -58,17 +58,18 @@ class ParamSpec:
     use: Layout
     grad: Layout
     grad_scale: float = 1.0
+    cost_model: CostModel = ONE_CALL_PER_STEP     # what the plans may use (fully_shard: FSDP's)
 
     def gather_plan(self, dtype: torch.dtype | None = None) -> Plan:
         """The forward plan: stored -> use (in `dtype`, default the parameter's: mixed
         precision gathers in another)."""
         return plan(self.mesh, self.shape, self.stored, self.use, dtype=dtype or self.dtype,
-                    cost_model=ONE_CALL_PER_STEP)
+                    cost_model=self.cost_model)
 
     def reduce_plan(self, dtype: torch.dtype | None = None) -> Plan:
         """The backward plan: grad -> stored (then times `grad_scale`), in `dtype`."""
         return plan(self.mesh, self.shape, self.grad, self.stored, dtype=dtype or self.dtype,
-                    cost_model=ONE_CALL_PER_STEP)
+                    cost_model=self.cost_model)
 
     def comms(self, name: str, *, regather: bool = False) -> list[Comm]:
         """This parameter's communication: gather, optional regather in backward, reduce."""

@@ -16,7 +16,7 @@ send are made of. Every wait goes through `wire.waited`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from torch import Tensor
@@ -70,10 +70,13 @@ class Prepared:
     rows: tuple[Rows | None, ...] = ()     # per bucket: its padded rows (pad_rows), or None
     cast: bool = False                     # inputs cast to their plan's dtype (pad_rows)
 
-    @property
-    def steps(self) -> int:
-        """The most steps of any plan: a Handle is done after that many."""
-        return max((len(job.plan.steps) for job in self.jobs), default=0)
+    steps: int = field(init=False)          # the most steps of any plan: a Handle's count
+    one_rows: Rows | None = field(init=False)   # the one bucket, of padded rows (FSDP's)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", max((len(job.plan.steps) for job in self.jobs),
+                                              default=0))
+        object.__setattr__(self, "one_rows", self.rows[0] if len(self.rows) == 1 else None)
 
     def calls(self) -> list[Call]:
         """The collective calls one issue makes on this rank, in order (step by step, bucket
@@ -105,16 +108,30 @@ class Prepared:
         plan's first `steps` steps now, the next ones at `Handle.advance()` (or `wait()`)."""
         if len(tensors) != len(self.jobs):
             raise ValueError(f"issue: {len(tensors)} tensors for {len(self.jobs)} prepared plans")
+        one = self.one_rows
+        if one is not None:            # FSDP's hot path: one bucket of padded rows
+            for i, (item, x) in enumerate(zip(one.items, tensors)):
+                if not isinstance(x, Tensor) or x.shape != item.shape_in:
+                    _refuse_rows(self.jobs[i].plan, x, item, i)
+            held = Handle(self, [None] * len(tensors), trace)
+            held._outs[0] = rows_issue(one, tensors, 0, None, trace)   # type: ignore[arg-type]
+            held._at = 1
+            if (self.steps if steps is None else steps) > 1:
+                held.advance(self.steps if steps is None else steps - 1)
+            return held
         xs: list[Out | None] = list(tensors)
         for b, bucket in enumerate(self.buckets):
             rows = self.rows[b] if self.rows else None
-            for j, i in enumerate(bucket):
+            if rows is not None:       # FSDP's hot path: one shape compare per tensor
+                for item, i in zip(rows.items, bucket):
+                    x = tensors[i]
+                    if not isinstance(x, Tensor) or x.shape != item.shape_in:
+                        _refuse_rows(self.jobs[i].plan, x, item, i)
+                continue
+            for i in bucket:
                 job, x = self.jobs[i], tensors[i]
                 if job.dst is not None:
                     check_cross(job.plan, x, job.bound, job.dst)
-                    continue
-                if rows is not None:
-                    _check_rows(job.plan, x, rows.items[j], i)
                     continue
                 if self.cast and isinstance(x, Tensor) and x.dtype != job.plan.dtype:
                     xs[i] = x = x.to(job.plan.dtype)
@@ -124,11 +141,11 @@ class Prepared:
         return handle
 
 
-def _check_rows(plan: Plan, x: Tensor | None, item: RowsItem, i: int) -> None:
-    """A padded-rows input: a tensor of its plan's local shape (any dtype: it is cast)."""
-    if not isinstance(x, Tensor) or tuple(x.shape) != item.shape_in:
-        got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-        raise ShapeError(f'issue: tensor {i} ("{plan.src}" -> "{plan.dst}" of shape'
+def _refuse_rows(plan: Plan, x: Tensor | None, item: RowsItem, i: int) -> None:
+    """A padded-rows input must be a tensor of its plan's local shape (any dtype: it is
+    cast); raise for `x`, which is not."""
+    got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+    raise ShapeError(f'issue: tensor {i} ("{plan.src}" -> "{plan.dst}" of shape'
                          f" {plan.shape}) is {got}, but this rank holds {item.shape_in}"
                          " under the source layout; fix: pass this rank's local shard")
 
@@ -176,7 +193,8 @@ class Handle:
 
     def wait(self) -> list[Tensor | None]:
         if self._done is None:
-            self.advance(self._ready.steps)
+            if self._at < self._ready.steps:
+                self.advance(self._ready.steps)
             self._done = self._finish(wait=True)
         return self._done
 
@@ -190,10 +208,30 @@ class Handle:
 
     def _finish(self, wait: bool) -> list[Tensor | None]:
         # a rank outside the destination mesh waits too: for its sends to complete
-        jobs = self._ready.jobs
+        ready, outs = self._ready, self._outs
+        jobs = ready.jobs
+        if ready.one_rows is not None:
+            return _landed(outs[0], jobs[0].plan, jobs[0].bound,  # type: ignore[arg-type, return-value]
+                           len(ready.one_rows.kinds) - 1, wait)
+        if ready.rows:           # a padded-rows bucket lands once, for all its plans
+            done: list[Tensor | None] = [None] * len(jobs)
+            for b, bucket in enumerate(ready.buckets):
+                rows = ready.rows[b]
+                if rows is None:
+                    for i in bucket:
+                        out, job = outs[i], jobs[i]
+                        done[i] = None if out is None else _landed(
+                            out, job.plan, job.bound, len(job.plan.steps) - 1, wait)
+                    continue
+                first = jobs[bucket[0]]
+                parts: list[Tensor] = _landed(outs[bucket[0]],  # type: ignore[arg-type, assignment]
+                                              first.plan, first.bound, len(rows.kinds) - 1, wait)
+                for i, t in zip(bucket, parts):
+                    done[i] = t
+            return done
         landed = [None if out is None
                   else _landed(out, job.plan, job.bound, len(job.plan.steps) - 1, wait)
-                  for job, out in zip(jobs, self._outs)]
+                  for job, out in zip(jobs, outs)]
         return [None if job.dst is not None and not job.dst.in_mesh else out
                 for job, out in zip(jobs, landed)]
 
@@ -266,13 +304,11 @@ def _prepare_rows(jobs: tuple[Job, ...], bucket_bytes: int) -> Prepared:
 
 def _issue_rows(rows: Rows, bucket: tuple[int, ...], outs: list[Out | None],
                 trace: ByteTrace | None, start: int, stop: int) -> None:
-    """Steps start..stop-1 of a padded-rows bucket (`rows.issue`); every item holds the
-    bucket's flat buffer until the last step gives each its own output."""
+    """Steps start..stop-1 of a padded-rows bucket (`rows.issue`): the bucket's one output
+    in flight is held in its first plan's place (the last step's gives every plan's)."""
     for k in range(start, min(stop, len(rows.kinds))):
-        got = rows_issue(rows, [outs[i] for i in bucket] if k == 0 else (),  # type: ignore[misc]
-                         k, outs[bucket[0]], trace)
-        for j, i in enumerate(bucket):
-            outs[i] = got[j] if isinstance(got, list) else got
+        outs[bucket[0]] = rows_issue(rows, [outs[i] for i in bucket] if k == 0  # type: ignore[misc]
+                                     else (), k, outs[bucket[0]], trace)
 
 
 def _issue_one(plan: Plan, bound: Groups, x: Out, trace: ByteTrace | None,

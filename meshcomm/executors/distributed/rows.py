@@ -27,7 +27,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from ...planner.values import Plan
 from ..steps import Wire
 from . import wire
 from .groups import Groups
-from .handlers import ByteTrace, Later, Out, group_of, parts_of
+from .handlers import ByteTrace, Later, Out, group_of
 
 FIRST = ("all_gather", "reduce_scatter")
 
@@ -56,11 +56,13 @@ class Item:
     shape_in: tuple[int, ...]
     shape_out: tuple[int, ...]
     outer: int = 1
+    n: int = 1                     # positions along the axis
+    size: int = field(init=False)  # the item's elements in one position's part of the buffer
+    cut: bool = field(init=False)  # the gathered rows are fewer than n * pad (padding to drop)
 
-    @property
-    def size(self) -> int:
-        """The item's elements in one position's part of the buffer."""
-        return self.outer * self.pad * self.inner
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", self.outer * self.pad * self.inner)
+        object.__setattr__(self, "cut", self.total != self.n * self.pad)
 
 
 @dataclass(frozen=True)
@@ -76,18 +78,15 @@ class Rows:
     width: int                          # one position's padded elements
     short: bool                         # some item of this position is shorter than its pad
     dtype: torch.dtype
+    gather: bool = field(init=False)    # the first step gathers (else it scatters)
+    n: int = field(init=False)          # positions of the first step's group
+    div: int = field(init=False)        # what the output is divided by (avg steps)
 
-    @property
-    def gather(self) -> bool:
-        return self.kinds[0] == "all_gather"
-
-    @property
-    def n(self) -> int:
-        return self.groups[0].size
-
-    @property
-    def pos(self) -> int:
-        return self.groups[0].pos
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "gather", self.kinds[0] == "all_gather")
+        object.__setattr__(self, "n", self.groups[0].size)
+        object.__setattr__(self, "div", math.prod(
+            g.size for g, op in zip(self.groups, self.ops) if op == "avg"))
 
     def wires(self) -> list[Wire]:
         """Each call's `Wire` on this rank, as the call will measure it (elements)."""
@@ -162,7 +161,7 @@ def rows_of(plans: Sequence[Plan], bound: Groups) -> Rows:
             raise ValueError(f"prepare(pad_rows=True): plan {i} (\"{p.src}\" -> \"{p.dst}\")"
                              f" does not cut dim 0 in torch.chunk rows on rank {rank}")
         items.append(Item(sizes[pos], max(sizes, default=0), math.prod(full[d + 1:]), full[d],
-                          shape_in, shape_out, math.prod(full[:d])))
+                          shape_in, shape_out, math.prod(full[:d]), len(members)))
     sizes_ = [it.size for it in items]
     groups = []
     for ax in axes:
@@ -174,9 +173,10 @@ def rows_of(plans: Sequence[Plan], bound: Groups) -> Rows:
 
 
 def issue(rows: Rows, xs: Sequence[Tensor], k: int, state: Out | None,
-          trace: ByteTrace | None) -> Out | list[Out]:
+          trace: ByteTrace | None) -> Later:
     """Step `k` of the bucket: from its inputs `xs` (k = 0) or the landed flat buffer of
-    step k - 1 (`state`). The last step gives one Later per item, the others the flat one."""
+    step k - 1 (`state`), in flight. The last step's lands as the list of every item's
+    output, the others' as the flat buffer."""
     kind, group = rows.kinds[k], rows.groups[k]
     if k == 0:
         buf = _gather_in(rows, xs) if rows.gather else _scatter_in(rows, xs)
@@ -194,8 +194,8 @@ def issue(rows: Rows, xs: Sequence[Tensor], k: int, state: Out | None,
                   call.received * buf.element_size())
     if k + 1 < len(rows.kinds):
         return Later((out,), _flat)
-    return parts_of(out, functools.partial(_gather_out if rows.gather else _scatter_out, rows),
-                    len(rows.items))
+    return Later((out,), functools.partial(_gather_out if rows.gather else _scatter_out,
+                                           rows))  # type: ignore[arg-type]
 
 
 def _op(op: str) -> str:
@@ -212,28 +212,32 @@ def _gather_in(rows: Rows, xs: Sequence[Tensor]) -> Tensor:
     if rows.short:               # some shard of this rank is short: zero its padding
         buf.zero_()
     # dim 0: a prefix of the item's part; another dim: `outer` runs of rows, each padded
-    srcs = [x.reshape(-1) if it.outer == 1 else x.reshape(it.outer, it.rows, it.inner)
-            for it, x in zip(rows.items, xs)]
-    dsts = [buf[o:o + t.numel()] if it.outer == 1
-            else buf[o:o + it.size].view(it.outer, it.pad, it.inner)[:, :it.rows]
-            for it, o, t in zip(rows.items, rows.offsets, srcs)]
+    srcs, dsts = [], []
+    for it, o, x in zip(rows.items, rows.offsets, xs):
+        if it.outer == 1:
+            srcs.append(x.reshape(-1))
+            dsts.append(buf[o:o + it.rows * it.inner])
+        else:
+            srcs.append(x.reshape(it.outer, it.rows, it.inner))
+            dsts.append(buf[o:o + it.size].view(it.outer, it.pad, it.inner)[:, :it.rows])
     torch._foreach_copy_(dsts, srcs)
     return buf
 
 
 def _gather_out(rows: Rows, y: Tensor) -> list[Tensor]:
     """Each item's gathered rows (views of the buffer where the item is alone and even)."""
-    flat = y.view(rows.n, rows.width)
+    n = rows.n
+    flat = y.view(n, rows.width)
     out = []
     for it, off in zip(rows.items, rows.offsets):
         if it.outer == 1:
-            block = flat[:, off:off + it.size].reshape(rows.n * it.pad, it.inner)
-        else:    # (n, outer, pad, inner) -> (outer, n * pad, inner)
-            block = flat[:, off:off + it.size].view(rows.n, it.outer, it.pad, it.inner) \
-                .transpose(0, 1).reshape(it.outer, rows.n * it.pad, it.inner)
-        if it.total != rows.n * it.pad:
-            block = block[:it.total] if it.outer == 1 else block[:, :it.total]
-        out.append(block.reshape(it.shape_out))
+            block = flat[:, off:off + it.size].reshape(n * it.pad, it.inner)
+            out.append((block[:it.total] if it.cut else block).view(it.shape_out))
+            continue
+        # (n, outer, pad, inner) -> (outer, n * pad, inner)
+        block = flat[:, off:off + it.size].view(n, it.outer, it.pad, it.inner) \
+            .transpose(0, 1).reshape(it.outer, n * it.pad, it.inner)
+        out.append((block[:, :it.total] if it.cut else block).reshape(it.shape_out))
     return out
 
 
@@ -243,12 +247,12 @@ def _scatter_in(rows: Rows, xs: Sequence[Tensor]) -> Tensor:
     for it, x in zip(rows.items, xs):
         if it.outer == 1:
             flat = x.reshape(-1)
-            if it.total != n * it.pad:
+            if it.cut:
                 flat = F.pad(flat, (0, (n * it.pad - it.total) * it.inner))
             columns.append(flat.view(n, it.size))
             continue
         block = x.reshape(it.outer, it.total, it.inner)
-        if it.total != n * it.pad:
+        if it.cut:
             block = F.pad(block, (0, 0, 0, n * it.pad - it.total))
         columns.append(block.view(it.outer, n, it.pad, it.inner).transpose(0, 1)
                        .reshape(n, it.size))
@@ -257,10 +261,8 @@ def _scatter_in(rows: Rows, xs: Sequence[Tensor]) -> Tensor:
 
 def _scatter_out(rows: Rows, y: Tensor) -> list[Tensor]:
     """Each item's rows of the reduced buffer (views), an avg divided once for the bucket."""
-    div = math.prod(g.size for g, op in zip(rows.groups, rows.ops) if op == "avg")
-    if div != 1:
-        y = y.div_(div) if y.is_floating_point() else divide(y, div)
+    if rows.div != 1:
+        y = y.div_(rows.div) if y.is_floating_point() else divide(y, rows.div)
     return [y[off:off + it.rows * it.inner].view(it.shape_out) if it.outer == 1
             else y[off:off + it.size].view(it.outer, it.pad, it.inner)[:, :it.rows]
             .reshape(it.shape_out) for it, off in zip(rows.items, rows.offsets)]
-

@@ -24,10 +24,18 @@ from ...interop.runtime import (
     placements_of,
     wrap,
 )
+from ...planner.values import CostModel
 from ...runtime.bind import BoundMesh
 from ..params import ParamSpec
 
 UNIT_ATTR = "_meshcomm_fsdp_unit"     # the attribute a fully_shard'ed module holds its unit in
+# fully_shard's plans: an all_gather forward, a reduce_scatter backward, whatever the shard
+# sizes (the planner alone would reduce a tiny uneven parameter by all_reduce and a slice;
+# FSDP2 pads, so does the unit: one collective per unit each way). HSDP adds the all_reduce
+# over the replicas, which the planner puts after the reduce_scatter except for tiny uneven
+# parameters: those run their own plan beside the unit's buffer.
+FSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter"))
+HSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter", "all_reduce"))
 
 
 @dataclass(frozen=True)
@@ -215,5 +223,6 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
     for m, a in aliases:             # tied: every place holds the one sharded parameter
         m._parameters[a] = param
     grad = use.pending("avg", [axis] if replicate is None else [axis, replicate])
-    spec = ParamSpec(" ".join(names), mesh, shape, p.dtype, stored, use, grad)
+    spec = ParamSpec(" ".join(names), mesh, shape, p.dtype, stored, use, grad,
+                     cost_model=FSDP_PLANS if replicate is None else HSDP_PLANS)
     return Param(module, attr, name, param, spec, use_shape, aliases)
