@@ -5,6 +5,7 @@ Every block has `explain(shape)`: the plans it runs in forward and backward, one
 See docs/tutorial.md.
 """
 from ..core.errors import CheckpointError
+from .attention import attention, attention_costs, attention_reference
 from .checkpoint import CheckpointRead, load_checkpoint, save_checkpoint
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
@@ -35,7 +36,8 @@ from .tensor_parallel import (
 __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
            "MixedPrecision", "MoE", "ParamSpec",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
-           "VocabParallelEmbedding", "combine", "dispatch", "format_comms",
+           "VocabParallelEmbedding", "attention", "attention_costs", "attention_reference",
+           "combine", "dispatch", "format_comms",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
            "logical_axes", "parallelize", "param_spec", "planning_mesh", "save_checkpoint",
            "set_requires_gradient_sync", "tp_style",

@@ -1,0 +1,166 @@
+"""The strategies of context parallelism, each made of meshcomm plans and `blocks.py`:
+
+- `allgather`: keys and values gathered along the sequence (`"(cp s)" -> "s"`, one plan
+  each); each rank attends its own queries to every key. Backward: the plans' reverse, a
+  reduce_scatter of dK and dV. Extra memory: the whole K and V.
+- `ulysses`: queries, keys and values moved from a split sequence to split heads
+  (`"(tp h) (cp s)" -> "(tp cp h) s"`, an all_to_all each) and the output back; each rank
+  attends whole sequences of its heads. Heads that do not divide by the group are uneven
+  layouts (some ranks hold fewer heads), exact. Key/value heads are repeated to the
+  query heads first (GQA), so the heads of a rank always meet their keys.
+
+A strategy takes the call (`call.py`) and the user's local tensors, returns the output in
+the query layout; autograd runs backward through the plans (the engine's `Reshard`).
+Every byte figure comes from the plans (`costs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ...core.layout import Layout
+from ...executors.distributed.autograd import reshard_autograd
+from ...planner.plan import plan
+from ...planner.values import Plan
+from ...sharded import reshard
+from .blocks import block
+from .call import Call
+
+
+def whole_seq(call: Call, layout: Layout) -> Layout:
+    """`layout` with its sequence dim whole (no axis splits it)."""
+    return layout.with_dim(call.seq_dim, layout.dim_names(call.mesh)[call.seq_dim])
+
+
+def heads_layout(call: Call, layout: Layout) -> Layout:
+    """`layout` with the sequence's axes moved onto the heads (as their most minor splits)."""
+    out = whole_seq(call, layout)
+    for axis in call.seq_axes:
+        out = out.split(call.order[1], axis)
+    return out
+
+
+def doc_layout(call: Call, layout: Layout) -> Layout:
+    """The layout of per-token document ids: `layout`'s batch and sequence dims."""
+    b, _, s, _ = call.order
+    dims = [d for d in (b, s) if d >= 0]
+    return Layout.of_dims([[f.name if f.size is None else f"{f.name}={f.size}"
+                            for f in layout.dims[d].factors] for d in dims])
+
+
+def _doc_shape(call: Call, shape: tuple[int, ...]) -> tuple[int, ...]:
+    b, _, s, _ = call.order
+    return tuple(shape[d] for d in (b, s) if d >= 0)
+
+
+def _docs(doc: Tensor | None) -> Tensor | None:
+    """Document ids as (b, s) (a missing batch dim: one row)."""
+    return None if doc is None else (doc if doc.dim() == 2 else doc.unsqueeze(0))
+
+
+def gathered(call: Call, x: Tensor, layout: Layout, shape: tuple[int, ...]) -> Tensor:
+    """`x` with its sequence gathered whole; backward: each rank's gradient is its part of a
+    sum over the sequence's axes (its queries saw every key), so the reverse plan is a
+    reduce_scatter of `"... s ... | sum(cp)"`, not the slice of a replicated gradient."""
+    full = whole_seq(call, layout)
+    forward = plan(call.mesh, shape, layout, full, dtype=x.dtype)
+
+    def reverse(_: Plan, dtype: torch.dtype) -> Plan:
+        return plan(call.mesh, shape, full.pending("sum", call.seq_axes), layout, dtype=dtype)
+    return reshard_autograd(x, call.bound, forward, reverse=reverse)
+
+
+def allgather(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
+    bound, rank = call.bound, call.bound.rank
+    full = whole_seq(call, call.kv_layout)
+    k_all = gathered(call, k, call.kv_layout, call.kv_shape)
+    v_all = gathered(call, v, call.kv_layout, call.kv_shape)
+    qpos = torch.tensor(call.positions(call.q_layout, call.q_shape, rank), device=q.device)
+    kpos = torch.arange(call.kv_shape[call.seq_dim], device=q.device)
+    kdoc = None
+    if doc is not None:
+        src = doc_layout(call, call.q_layout)
+        kdoc = reshard(doc, bound, src, doc_layout(call, full),
+                       shape=_doc_shape(call, call.q_shape))
+    allowed = call.mask.allowed(qpos, kpos, _docs(doc), _docs(kdoc))
+    out, _ = block(call.canonical(q), call.canonical(k_all), call.canonical(v_all), allowed,
+                   call.scale)
+    return call.user(out.to(q.dtype))
+
+
+def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
+    bound = call.bound
+    h = call.order[1]
+    group = call.q_shape[h] // call.kv_shape[h]
+    if group > 1:         # GQA: each query head's key/value head, repeated to its place
+        k, v = k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
+    kv_shape = tuple(call.q_shape[h] if i == h else n for i, n in enumerate(call.kv_shape))
+    kv_layout = call.kv_layout
+    q_heads, kv_heads = heads_layout(call, call.q_layout), heads_layout(call, kv_layout)
+    q_h = reshard(q, bound, call.q_layout, q_heads, shape=call.q_shape)
+    k_h = reshard(k, bound, kv_layout, kv_heads, shape=kv_shape)
+    v_h = reshard(v, bound, kv_layout, kv_heads, shape=kv_shape)
+    dev = q.device
+    qpos = torch.arange(call.q_shape[call.seq_dim], device=dev)
+    kpos = torch.arange(call.kv_shape[call.seq_dim], device=dev)
+    full_doc = None
+    if doc is not None:
+        src = doc_layout(call, call.q_layout)
+        full_doc = reshard(doc, bound, src, doc_layout(call, whole_seq(call, call.q_layout)),
+                           shape=_doc_shape(call, call.q_shape))
+    allowed = call.mask.allowed(qpos, kpos, _docs(full_doc), _docs(full_doc))
+    out, _ = block(call.canonical(q_h), call.canonical(k_h), call.canonical(v_h), allowed,
+                   call.scale)
+    return reshard(call.user(out.to(q.dtype)), bound, q_heads, call.q_layout,
+                   shape=call.q_shape)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One strategy's figures on this rank for a forward and backward: bytes sent (from
+    the plans), extra peak memory (bytes of the largest buffers it adds), collective calls."""
+
+    strategy: str
+    sent_bytes: int
+    extra_bytes: int
+    calls: int
+
+
+def _sent(call: Call, shape: tuple[int, ...], src: Layout, dst: Layout,
+          dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes this rank sends, collectives) of one plan, forward and backward together (the
+    backward plan moves as many bytes: a reduce_scatter for an all_gather, the inverse
+    all_to_all)."""
+    p = plan(call.mesh, shape, src, dst, dtype=dtype)
+    at = p.mesh.position(call.bound.rank)
+    return 2 * p.send_bytes[at], 2 * len(p.collectives)
+
+
+def costs(call: Call, dtype: torch.dtype) -> list[Cost]:
+    """Every strategy's `Cost` for this call."""
+    item = torch.empty((), dtype=dtype).element_size()
+    rank, mesh = call.bound.rank, call.mesh
+    full = whole_seq(call, call.kv_layout)
+    kv_full = 1
+    for n in full.local_shape(mesh, call.kv_shape, rank):
+        kv_full *= n
+    sent, calls = _sent(call, call.kv_shape, call.kv_layout, full, dtype)
+    out = [Cost("allgather", 2 * sent, 2 * kv_full * item, 2 * calls)]
+    h = call.order[1]
+    kv_shape = tuple(call.q_shape[h] if i == h else n for i, n in enumerate(call.kv_shape))
+    q_heads = heads_layout(call, call.q_layout)
+    kv_heads = heads_layout(call, call.kv_layout)
+    sq, cq = _sent(call, call.q_shape, call.q_layout, q_heads, dtype)
+    sk, ck = _sent(call, kv_shape, call.kv_layout, kv_heads, dtype)
+    q_local = 1
+    for n in q_heads.local_shape(mesh, call.q_shape, rank):
+        q_local *= n
+    k_local = 1
+    for n in kv_heads.local_shape(mesh, kv_shape, rank):
+        k_local *= n
+    out.append(Cost("ulysses", 2 * sq + 2 * sk, (2 * q_local + 2 * k_local) * item,
+                    2 * cq + 2 * ck))
+    return out
