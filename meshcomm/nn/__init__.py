@@ -6,6 +6,7 @@ See docs/tutorial.md.
 """
 from ..core.errors import CheckpointError
 from .attention import attention, attention_costs, attention_reference
+from .attention.hf import register_hf_attention
 from .checkpoint import CheckpointRead, load_checkpoint, save_checkpoint
 from .comms import Comm, format_comms
 from .experts import MoE, Routing, combine, dispatch
@@ -39,7 +40,8 @@ __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
            "VocabParallelEmbedding", "attention", "attention_costs", "attention_reference",
            "combine", "dispatch", "format_comms",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
-           "logical_axes", "parallelize", "param_spec", "planning_mesh", "save_checkpoint",
+           "logical_axes", "parallelize", "param_spec", "planning_mesh", "register_hf_attention",
+           "save_checkpoint",
            "set_requires_gradient_sync", "tp_style",
            "vocab_parallel_cross_entropy", "vocab_range"]
 

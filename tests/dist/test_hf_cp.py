@@ -1,0 +1,106 @@
+"""A Hugging Face Llama (built from a config, GQA, rotary positions) trained under context
+parallelism on 4 gloo ranks (`dp=2 cp=2`: batch over dp, sequence over cp, parameters
+`fully_shard(axis="dp", replicate="cp")`), against the same model trained in one process:
+losses and final parameters equal, for each strategy. Token ids, position ids and the
+labels (shifted before the split) follow one layout; the attention layers run
+`mc.nn.attention` through transformers' attention registry (`register_hf_attention`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import ranks_fixture
+
+import meshcomm as mc
+from meshcomm.executors.sim import scatter
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed"
+                                   " (pip install -e '.[test]' installs it)")
+
+BATCH, SEQ, STEPS, VOCAB = 4, 12, 3, 64
+TOKENS = "(dp b) (cp s)"                   # ids, positions, labels: one layout
+STRATEGIES = ("allgather", "ulysses")
+
+
+def build() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        attn_implementation="eager")
+    return transformers.LlamaForCausalLM(config)
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and their next-token labels (-100 where there is none), shifted whole."""
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    labels = torch.full_like(x, -100)
+    labels[:, :-1] = x[:, 1:]
+    return x, labels
+
+
+def one_process() -> dict[str, Any]:
+    model = build()
+    x, _ = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def four_ranks(rank: int, world: int) -> dict[str, Any]:
+    bound = mc.init_mesh("dp=2 cp=2")
+    mesh = bound.mesh
+    x, labels = batch()
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    mine = [scatter(t, mesh, TOKENS)[rank] for t in (x, labels, positions)]
+    count = int((labels != -100).sum())          # every rank knows the global count
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        model = build()
+        model.set_attn_implementation(mc.nn.register_hf_attention(
+            bound, "(dp b) h (cp s) d", name=f"meshcomm_{strategy}", strategy=strategy))
+        for layer in model.model.layers:
+            mc.nn.fully_shard(layer, bound, axis="dp", replicate="cp")
+        mc.nn.fully_shard(model, bound, axis="dp", replicate="cp")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for _ in range(STEPS):
+            logits = model(input_ids=mine[0], position_ids=mine[2]).logits
+            # this rank's share of the global mean; the units average over the 4 ranks
+            total = F.cross_entropy(logits.flatten(0, 1).float(), mine[1].flatten(),
+                                    ignore_index=-100, reduction="sum")
+            loss = total * world / count
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(mc.reshard((total / count).detach().reshape(1), bound,
+                                     "a | sum(dp, cp)", "a").item())
+        out[strategy] = {"losses": losses,
+                         "params": {n: p.detach().full_tensor()
+                                    for n, p in model.named_parameters()}}
+    return out
+
+
+four = ranks_fixture(four_ranks, 4)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_llama_under_cp_trains_as_one_process(strategy: str, four: list[Any]) -> None:
+    want = one_process()
+    for r in four:
+        got = r[strategy]
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                   rtol=1e-5, atol=1e-6)
+        for name, p in want["params"].items():
+            torch.testing.assert_close(got["params"][name], p, rtol=1e-4, atol=1e-5,
+                                       msg=f"{strategy} {name}")
