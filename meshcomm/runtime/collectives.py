@@ -464,6 +464,71 @@ def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> T
     return posted.tied(out.clone() if out is flat else out).view(x.shape)
 
 
+class Shifted(NamedTuple):
+    """A `post_shift` in flight: its point-to-point batch and the tensor that arrives (the
+    receive buffer, filled by `wait`; for a shift onto this rank, the copy itself)."""
+
+    posted: wire.Posted
+    out: Tensor
+
+    def wait(self) -> Tensor:
+        """What position p - shift sent here: the batch waited on (both messages)."""
+        got = self.posted.landed()
+        return self.posted.tied(got[0].view(self.out.shape) if got else self.out)
+
+
+def post_shift(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, shift: int = 1,
+               recv_shape: Sequence[int] | None = None, check: bool | None = None) -> Shifted:
+    """Post the send of `x` to group position p + `shift` and the receive from p - `shift`
+    together, without waiting: `.wait()` gives the received tensor (`recv_shape`, default
+    `x`'s shape; `x`'s dtype), once the transfer overlapped whatever ran in between.
+
+    >>> nxt = post_shift(kv, bound, "cp", shift=1)   # doctest: +SKIP
+    >>> out = attend(q, kv)                         # doctest: +SKIP
+    >>> kv = nxt.wait()                             # doctest: +SKIP
+
+    For rings that overlap a transfer with compute (ring attention posts the next block
+    before attending to this one). Sizes may differ along the ring: each receiver names the
+    shape its sender sends; an empty tensor is not sent, and an empty `recv_shape` is not
+    received. One batch of point-to-point messages (`wire.p2p`; every byte recorded); a
+    shift that is a multiple of the group size copies `x`. Not differentiable, and not
+    exported by `mc.collectives`: meshcomm's own layers call it inside their autograd
+    functions (`mc.nn.attention`'s ring), and always wait what they post.
+    """
+    fn = "post_shift"
+    x = _tensor(fn, x)
+    g = _group(fn, mesh, axes)
+    if not _is_int(shift):
+        raise ShapeError(f"{fn} {_where(g)}: shift={shift!r} is not an int; fix: shift=1 sends"
+                         " to the next position")
+    shape = tuple(x.shape) if recv_shape is None else _shape(fn, g, recv_shape)
+    dst, src = (g.pos + shift) % g.size, (g.pos - shift) % g.size
+    if dst == g.pos and shape != tuple(x.shape):
+        raise ShapeError(f"{fn} {_where(g)}: shift={shift} is a multiple of the group size"
+                         f" {g.size}, so this rank receives its own x of shape {tuple(x.shape)},"
+                         f" not recv_shape={list(shape)}")
+    if checking(mesh, check):
+        _check(fn, g, x, ("shift", shift % g.size))
+    if dst == g.pos:
+        return Shifted(wire.Posted(()), x.clone())
+    numel = 1
+    for n in shape:
+        numel *= n
+    buf = x.new_empty(numel)
+    sends = [(x.contiguous().reshape(-1), g.order[dst])] if x.numel() else []
+    recvs = [(buf, g.order[src])] if numel else []
+    posted, _ = wire.p2p(sends, recvs, g.name)
+    return Shifted(posted, buf.view(shape))
+
+
+def _shape(fn: str, g: _Group, shape: object) -> tuple[int, ...]:
+    got = tuple(shape) if isinstance(shape, Sequence) else None
+    if got is None or not all(_is_int(n) and n >= 0 for n in got):
+        raise ShapeError(f"{fn} {_where(g)}: recv_shape={shape!r} is not a shape (a sequence of"
+                         " ints >= 0)")
+    return cast(tuple[int, ...], got)
+
+
 class _Permute(torch.autograd.Function):
     """collective_permute whose backward is the inverse routing (fan-out becomes a sum)."""
 

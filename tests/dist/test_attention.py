@@ -2,12 +2,14 @@
 float64: every strategy's output and the gradients of q, k and v equal one process's
 attention (relative error <= 1e-10), for causal, full, sliding-window and document masks,
 contiguous "(cp s)" and striped "(s cp)" splits, even and uneven sequences, MHA and GQA.
-One spawn per world size runs every case.
+One spawn per world size runs every case; it also measures the ring's bytes on the wire
+against its `Cost`, and (4 ranks) the ring's overlap of a slow wire with slow blocks.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -15,11 +17,14 @@ import torch
 
 import meshcomm as mc
 from meshcomm.core.errors import ShapeError
+from meshcomm.executors.distributed import wire
 from meshcomm.executors.sim import scatter
 from meshcomm.nn.attention import STRATEGIES, Mask, attention, attention_costs, reference
+from meshcomm.nn.attention import ring as ring_module
 from meshcomm.runtime.bind import BoundMesh
+from meshcomm.runtime.collectives import post_shift
 
-from conftest import ranks_fixture
+from conftest import ranks_fixture, slow_wire
 
 MASKS = [(False, None, False), (True, None, False), (True, 5, False), (False, 4, False),
          (True, None, True), (False, 3, True)]          # (causal, window, documents)
@@ -69,8 +74,83 @@ def run_case(bound: BoundMesh, strategy: str, seq: str, causal: bool, window: in
         assert got is not None and got.shape == w.shape, (got, w.shape)
         if w.numel() == 0:         # a rank with no tokens (7 over 8 ranks)
             continue
-        worst = max(worst, ((got - w).abs().max() / w.abs().max().clamp_min(1e-30)).item())
+        # relative to the whole tensor's scale: a rank's part may be exactly 0 (striped and
+        # causal, rank 0's one query sees one key: dq = 0), where rounding is all there is
+        scale = want.detach().abs().max().clamp_min(1e-30)
+        worst = max(worst, ((got.detach() - w).abs().max() / scale).item())
     return worst
+
+
+def ring_on_the_wire(bound: BoundMesh) -> dict[str, Any]:
+    """The ring's bytes and p2p batches on this rank, forward and backward, measured by the
+    wire, and its `Cost`: uneven (13 tokens), GQA, causal (skipped blocks still travel)."""
+    layout = "b h (cp s) d"
+    q, k, v, _ = _inputs(13, 4, 2, False)
+    lq, lk, lv = (scatter(t, bound.mesh, layout)[bound.rank].clone().requires_grad_()
+                  for t in (q, k, v))
+    with wire.recording() as heard:
+        attention(lq, lk, lv, bound, layout, causal=True, strategy="ring", shape=q.shape,
+                  kv_shape=k.shape).sum().backward()
+    cost = next(c for c in attention_costs(lq, lk, lv, bound, layout, shape=q.shape,
+                                           kv_shape=k.shape) if c.strategy == "ring")
+    return {"measured": (sum(w.sent * size for w, size in heard), len(heard),
+                         sorted({w.kind for w, _ in heard})),
+            "cost": (cost.sent_bytes, cost.calls)}
+
+
+DELAY_S = 0.2       # the slow wire: a message lands this long after it is posted
+COMPUTE_S = 0.2     # each block's attention, made this slow
+
+
+class _Until:
+    """A work that is done at `due` (perf_counter seconds)."""
+
+    def __init__(self, due: float) -> None:
+        self.due = due
+
+    def wait(self) -> None:
+        time.sleep(max(0.0, self.due - time.perf_counter()))
+
+
+def check_ring_overlap(bound: BoundMesh) -> dict[str, float]:
+    """The ring's forward on 4 ranks (every block computed: no mask) with every message
+    landing DELAY_S after it is posted and every block taking COMPUTE_S. Serial (a shift
+    posted and waited, then the block) takes 3 (delay + compute) + compute = 1.4 s; the
+    ring posts the next block before computing this one: about 3 max + compute = 0.8 s.
+    `slow_wire` delays the functional collectives; point-to-point batches get the same
+    delay here, as a work in each `Posted` that is done DELAY_S after the post."""
+    layout = "b h (cp s) d"
+    q, k, v, _ = _inputs(16, 4, 4, False)
+    lq, lk, lv = (scatter(t, bound.mesh, layout)[bound.rank] for t in (q, k, v))
+    mp = pytest.MonkeyPatch()
+    p2p, block = wire.p2p, ring_module.block
+
+    def slow_p2p(*args: Any) -> Any:
+        posted, call = p2p(*args)
+        return posted._replace(works=(*posted.works, _Until(time.perf_counter() + DELAY_S))), call
+
+    def slow_block(*args: Any) -> Any:
+        time.sleep(COMPUTE_S)
+        return block(*args)
+    try:
+        slow_wire(mp, DELAY_S)
+        mp.setattr(wire, "p2p", slow_p2p)
+        mp.setattr(ring_module, "block", slow_block)
+        kv = torch.stack([lk, lv])
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        for _ in range(3):
+            kv = post_shift(kv, bound, "cp").wait()
+            slow_block(lq, kv[0], kv[1], torch.ones((), dtype=torch.bool), 1.0)
+        slow_block(lq, kv[0], kv[1], torch.ones((), dtype=torch.bool), 1.0)
+        serial = time.perf_counter() - start
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        attention(lq, lk, lv, bound, layout, strategy="ring")
+        ring = time.perf_counter() - start
+    finally:
+        mp.undo()
+    return {"serial": serial, "ring": ring}
 
 
 def all_cases(rank: int, world: int) -> list[Any]:
@@ -82,7 +162,9 @@ def all_cases(rank: int, world: int) -> list[Any]:
     out.append(run_case(unnamed, "allgather", "(cp s)", True, None, False, 13, 4, 2))
     costs = attention_costs(*(torch.zeros(2, 4, 16 // world, 8) for _ in range(3)), bound,
                             "b h (cp s) d")
-    out.append({c.strategy: (c.sent_bytes, c.extra_bytes, c.calls) for c in costs})
+    out.append({"costs": {c.strategy: (c.sent_bytes, c.extra_bytes, c.calls) for c in costs},
+                "ring": ring_on_the_wire(bound),
+                "overlap": check_ring_overlap(bound) if world == 4 else None})
     return out
 
 
@@ -103,12 +185,32 @@ def test_every_strategy_equals_one_process(world: int, request: pytest.FixtureRe
 def test_costs_come_from_the_plans(four: list[Any]) -> None:
     """Even split over cp=4, (2, 4, 16, 8) float32: allgather sends its K and V block to 3
     peers forward and reduce-scatters dK, dV back; ulysses moves 3/4 of q, k, v, out each
-    way."""
-    costs = four[0][-1]
+    way; ring passes K and V on 3 times forward and 3 backward, and dK, dV 4 times, in
+    3 + 3 + 4 p2p batches, holding two K/V blocks and two dK/dV buffers."""
+    costs = four[0][-1]["costs"]
     block = 2 * 4 * 4 * 8 * 4                      # one rank's K block, bytes
     assert costs["allgather"][0] == 2 * 2 * 3 * block
     assert costs["ulysses"][0] == 2 * 4 * 3 * block // 4 * 1
     assert costs["allgather"][1] == 2 * 4 * block        # the whole K and V
+    assert costs["ring"] == (2 * (3 + 3 + 4) * block, 2 * 2 * 2 * block, 3 + 3 + 4)
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_ring_sends_what_its_cost_says(world: int, request: pytest.FixtureRequest) -> None:
+    """Measured by the wire on every rank (uneven blocks: rank 3 of 4 holds 1 token, rank 7
+    of 8 none): bytes and batches equal the ring's Cost, all point to point."""
+    results = request.getfixturevalue("four" if world == 4 else "eight")
+    for r in results:
+        got = r[-1]["ring"]
+        assert got["measured"] == (*got["cost"], ["p2p"]), got
+
+
+def test_ring_overlaps_a_slow_wire_with_its_blocks(four: list[Any]) -> None:
+    """Serial: 3 (delay + compute) + compute = 1.4 s; the ring: about 3 max + compute."""
+    for r in four:
+        timing = r[-1]["overlap"]
+        assert timing["serial"] >= (3 * (DELAY_S + COMPUTE_S) + COMPUTE_S) * 0.95, timing
+        assert timing["ring"] < 0.75 * timing["serial"], timing
 
 
 def test_bad_arguments_raise_before_any_communication() -> None:

@@ -23,9 +23,10 @@ import meshcomm as mc
 from meshcomm.core.reduce_ops import REDUCE_OPS
 from meshcomm.planner import Transfer
 from meshcomm.runtime.bind import BoundMesh
-from meshcomm.runtime.collectives import _group
+from meshcomm.runtime.collectives import _group, post_shift
 from meshcomm.core.errors import MeshAxisError, MeshMismatchError, ShapeError
 from meshcomm.core.mesh import Mesh
+from meshcomm.executors.distributed import wire
 from meshcomm.executors.sim import collectives as sim
 
 from conftest import ints, ranks_fixture
@@ -304,6 +305,28 @@ def check_autograd(bound: BoundMesh) -> list[str]:
     return failures
 
 
+# ---- post_shift: a ring step posted now, waited later ----------------------------------------
+
+def check_post_shift(bound: BoundMesh) -> list[str]:
+    """Over ("tp", "dp") (caller order), sizes differing along the ring (position 0 sends
+    nothing): position p gets p - 1's tensor, from one p2p batch that sends what x holds;
+    shift=4 (the group size) copies x without a message."""
+    axes = ("tp", "dp")
+    ranks, p = bound.mesh.members(bound.rank, *axes), bound.mesh.group_index(bound.rank, *axes)[1]
+    x = torch.full((p, 3), float(bound.rank))
+    with wire.recording() as heard:
+        posted = post_shift(x, bound, axes, recv_shape=((p - 1) % 4, 3))
+        got = posted.wait()
+        own = post_shift(x, bound, axes, shift=4).wait()
+    want = torch.full(((p - 1) % 4, 3), float(ranks[(p - 1) % 4]))
+    failures = []
+    if not torch.equal(got, want) or not torch.equal(own, x):
+        failures.append(f"rank {bound.rank}: got {got.tolist()} and {own.tolist()}")
+    if [(w.kind, w.sent) for w, _ in heard] != [("p2p", x.numel())]:
+        failures.append(f"rank {bound.rank}: wire {heard}")
+    return failures
+
+
 # ---- torch.compile ------------------------------------------------------------------------
 
 def check_compile(bound: BoundMesh) -> dict[str, list[str]]:
@@ -448,6 +471,11 @@ ERRORS = [
     (lambda: mc.collectives.sendrecv(X, B, "tp", dst=None, src=None), MeshAxisError,
      (f"sendrecv {ON_TP}: give dst, src or both; fix: dst=position to send to, src=position to"
      " receive from")),
+    (lambda: post_shift(X, B, "tp", recv_shape=(5, -2)), ShapeError,
+     f"post_shift {ON_TP}: recv_shape=(5, -2) is not a shape (a sequence of ints >= 0)"),
+    (lambda: post_shift(X, B, "tp", shift=4, recv_shape=(4, 2)), ShapeError,
+     (f"post_shift {ON_TP}: shift=4 is a multiple of the group size 4, so this rank receives"
+      " its own x of shape (5, 2), not recv_shape=[4, 2]")),
     (lambda: mc.collectives.recv(X, B, ("tp", "dp"), src=8), MeshAxisError,
      ("recv over ('tp', 'dp') of Mesh(dp=2, tp=4): src=8 is not a position of the group (0..7,"
      " ranks [0, 4, 1, 5, 2, 6, 3, 7]); it is a position within the group, not a global rank")),
@@ -472,7 +500,8 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     bound = mc.init_mesh("dp=2 tp=2")
     report: dict[str, Any] = {"sim": check_against_sim(bound, AXES_4),
                               "forms": check_group_forms(bound),
-                              "autograd": check_autograd(bound)}
+                              "autograd": check_autograd(bound),
+                              "shift": check_post_shift(bound)}
     report["compile"] = check_compile(bound)
     return report
 
@@ -505,6 +534,10 @@ def test_group_forms_device_mesh_process_group_and_rank_lists(four: list[dict[st
 
 def test_gradients_equal_the_single_process_reference(four: list[dict[str, Any]]) -> None:
     assert section(four, "autograd") == ""
+
+
+def test_post_shift_passes_uneven_blocks_round_a_ring(four: list[dict[str, Any]]) -> None:
+    assert section(four, "shift") == ""
 
 
 @pytest.mark.parametrize("kind", KINDS)

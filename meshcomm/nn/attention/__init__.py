@@ -3,7 +3,8 @@ layout: `mc.nn.attention(q, k, v, bound, "(dp b) (tp h) (cp s) d", causal=True)`
 
 Building-block layer. The call is resolved once from the arguments (`call.py`), the
 strategy picked from what each one moves (`strategies.costs`), and run with meshcomm plans
-and the block math of `blocks.py`; backward is autograd through the plans.
+and the block math of `blocks.py` (backward: autograd through the plans), or as a ring of
+point-to-point steps that overlap with the blocks' math (`ring.py`, its own backward).
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from ...runtime.bind import BoundMesh, require_bound
 from .blocks import Mask, reference
 from .call import Call, resolve
 from .strategies import Cost, allgather, costs, ulysses
+from .strategies import ring as ring_strategy  # `ring` names the module (ring.py)
 
 STRATEGIES: dict[str, Callable[[Call, Tensor, Tensor, Tensor, Tensor | None], Tensor]] = {
     "allgather": allgather,
     "ulysses": ulysses,
+    "ring": ring_strategy,
 }
 
 __all__ = ["Cost", "Mask", "STRATEGIES", "attention", "attention_costs",
@@ -55,7 +58,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | L
     away) and `document_ids` (per token, in `layout`'s batch and sequence dims: a query
     sees keys of its own document only) combine. Keys and values may have fewer heads
     (GQA: a whole number of query heads per key head) and another sequence length.
-    `strategy`: "allgather", "ulysses" or "auto" (the one sending the fewest bytes,
+    `strategy`: "allgather", "ulysses", "ring" or "auto" (the one sending the fewest bytes,
     `attention_costs`). `shape` / `kv_shape`: the global shapes, needed when a split is
     uneven.
     """

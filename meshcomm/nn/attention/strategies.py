@@ -8,10 +8,15 @@
   attends whole sequences of its heads. Heads that do not divide by the group are uneven
   layouts (some ranks hold fewer heads), exact. Key/value heads are repeated to the
   query heads first (GQA), so the heads of a rank always meet their keys.
+- `ring`: queries stay; key/value blocks pass around the sequence's group point to point,
+  the next one posted before the current one is computed (`ring.py`). Backward: the blocks
+  go round again and dK/dV travel with their block back to its owner. Extra memory: two
+  blocks of K, V and of dK, dV.
 
 A strategy takes the call (`call.py`) and the user's local tensors, returns the output in
-the query layout; autograd runs backward through the plans (the engine's `Reshard`).
-Every byte figure comes from the plans (`costs`).
+the query layout; autograd runs backward through the plans (the engine's `Reshard`), or
+the ring's own function. Every byte figure comes from the plans, or the ring's schedule
+(`costs`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ...planner.values import Plan
 from ...sharded import reshard
 from .blocks import block
 from .call import Call
+from .ring import ring_attention, traffic
 
 
 def whole_seq(call: Call, layout: Layout) -> Layout:
@@ -118,10 +124,19 @@ def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> 
                    shape=call.q_shape)
 
 
+def ring(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
+    kdoc = doc
+    src, dst = doc_layout(call, call.q_layout), doc_layout(call, call.kv_layout)
+    if doc is not None and src != dst:       # the keys' ids where the keys are
+        kdoc = reshard(doc, call.bound, src, dst, shape=_doc_shape(call, call.q_shape))
+    return ring_attention(call, q, k, v, _docs(doc), _docs(kdoc))
+
+
 @dataclass(frozen=True)
 class Cost:
     """One strategy's figures on this rank for a forward and backward: bytes sent (from
-    the plans), extra peak memory (bytes of the largest buffers it adds), collective calls."""
+    the plans; the ring's from its schedule), extra peak memory (bytes of the largest
+    buffers it adds), collective calls (the ring's: point-to-point batches)."""
 
     strategy: str
     sent_bytes: int
@@ -163,4 +178,5 @@ def costs(call: Call, dtype: torch.dtype) -> list[Cost]:
         k_local *= n
     out.append(Cost("ulysses", 2 * sq + 2 * sk, (2 * q_local + 2 * k_local) * item,
                     2 * cq + 2 * ck))
+    out.append(Cost("ring", *traffic(call, dtype)))
     return out

@@ -1,0 +1,217 @@
+"""The ring strategy: each rank keeps its queries; the key/value blocks pass around the
+group of the sequence's axes, one hop (+1, in mesh order) per step, and each rank attends
+its queries to every block as it arrives, merging the partial results by their
+log-sum-exp (`blocks.merge`, in float32; float64 for float64 inputs).
+
+Overlap: at each step the next block's exchange is posted (`post_shift`) before this
+block's attention is computed, and waited after it. Blocks that no query of the rank
+sees by position (`Mask.skips`: causal, window) are passed on but not computed.
+
+Backward is the classic ring: the blocks pass around again; each rank recomputes a
+block's probabilities from the saved q, out and log-sum-exp, adds to its own dq, and adds
+its share of the block's dK/dV to a buffer that travels with the block; after the full
+cycle the buffer takes one more hop, to the block's owner. Saved: q, k, v, out and the
+log-sum-exp (this rank's, never the sequence's). Uneven splits send each block at its true
+size (every rank derives every block's size from the layout); an empty block is not sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+from ...core.mesh import AxisName
+from ...runtime.collectives import Shifted, post_shift
+from .blocks import block, compute_dtype, merge
+from .call import Call
+
+Arriving = Callable[[], tuple[Tensor, Tensor | None]]     # waits a block (and its doc ids)
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One call's ring on this rank: the sequence's axes in mesh order, their group's global
+    ranks in that order, and this rank's position. At step t this rank holds the key/value
+    block of position (pos - t) mod size."""
+
+    call: Call
+    axes: tuple[AxisName, ...]
+    ranks: tuple[int, ...]
+    pos: int
+
+    @classmethod
+    def of(cls, call: Call) -> Ring:
+        axes = tuple(a for a in call.mesh.axis_names if a in call.seq_axes)
+        ranks = call.mesh.members(call.bound.rank, *axes)
+        return cls(call, axes, ranks, ranks.index(call.bound.rank))
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def kpos(self, step: int) -> tuple[int, ...]:
+        """The global key positions of the block this rank holds at `step`."""
+        owner = self.ranks[(self.pos - step) % self.size]
+        return self.call.positions(self.call.kv_layout, self.call.kv_shape, owner)
+
+    def qpos(self) -> tuple[int, ...]:
+        return self.call.positions(self.call.q_layout, self.call.q_shape, self.call.bound.rank)
+
+    def allowed(self, step: int, qdoc: Tensor | None, kdoc: Tensor | None,
+                device: torch.device) -> Tensor | None:
+        """The mask of this rank's queries against the block of `step`; None when no query
+        sees a key of it by position (the block is skipped)."""
+        qpos, kpos = self.qpos(), self.kpos(step)
+        if self.call.mask.skips(qpos, kpos):
+            return None
+        return self.call.mask.allowed(torch.tensor(qpos, dtype=torch.long, device=device),
+                                      torch.tensor(kpos, dtype=torch.long, device=device),
+                                      qdoc, kdoc)
+
+    def shape(self, step: int, like: Tensor) -> tuple[int, ...]:
+        """`like` ((2, b, h, s, d): K and V, or dK and dV) at the length of `step`'s block."""
+        return (*like.shape[:3], len(self.kpos(step)), like.shape[4])
+
+    def shift(self, x: Tensor, shape: tuple[int, ...]) -> Shifted:
+        return post_shift(x, self.call.bound, self.axes, shift=1, recv_shape=shape)
+
+    def post(self, kv: Tensor, doc: Tensor | None, step: int) -> Arriving:
+        """Pass this rank's block (and its doc ids) on; the block of `step` arrives."""
+        kv_in = self.shift(kv, self.shape(step, kv))
+        doc_in = None if doc is None else self.shift(doc, (doc.shape[0], len(self.kpos(step))))
+        return lambda: (kv_in.wait(), None if doc_in is None else doc_in.wait())
+
+
+def ring_attention(call: Call, q: Tensor, k: Tensor, v: Tensor, qdoc: Tensor | None,
+                   kdoc: Tensor | None) -> Tensor:
+    """This rank's attention output (in `q`'s layout) by the ring; `qdoc` / `kdoc`: the doc
+    ids (b, s) of this rank's queries and keys, or None."""
+    out = _RingAttention.apply(q, k, v, Ring.of(call), qdoc, kdoc)  # type: ignore[no-untyped-call]
+    return cast(Tensor, out)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ring: Ring, qdoc: Tensor | None,
+                kdoc: Tensor | None) -> Tensor:
+        call = ring.call
+        kv = torch.stack([call.canonical(k), call.canonical(v)])
+        out, lse = _forward(ring, call.canonical(q), kv, qdoc, kdoc)
+        y = call.user(out.to(q.dtype))
+        ctx.ring = ring
+        ctx.save_for_backward(q, k, v, y, lse, qdoc, kdoc)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, y, lse, qdoc, kdoc = ctx.saved_tensors
+        ring: Ring = ctx.ring
+        call = ring.call
+        kv = torch.stack([call.canonical(k), call.canonical(v)])
+        dq, dkv = _backward(ring, call.canonical(q), kv, call.canonical(y), lse,
+                            call.canonical(dy), qdoc, kdoc)
+        return (call.user(dq.to(q.dtype)), call.user(dkv[0].to(k.dtype)),
+                call.user(dkv[1].to(v.dtype)), None, None, None)
+
+
+def _forward(ring: Ring, q: Tensor, kv: Tensor, qdoc: Tensor | None, kdoc: Tensor | None
+             ) -> tuple[Tensor, Tensor]:
+    """(out, lse) of queries `q` (b, hq, s, d) over every block, in the compute dtype;
+    `kv` (2, b, hk, s, d) is this rank's block."""
+    out: Tensor | None = None
+    lse: Tensor | None = None
+    for step in range(ring.size):
+        arriving = ring.post(kv, kdoc, step + 1) if step + 1 < ring.size else None
+        allowed = ring.allowed(step, qdoc, kdoc, q.device)
+        if allowed is not None:
+            o, s = block(q, kv[0], kv[1], allowed, ring.call.scale)
+            out, lse = (o, s) if out is None or lse is None else merge(out, lse, o, s)
+        if arriving is not None:
+            kv, kdoc = arriving()
+    if out is None or lse is None:          # no key seen: out 0, lse -inf (as `block`)
+        dt = compute_dtype(q.dtype)
+        return q.new_zeros(q.shape, dtype=dt), q.new_full(q.shape[:3], float("-inf"), dtype=dt)
+    return out, lse
+
+
+def _backward(ring: Ring, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+              qdoc: Tensor | None, kdoc: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(dq, dkv) in the compute dtype: dq of this rank's queries, dkv (2, b, hk, s, d) the
+    gradient of this rank's keys and values, summed over every rank's queries."""
+    dt = compute_dtype(q.dtype)
+    delta = (dout.to(dt) * out.to(dt)).sum(-1)
+    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    travelling: Shifted | None = None        # the dK/dV buffer of the block of this step
+    acc = kv.new_zeros(kv.shape, dtype=dt)
+    for step in range(ring.size):
+        arriving = ring.post(kv, kdoc, step + 1) if step + 1 < ring.size else None
+        allowed = ring.allowed(step, qdoc, kdoc, q.device)
+        grads = None
+        if allowed is not None:
+            grads = block_grads(q, kv[0], kv[1], dout, lse, delta, allowed, ring.call.scale)
+            dq += grads[0]
+        if travelling is not None:
+            acc = travelling.wait()          # the sum of the ranks before this one
+        if grads is not None:
+            acc[0] += grads[1]
+            acc[1] += grads[2]
+        if ring.size > 1:                     # on with the block; after the last step, home
+            travelling = ring.shift(acc, ring.shape(step + 1, acc))
+        if arriving is not None:
+            kv, kdoc = arriving()
+    return dq, acc if travelling is None else travelling.wait()
+
+
+def block_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+                allowed: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block, in the compute dtype, from the whole attention's `lse`
+    (b, hq, sq) and `delta` = sum(dout * out, -1): the probabilities recomputed, as flash
+    attention's backward. GQA: dk and dv summed over the query heads of each key head."""
+    dt = compute_dtype(q.dtype)
+    hq, hk = q.shape[1], k.shape[1]
+    group = hq // hk
+    kr, vr = k.to(dt), v.to(dt)
+    if group > 1:
+        kr, vr = kr.repeat_interleave(group, dim=1), vr.repeat_interleave(group, dim=1)
+    qd, dod = q.to(dt), dout.to(dt)
+    scores = torch.matmul(qd, kr.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), dod)
+    ds = p * (torch.matmul(dod, vr.transpose(-1, -2)) - delta[..., None])
+    dq = torch.matmul(ds, kr) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qd) * scale
+    if group > 1:
+        b, _, sk, d = dk.shape
+        dk = dk.view(b, hk, group, sk, d).sum(2)
+        dv = dv.view(b, hk, group, sk, d).sum(2)
+    return dq, dk, dv
+
+
+def traffic(call: Call, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(bytes sent, extra bytes, point-to-point batches) of a forward and backward on this
+    rank, doc ids aside. Sent: K and V of every block but the one that would come back,
+    forward and again backward, and the dK/dV buffer of every block (compute dtype), each
+    at its true size. Extra: two K/V blocks (the one computing, the one arriving) and two
+    dK/dV buffers, of the largest block. Batches: size - 1 forward; backward size - 1 for
+    the blocks and size for their dK/dV (3 size - 2 in all, as torch's ring)."""
+    ring = Ring.of(call)
+    if ring.size == 1:
+        return 0, 0, 0
+    item = torch.empty((), dtype=dtype).element_size()
+    grad_item = torch.empty((), dtype=compute_dtype(dtype)).element_size()
+    mesh = call.mesh
+    numel = []
+    for step in range(ring.size):
+        owner = ring.ranks[(ring.pos - step) % ring.size]
+        n = 1
+        for size in call.kv_layout.local_shape(mesh, call.kv_shape, owner):
+            n *= size
+        numel.append(n)
+    sent = 2 * 2 * sum(numel[:-1]) * item + 2 * sum(numel) * grad_item
+    extra = 2 * 2 * max(numel) * (item + grad_item)
+    return sent, extra, 3 * ring.size - 2
