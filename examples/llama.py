@@ -33,6 +33,7 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,9 @@ class Attention(nn.Module):
         self.n_layers = args.n_layers
         self.init_std = args.init_std
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        # context parallelism: the attention of (b, h, s, d) q, k, v, e.g. mc.nn.attention
+        # over a split sequence (examples/train_llama.py --mesh with a cp axis); None: SDPA
+        self.attend: Any = None
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
@@ -154,6 +158,9 @@ class Attention(nn.Module):
                              " heads: the query heads must be a multiple (split wq and wk/wv"
                              " over the same number of ranks)")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.attend is not None:      # takes grouped heads as they are (GQA)
+            out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return self.wo(out.transpose(1, 2).reshape(b, s, n_heads * self.head_dim))
         rep = n_heads // n_kv_heads
         if rep > 1:   # kv head j serves q heads j*rep .. j*rep + rep - 1
             k = k.repeat_interleave(rep, dim=2)
@@ -242,12 +249,17 @@ class Transformer(nn.Module):
         self.norm.reset_parameters(generator)
         _linear_init(self.output, self.args.dim ** -0.5, generator)
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits of `tokens` (batch, seq); `positions` (seq,): the tokens' positions in their
+        sequence (default 0..seq-1; under context parallelism, this rank's share)."""
         seq = tokens.shape[1]
-        if seq > self.args.max_seq_len:
+        if positions is None and seq > self.args.max_seq_len:
             raise ValueError(f"sequence of {seq} tokens is longer than max_seq_len"
                              f" {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if positions is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)

@@ -17,11 +17,19 @@ with Llama-3-8B's shapes built on the meta device, on dp=128 x tp=8, each collec
 training step with its bytes, the rank's peak tensor memory and host time:
 
     meshcomm dryrun -n 1024 --rank 5 examples/train_llama.py --size 8b --mesh "dp=128 tp=8"
+
+With a cp axis the sequence is split too (context parallelism, docs/context.md), e.g.
+Llama-3-8B at 131,072 tokens:
+
+    meshcomm dryrun -n 1024 --rank 5 examples/train_llama.py --size 8b \
+        --mesh "dp=8 cp=16 tp=8" --seq 131072 --cp-strategy allgather
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -67,24 +75,46 @@ LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_siz
 
 def dry_run(args: argparse.Namespace) -> int:
     """Under `meshcomm dryrun`: this rank's training steps on meta tensors, nothing checked
-    against other ranks (there are none); the dry run prints what the rank did."""
+    against other ranks (there are none); the dry run prints what the rank did.
+
+    A mesh with a `cp` axis splits the sequence too (context parallelism): each rank holds
+    `"(dp b) (cp s)"` of the tokens, with their positions (the rotary embedding reads
+    them), the attention runs `mc.nn.attention` over `"(dp b) (tp h) (cp s) d"`
+    (`--cp-strategy`), and the parameters are replicated over cp (`fully_shard(...,
+    replicate="cp")`: the cp ranks average their gradients, as HSDP's replicas)."""
     bound = mc.init_mesh(args.mesh)
     margs = LLAMA3_8B if args.size == "8b" else model_args(251)
+    seq = args.seq or (8192 if args.size == "8b" else 32)
+    cp = "cp" in bound.mesh.axis_names
+    if seq > margs.max_seq_len:
+        margs = dataclasses.replace(margs, max_seq_len=seq)
     with torch.device("meta"):
         model = Transformer(margs)
     mc.nn.parallelize(model, bound, SP_PLAN if args.sequence_parallel else PLAN, axis="tp")
+    replicate = "cp" if cp else None
     for block in model.layers:
-        mc.nn.fully_shard(block, bound, axis="dp")
-    mc.nn.fully_shard(model, bound, axis="dp")
+        mc.nn.fully_shard(block, bound, axis="dp", replicate=replicate)
+    mc.nn.fully_shard(model, bound, axis="dp", replicate=replicate)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, foreach=False)
-    seq = args.seq or (8192 if args.size == "8b" else 32)
     tokens = torch.zeros(args.batch, seq + 1, dtype=torch.long, device="meta")
+    inputs, labels, positions = tokens[:, :-1], tokens[:, 1:], None
+    if cp:
+        layout = "(dp b) (tp h) (cp s) d" if "tp" in bound.mesh.axis_names else "(dp b) h (cp s) d"
+        for block in model.layers:
+            block.attention.attend = functools.partial(
+                mc.nn.attention, bound=bound, layout=layout, causal=True,
+                strategy=args.cp_strategy)
+        n = bound.mesh.axis_size("cp")
+        mine = mc.Layout("(cp s)").indices(mc.Mesh(f"cp={n}"), (seq,), bound.coords["cp"])[0]
+        start, stop = mine[0], mine[-1] + 1        # "(cp s)": one run of tokens
+        inputs, labels = inputs[:, start:stop], labels[:, start:stop]
+        positions = torch.arange(start, stop, device="meta")
     for _ in range(args.steps):
-        logits = model(tokens[:, :-1])
+        logits = model(inputs, positions)
         if args.sequence_parallel:
-            loss = loss_fn(logits, tokens[:, 1:])
+            loss = loss_fn(logits, labels)
         else:
-            loss = mc.nn.vocab_parallel_cross_entropy(logits, tokens[:, 1:], bound, "tp",
+            loss = mc.nn.vocab_parallel_cross_entropy(logits, labels, bound, "tp",
                                                       vocab_size=margs.vocab_size)
         opt.zero_grad()
         loss.backward()
@@ -147,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="split activations between blocks over the sequence too")
     ap.add_argument("--size", choices=("tiny", "8b"), default="tiny",
                     help="dry runs only: tiny (the tested model) or Llama-3-8B's shapes")
-    ap.add_argument("--mesh", default=MESH, help="dry runs only: the mesh (dp and tp axes)")
+    ap.add_argument("--mesh", default=MESH, help="dry runs only: the mesh (dp and tp axes,"
+                    " and cp to split the sequence)")
+    ap.add_argument("--cp-strategy", default="auto", help="dry runs with a cp axis: the"
+                    " attention strategy (allgather, ulysses or auto)")
     ap.add_argument("--batch", type=int, default=1, help="dry runs only: sequences per rank")
     ap.add_argument("--seq", type=int, default=0, help="dry runs only: sequence length"
                     " (default 8192 for 8b, 32 for tiny)")

@@ -106,3 +106,16 @@ def test_cli_runs_the_llama_example_dry() -> None:
     assert "step 1:" in out and "step 2:" in out and "step 3:" not in out
     assert "all_gather      dp (4)" in out and "all_reduce      tp (2)" in out
     assert "reduce_scatter  dp (4)" in out
+
+
+def test_cli_runs_the_llama_example_dry_with_context_parallelism() -> None:
+    """A cp axis splits the sequence: 2 layers gather K and V over cp (allgather strategy)
+    and reduce-scatter dK, dV back; the parameters' gradients are averaged over cp too."""
+    proc = subprocess.run([sys.executable, "-m", "meshcomm", "dryrun", "-n", "16", "--rank",
+                           "5", "examples/train_llama.py", "--mesh", "dp=2 cp=4 tp=2",
+                           "--steps", "1", "--cp-strategy", "allgather"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "4 x all_gather      cp (4)" in out and "4 x reduce_scatter  cp (4)" in out
+    assert "all_reduce      cp (4)" in out and "all_gather      dp (2)" in out
