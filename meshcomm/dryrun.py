@@ -176,6 +176,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         name = func.__name__.split(".")[0]
         if func.namespace == "_c10d_functional" and name in _KINDS:
             self.calls.append(_collective(_KINDS[name], args, out))
+        elif func.namespace == "_c10d_functional" and name == "batch_p2p_ops":
+            self.calls.append(_p2p(args))
         # these hand back their input on a device; their meta kernels make a new tensor
         same = (storage_key(args[0]) if func.namespace == "_c10d_functional"
                 and name in _PASS_THROUGH and isinstance(args[0], torch.Tensor) else None)
@@ -235,6 +237,16 @@ def _collective(kind: str, args: Any, out: Any) -> Collective:
         splits = (tuple(s * row for s in args[2]), tuple(s * row for s in args[1]))
     call = Wire(kind, size, _position(group_name), numel_in, numel_out, *splits)
     return Collective(kind, group, size, call.sent * item, call.received * item)
+
+
+def _p2p(args: Any) -> Collective:
+    """One batch of point-to-point messages (a ring's shift, a permute, a transfer between
+    meshes): the bytes of its sends and of its receives, as `wire.p2p` counts them."""
+    kinds, _, _, tensors, group_name = args[:5]
+    size, group = _group(group_name or "")
+    sent = sum(t.numel() * t.element_size() for k, t in zip(kinds, tensors) if k == "isend")
+    got = sum(t.numel() * t.element_size() for k, t in zip(kinds, tensors) if k == "irecv")
+    return Collective("p2p", group, size, sent, got)
 
 
 def _group(name: str) -> tuple[int, str]:
