@@ -12,7 +12,9 @@ float64), so merging blocks in any order gives the softmax over their union.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -110,3 +112,95 @@ def reference(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float | None =
     allowed = mask.allowed(torch.arange(s_q), torch.arange(s_k), doc, doc)
     out, _ = block(q, k, v, allowed.to(q.device), scale)
     return out.to(q.dtype)
+
+
+def block_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+                allowed: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block, in the compute dtype, from the whole attention's `lse`
+    (b, hq, sq) and `delta` = sum(dout * out, -1): the probabilities recomputed, as flash
+    attention's backward. GQA: dk and dv summed over the query heads of each key head."""
+    dt = compute_dtype(q.dtype)
+    hq, hk = q.shape[1], k.shape[1]
+    group = hq // hk if hk else 1      # a rank may hold no heads (ulysses, uneven)
+    kr, vr = k.to(dt), v.to(dt)
+    if group > 1:
+        kr, vr = kr.repeat_interleave(group, dim=1), vr.repeat_interleave(group, dim=1)
+    qd, dod = q.to(dt), dout.to(dt)
+    scores = torch.matmul(qd, kr.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), dod)
+    ds = p * (torch.matmul(dod, vr.transpose(-1, -2)) - delta[..., None])
+    dq = torch.matmul(ds, kr) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), qd) * scale
+    if group > 1:
+        b, _, sk, d = dk.shape
+        dk = dk.view(b, hk, group, sk, d).sum(2)
+        dv = dv.view(b, hk, group, sk, d).sum(2)
+    return dq, dk, dv
+
+
+# -- many blocks of keys, flash-style: nothing of size queries x sequence is kept -----------
+KEY_CHUNK = 4096      # keys per block of `chunked` (its scores: queries x this many)
+
+
+def chunked(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
+            qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None = None,
+            kdoc: Tensor | None = None, chunk: int = KEY_CHUNK) -> Tensor:
+    """The attention of queries `q` (b, hq, sq, d) at positions `qpos` over keys and values
+    (b, hk, sk, d) at positions `kpos`, in the compute dtype, block by block of `chunk`
+    keys: blocks no query sees by position are skipped, partial results merge by their
+    log-sum-exp, and backward recomputes each block's probabilities from the saved q, out
+    and lse (`block_grads`). Memory: queries x `chunk` scores at a time, never queries x
+    keys. Differentiable in q, k and v."""
+    out = _Chunked.apply(q, k, v, mask, scale, tuple(qpos), tuple(kpos), qdoc, kdoc,
+                         max(1, chunk))  # type: ignore[no-untyped-call]
+    return cast(Tensor, out)
+
+
+def _chunks(kpos: tuple[int, ...], chunk: int) -> list[tuple[int, int]]:
+    return [(c, min(c + chunk, len(kpos))) for c in range(0, len(kpos), chunk)]
+
+
+class _Chunked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
+                qpos: tuple[int, ...], kpos: tuple[int, ...], qdoc: Tensor | None,
+                kdoc: Tensor | None, chunk: int) -> Tensor:
+        dt = compute_dtype(q.dtype)
+        out = q.new_zeros(q.shape, dtype=dt)
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=dt)
+        qp = torch.tensor(qpos, dtype=torch.long, device=q.device)
+        for c0, c1 in _chunks(kpos, chunk):
+            if mask.skips(qpos, kpos[c0:c1]):
+                continue
+            kp = torch.tensor(kpos[c0:c1], dtype=torch.long, device=q.device)
+            allowed = mask.allowed(qp, kp, qdoc, None if kdoc is None else kdoc[:, c0:c1])
+            o, s = block(q, k[:, :, c0:c1], v[:, :, c0:c1], allowed, scale)
+            out, lse = merge(out, lse, o, s)
+        ctx.args = (mask, scale, qpos, kpos, chunk)
+        ctx.save_for_backward(q, k, v, out, lse, qdoc, kdoc)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, qdoc, kdoc = ctx.saved_tensors
+        mask, scale, qpos, kpos, chunk = ctx.args
+        dt = compute_dtype(q.dtype)
+        delta = (dout.to(dt) * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=dt, device=k.device)
+        dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+        qp = torch.tensor(qpos, dtype=torch.long, device=q.device)
+        for c0, c1 in _chunks(kpos, chunk):
+            if mask.skips(qpos, kpos[c0:c1]):
+                continue
+            kp = torch.tensor(kpos[c0:c1], dtype=torch.long, device=q.device)
+            allowed = mask.allowed(qp, kp, qdoc, None if kdoc is None else kdoc[:, c0:c1])
+            gq, gk, gv = block_grads(q, k[:, :, c0:c1], v[:, :, c0:c1], dout, lse, delta,
+                                     allowed, scale)
+            dq += gq
+            dk[:, :, c0:c1] = gk
+            dv[:, :, c0:c1] = gv
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None,
+                None, None, None)

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ...core.mesh import AxisName
 from ...runtime.collectives import Shifted, post_shift
-from .blocks import block, compute_dtype, merge
+from .blocks import block, block_grads, compute_dtype, merge
 from .call import Call
 
 Arriving = Callable[[], tuple[Tensor, Tensor | None]]     # waits a block (and its doc ids)
@@ -164,32 +164,6 @@ def _backward(ring: Ring, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dout:
         if arriving is not None:
             kv, kdoc = arriving()
     return dq, acc if travelling is None else travelling.wait()
-
-
-def block_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                allowed: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of one block, in the compute dtype, from the whole attention's `lse`
-    (b, hq, sq) and `delta` = sum(dout * out, -1): the probabilities recomputed, as flash
-    attention's backward. GQA: dk and dv summed over the query heads of each key head."""
-    dt = compute_dtype(q.dtype)
-    hq, hk = q.shape[1], k.shape[1]
-    group = hq // hk
-    kr, vr = k.to(dt), v.to(dt)
-    if group > 1:
-        kr, vr = kr.repeat_interleave(group, dim=1), vr.repeat_interleave(group, dim=1)
-    qd, dod = q.to(dt), dout.to(dt)
-    scores = torch.matmul(qd, kr.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), dod)
-    ds = p * (torch.matmul(dod, vr.transpose(-1, -2)) - delta[..., None])
-    dq = torch.matmul(ds, kr) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qd) * scale
-    if group > 1:
-        b, _, sk, d = dk.shape
-        dk = dk.view(b, hk, group, sk, d).sum(2)
-        dv = dv.view(b, hk, group, sk, d).sum(2)
-    return dq, dk, dv
 
 
 def traffic(call: Call, dtype: torch.dtype) -> tuple[int, int, int]:

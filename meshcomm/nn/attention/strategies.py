@@ -31,7 +31,7 @@ from ...executors.distributed.autograd import reshard_autograd
 from ...planner.plan import plan
 from ...planner.values import Plan
 from ...sharded import reshard
-from .blocks import block
+from .blocks import chunked
 from .call import Call
 from .ring import ring_attention, traffic
 
@@ -84,16 +84,15 @@ def allgather(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -
     full = whole_seq(call, call.kv_layout)
     k_all = gathered(call, k, call.kv_layout, call.kv_shape)
     v_all = gathered(call, v, call.kv_layout, call.kv_shape)
-    qpos = torch.tensor(call.positions(call.q_layout, call.q_shape, rank), device=q.device)
-    kpos = torch.arange(call.kv_shape[call.seq_dim], device=q.device)
+    qpos = call.positions(call.q_layout, call.q_shape, rank)
+    kpos = range(call.kv_shape[call.seq_dim])
     kdoc = None
     if doc is not None:
         src = doc_layout(call, call.q_layout)
         kdoc = reshard(doc, bound, src, doc_layout(call, full),
                        shape=_doc_shape(call, call.q_shape))
-    allowed = call.mask.allowed(qpos, kpos, _docs(doc), _docs(kdoc))
-    out, _ = block(call.canonical(q), call.canonical(k_all), call.canonical(v_all), allowed,
-                   call.scale)
+    out = chunked(call.canonical(q), call.canonical(k_all), call.canonical(v_all), call.mask,
+                  call.scale, qpos, kpos, _docs(doc), _docs(kdoc))
     return call.user(out.to(q.dtype))
 
 
@@ -109,17 +108,14 @@ def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> 
     q_h = reshard(q, bound, call.q_layout, q_heads, shape=call.q_shape)
     k_h = reshard(k, bound, kv_layout, kv_heads, shape=kv_shape)
     v_h = reshard(v, bound, kv_layout, kv_heads, shape=kv_shape)
-    dev = q.device
-    qpos = torch.arange(call.q_shape[call.seq_dim], device=dev)
-    kpos = torch.arange(call.kv_shape[call.seq_dim], device=dev)
+    qpos, kpos = range(call.q_shape[call.seq_dim]), range(call.kv_shape[call.seq_dim])
     full_doc = None
     if doc is not None:
         src = doc_layout(call, call.q_layout)
         full_doc = reshard(doc, bound, src, doc_layout(call, whole_seq(call, call.q_layout)),
                            shape=_doc_shape(call, call.q_shape))
-    allowed = call.mask.allowed(qpos, kpos, _docs(full_doc), _docs(full_doc))
-    out, _ = block(call.canonical(q_h), call.canonical(k_h), call.canonical(v_h), allowed,
-                   call.scale)
+    out = chunked(call.canonical(q_h), call.canonical(k_h), call.canonical(v_h), call.mask,
+                  call.scale, qpos, kpos, _docs(full_doc), _docs(full_doc))
     return reshard(call.user(out.to(q.dtype)), bound, q_heads, call.q_layout,
                    shape=call.q_shape)
 
