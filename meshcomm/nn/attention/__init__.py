@@ -9,8 +9,10 @@ point-to-point steps that overlap with the blocks' math (`ring.py`, its own back
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor
 
 from ...core.errors import ShapeError
@@ -44,7 +46,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | L
               window: int | None = None, document_ids: Tensor | None = None,
               scale: float | None = None, strategy: str = "auto", dims: str = "b h s d",
               shape: Sequence[int] | None = None,
-              kv_shape: Sequence[int] | None = None) -> Tensor:
+              kv_shape: Sequence[int] | None = None,
+              memory_budget: int | None = None) -> Tensor:
     """Scaled dot-product attention of this rank's `q`, `k`, `v` (local tensors under
     `layout`, keys and values under `kv_layout`, default the same), its output in `q`'s
     layout; differentiable, exact (every strategy equals one process's attention).
@@ -59,8 +62,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | L
     sees keys of its own document only) combine. Keys and values may have fewer heads
     (GQA: a whole number of query heads per key head) and another sequence length.
     `strategy`: "allgather", "ulysses", "ring" or "auto" (the one sending the fewest bytes,
-    `attention_costs`). `shape` / `kv_shape`: the global shapes, needed when a split is
-    uneven.
+    `attention_costs`; with `memory_budget`, bytes, only among those whose extra memory
+    fits it). `shape` / `kv_shape`: the global shapes, needed when a split is uneven.
     """
     bound = require_bound(bound, "attention")
     call = resolve(q, k, v, bound, layout, kv_layout, dims, shape, kv_shape,
@@ -68,17 +71,26 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | L
     if document_ids is not None and call.q_shape[call.seq_dim] != call.kv_shape[call.seq_dim]:
         raise ShapeError("attention(document_ids=...): documents need one sequence for queries"
                          " and keys (self-attention); fix: pass equal lengths")
-    name = pick(call, q) if strategy == "auto" else strategy
+    name = pick(call, q.dtype, memory_budget) if strategy == "auto" else strategy
     if name not in STRATEGIES:
         raise ShapeError(f"attention(strategy={strategy!r}): expected 'auto' or one of"
                          f" {sorted(STRATEGIES)}")
     return STRATEGIES[name](call, q, k, v, document_ids)
 
 
-def pick(call: Call, q: Tensor) -> str:
-    """The strategy `auto` runs: the fewest bytes sent, then the least extra memory."""
-    runnable = [c for c in costs(call, q.dtype) if c.strategy in STRATEGIES]
-    return min(runnable, key=lambda c: (c.sent_bytes, c.extra_bytes)).strategy
+@functools.lru_cache(maxsize=1024)
+def pick(call: Call, dtype: torch.dtype, memory_budget: int | None = None) -> str:
+    """The strategy `auto` runs: the fewest bytes sent, then the least extra memory, among
+    those whose extra memory fits `memory_budget` (bytes; None: any). Computed once per call
+    signature (the ring's figures visit every block of the group)."""
+    runnable = [c for c in costs(call, dtype) if c.strategy in STRATEGIES]
+    fits = [c for c in runnable if memory_budget is None or c.extra_bytes <= memory_budget]
+    if not fits:
+        need = ", ".join(f"{c.strategy} {c.extra_bytes:,} B" for c in runnable)
+        raise ShapeError(f"attention(memory_budget={memory_budget:,}): no strategy fits; their"
+                         f" extra memory on rank {call.bound.rank}: {need}. fix: raise the"
+                         " budget, or split the sequence over more ranks")
+    return min(fits, key=lambda c: (c.sent_bytes, c.extra_bytes)).strategy
 
 
 def attention_costs(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | Layout, *,
