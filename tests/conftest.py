@@ -183,8 +183,9 @@ def outcome(call: Callable[[], Any]) -> str:
 
 def slow_wire(mp: pytest.MonkeyPatch, delay_s: float) -> None:
     """A slow wire (the overlap tests): every functional collective issued through meshcomm's
-    wire module lands `delay_s` after it is issued; `wire.waited` sleeps until then. Undo
-    with `mp.undo()`."""
+    wire module lands `delay_s` after it is issued; `wire.waited` sleeps until then; every
+    batch of point-to-point messages (`wire.p2p`) carries one more work, done `delay_s`
+    after the post, which `Posted.landed` waits for. Undo with `mp.undo()`."""
     import time
 
     from meshcomm.executors.distributed import wire
@@ -203,5 +204,22 @@ def slow_wire(mp: pytest.MonkeyPatch, delay_s: float) -> None:
             time.sleep(max(0.0, start + delay_s - time.perf_counter()))
         return waited(t)
 
+    p2p = wire.p2p
+
+    class Until:
+        """A work that is done at `due` (perf_counter seconds)."""
+
+        def __init__(self, due: float) -> None:
+            self.due = due
+
+        def wait(self) -> None:
+            time.sleep(max(0.0, self.due - time.perf_counter()))
+
+    def slow_p2p(*args: Any) -> Any:
+        posted, measured = p2p(*args)
+        return posted._replace(works=(*posted.works, Until(time.perf_counter() + delay_s))), \
+            measured
+
     mp.setattr(wire, "call", slow_call)
     mp.setattr(wire, "waited", slow_waited)
+    mp.setattr(wire, "p2p", slow_p2p)

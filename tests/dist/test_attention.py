@@ -102,39 +102,23 @@ DELAY_S = 0.2       # the slow wire: a message lands this long after it is poste
 COMPUTE_S = 0.2     # each block's attention, made this slow
 
 
-class _Until:
-    """A work that is done at `due` (perf_counter seconds)."""
-
-    def __init__(self, due: float) -> None:
-        self.due = due
-
-    def wait(self) -> None:
-        time.sleep(max(0.0, self.due - time.perf_counter()))
-
-
 def check_ring_overlap(bound: BoundMesh) -> dict[str, float]:
     """The ring's forward on 4 ranks (every block computed: no mask) with every message
     landing DELAY_S after it is posted and every block taking COMPUTE_S. Serial (a shift
     posted and waited, then the block) takes 3 (delay + compute) + compute = 1.4 s; the
     ring posts the next block before computing this one: about 3 max + compute = 0.8 s.
-    `slow_wire` delays the functional collectives; point-to-point batches get the same
-    delay here, as a work in each `Posted` that is done DELAY_S after the post."""
+    `slow_wire` delays the functional collectives and the point-to-point batches."""
     layout = "b h (cp s) d"
     q, k, v, _ = _inputs(16, 4, 4, False)
     lq, lk, lv = (scatter(t, bound.mesh, layout)[bound.rank] for t in (q, k, v))
     mp = pytest.MonkeyPatch()
-    p2p, block = wire.p2p, ring_module.block
-
-    def slow_p2p(*args: Any) -> Any:
-        posted, call = p2p(*args)
-        return posted._replace(works=(*posted.works, _Until(time.perf_counter() + DELAY_S))), call
+    block = ring_module.block
 
     def slow_block(*args: Any) -> Any:
         time.sleep(COMPUTE_S)
         return block(*args)
     try:
         slow_wire(mp, DELAY_S)
-        mp.setattr(wire, "p2p", slow_p2p)
         mp.setattr(ring_module, "block", slow_block)
         kv = torch.stack([lk, lv])
         torch.distributed.barrier()
