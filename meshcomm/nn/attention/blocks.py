@@ -12,7 +12,7 @@ float64), so merging blocks in any order gives the softmax over their union.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -158,8 +158,18 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
     return cast(Tensor, out)
 
 
-def _chunks(kpos: tuple[int, ...], chunk: int) -> list[tuple[int, int]]:
-    return [(c, min(c + chunk, len(kpos))) for c in range(0, len(kpos), chunk)]
+def _blocks(mask: Mask, qpos: tuple[int, ...], kpos: tuple[int, ...], qdoc: Tensor | None,
+            kdoc: Tensor | None, chunk: int, device: torch.device
+            ) -> Iterator[tuple[int, int, Tensor]]:
+    """(start, stop, allowed) of each block of `chunk` keys some query sees by position (the
+    others skipped), for forward and backward alike."""
+    qp = torch.tensor(qpos, dtype=torch.long, device=device)
+    for c0 in range(0, len(kpos), chunk):
+        c1 = min(c0 + chunk, len(kpos))
+        if mask.skips(qpos, kpos[c0:c1]):
+            continue
+        kp = torch.tensor(kpos[c0:c1], dtype=torch.long, device=device)
+        yield c0, c1, mask.allowed(qp, kp, qdoc, None if kdoc is None else kdoc[:, c0:c1])
 
 
 class _Chunked(torch.autograd.Function):
@@ -170,12 +180,7 @@ class _Chunked(torch.autograd.Function):
         dt = compute_dtype(q.dtype)
         out = q.new_zeros(q.shape, dtype=dt)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=dt)
-        qp = torch.tensor(qpos, dtype=torch.long, device=q.device)
-        for c0, c1 in _chunks(kpos, chunk):
-            if mask.skips(qpos, kpos[c0:c1]):
-                continue
-            kp = torch.tensor(kpos[c0:c1], dtype=torch.long, device=q.device)
-            allowed = mask.allowed(qp, kp, qdoc, None if kdoc is None else kdoc[:, c0:c1])
+        for c0, c1, allowed in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
             o, s = block(q, k[:, :, c0:c1], v[:, :, c0:c1], allowed, scale)
             out, lse = merge(out, lse, o, s)
         ctx.args = (mask, scale, qpos, kpos, chunk)
@@ -191,12 +196,7 @@ class _Chunked(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dk = torch.zeros(k.shape, dtype=dt, device=k.device)
         dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-        qp = torch.tensor(qpos, dtype=torch.long, device=q.device)
-        for c0, c1 in _chunks(kpos, chunk):
-            if mask.skips(qpos, kpos[c0:c1]):
-                continue
-            kp = torch.tensor(kpos[c0:c1], dtype=torch.long, device=q.device)
-            allowed = mask.allowed(qp, kp, qdoc, None if kdoc is None else kdoc[:, c0:c1])
+        for c0, c1, allowed in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
             gq, gk, gv = block_grads(q, k[:, :, c0:c1], v[:, :, c0:c1], dout, lse, delta,
                                      allowed, scale)
             dq += gq
