@@ -28,54 +28,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
+from host_scale import RANK, op_count, start_world, step_time  # benchmarks/, beside this
 
 import meshcomm as mc
 
-RANK = 3
 LAYOUT = "(dp b) h (cp s) d"
 H, PER_RANK, D = 8, 16, 16
 DEFAULT_JSON = Path(__file__).parent / "results" / "cp_host_scale.json"
 
 
-def start_world(n: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=n)
-
-
-class _OpCount(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
 def measure(step: Callable[[], None], repeat: int) -> tuple[float, int]:
-    step()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    with _OpCount() as mode:
-        step()
-    return statistics.median(times), mode.ops
+    """(median seconds, tensor ops) of `step`, as benchmarks/host_scale.py measures a step."""
+    return step_time(step, repeat), op_count(step)
 
 
 def _locals(n: int, cp: int) -> list[torch.Tensor]:
