@@ -20,19 +20,11 @@ from meshcomm.executors.sim import scatter
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed"
                                    " (pip install -e '.[test]' installs it)")
+# the model, batch sizes and one-process training of the data-parallel Hugging Face tests
+from test_hf import BATCH, SEQ, STEPS, VOCAB, build, train  # noqa: E402
 
-BATCH, SEQ, STEPS, VOCAB = 4, 12, 3, 64
 TOKENS = "(dp b) (cp s)"                   # ids, positions, labels: one layout
 STRATEGIES = ("allgather", "ulysses")
-
-
-def build() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        attn_implementation="eager")
-    return transformers.LlamaForCausalLM(config)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,17 +36,10 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def one_process() -> dict[str, Any]:
-    model = build()
-    x, _ = batch()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach() for n, p in model.named_parameters()}}
+    model = build("llama", {})
+    losses = train(model, batch()[0], checkpointing=False)
+    return {"losses": [loss.item() for loss in losses],
+            "params": {n: p.detach() for n, p in model.named_parameters()}}
 
 
 def four_ranks(rank: int, world: int) -> dict[str, Any]:
@@ -66,7 +51,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     count = int((labels != -100).sum())          # every rank knows the global count
     out: dict[str, Any] = {}
     for strategy in STRATEGIES:
-        model = build()
+        model = build("llama", {})
         model.set_attn_implementation(mc.nn.register_hf_attention(
             bound, "(dp b) h (cp s) d", name=f"meshcomm_{strategy}", strategy=strategy))
         for layer in model.model.layers:
