@@ -17,6 +17,7 @@ size (every rank derives every block's size from the layout); an empty block is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -179,13 +180,9 @@ def traffic(call: Call, dtype: torch.dtype) -> tuple[int, int, int]:
     item = torch.empty((), dtype=dtype).element_size()
     grad_item = torch.empty((), dtype=compute_dtype(dtype)).element_size()
     mesh = call.mesh
-    numel = []
-    for step in range(ring.size):
-        owner = ring.ranks[(ring.pos - step) % ring.size]
-        n = 1
-        for size in call.kv_layout.local_shape(mesh, call.kv_shape, owner):
-            n *= size
-        numel.append(n)
+    numel = [math.prod(call.kv_layout.local_shape(mesh, call.kv_shape,
+                                                  ring.ranks[(ring.pos - step) % ring.size]))
+             for step in range(ring.size)]
     sent = 2 * 2 * sum(numel[:-1]) * item + 2 * sum(numel) * grad_item
     extra = 2 * 2 * max(numel) * (item + grad_item)
     return sent, extra, 3 * ring.size - 2

@@ -21,6 +21,7 @@ the ring's own function. Every byte figure comes from the plans, or the ring's s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -96,13 +97,20 @@ def allgather(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -
     return call.user(out.to(q.dtype))
 
 
+def repeated_kv_shape(call: Call) -> tuple[int, ...]:
+    """The global shape of k and v with their heads repeated to the query heads (GQA, as
+    ulysses moves them)."""
+    h = call.order[1]
+    return tuple(call.q_shape[h] if i == h else n for i, n in enumerate(call.kv_shape))
+
+
 def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
     bound = call.bound
     h = call.order[1]
     group = call.q_shape[h] // call.kv_shape[h]
     if group > 1:         # GQA: each query head's key/value head, repeated to its place
         k, v = k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
-    kv_shape = tuple(call.q_shape[h] if i == h else n for i, n in enumerate(call.kv_shape))
+    kv_shape = repeated_kv_shape(call)
     kv_layout = call.kv_layout
     q_heads, kv_heads = heads_layout(call, call.q_layout), heads_layout(call, kv_layout)
     q_h = reshard(q, bound, call.q_layout, q_heads, shape=call.q_shape)
@@ -155,23 +163,16 @@ def costs(call: Call, dtype: torch.dtype) -> list[Cost]:
     item = torch.empty((), dtype=dtype).element_size()
     rank, mesh = call.bound.rank, call.mesh
     full = whole_seq(call, call.kv_layout)
-    kv_full = 1
-    for n in full.local_shape(mesh, call.kv_shape, rank):
-        kv_full *= n
+    kv_full = math.prod(full.local_shape(mesh, call.kv_shape, rank))
     sent, calls = _sent(call, call.kv_shape, call.kv_layout, full, dtype)
     out = [Cost("allgather", 2 * sent, 2 * kv_full * item, 2 * calls)]
-    h = call.order[1]
-    kv_shape = tuple(call.q_shape[h] if i == h else n for i, n in enumerate(call.kv_shape))
+    kv_shape = repeated_kv_shape(call)
     q_heads = heads_layout(call, call.q_layout)
     kv_heads = heads_layout(call, call.kv_layout)
     sq, cq = _sent(call, call.q_shape, call.q_layout, q_heads, dtype)
     sk, ck = _sent(call, kv_shape, call.kv_layout, kv_heads, dtype)
-    q_local = 1
-    for n in q_heads.local_shape(mesh, call.q_shape, rank):
-        q_local *= n
-    k_local = 1
-    for n in kv_heads.local_shape(mesh, kv_shape, rank):
-        k_local *= n
+    q_local = math.prod(q_heads.local_shape(mesh, call.q_shape, rank))
+    k_local = math.prod(kv_heads.local_shape(mesh, kv_shape, rank))
     out.append(Cost("ulysses", 2 * sq + 2 * sk, (2 * q_local + 2 * k_local) * item,
                     2 * cq + 2 * ck))
     out.append(Cost("ring", *traffic(call, dtype)))
