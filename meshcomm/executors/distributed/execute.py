@@ -39,7 +39,6 @@ from .handlers import (
     raise_step_failure,
     transfer,
 )
-from .rows import Item as RowsItem
 from .rows import Rows, misfit, rows_of
 from .rows import issue as rows_issue
 
@@ -108,25 +107,11 @@ class Prepared:
         plan's first `steps` steps now, the next ones at `Handle.advance()` (or `wait()`)."""
         if len(tensors) != len(self.jobs):
             raise ValueError(f"issue: {len(tensors)} tensors for {len(self.jobs)} prepared plans")
-        one = self.one_rows
-        if one is not None:            # FSDP's hot path: one bucket of padded rows
-            for i, (item, x) in enumerate(zip(one.items, tensors)):
-                if not isinstance(x, Tensor) or x.shape != item.shape_in:
-                    _refuse_rows(self.jobs[i].plan, x, item, i)
-            held = Handle(self, [None] * len(tensors), trace)
-            held._outs[0] = rows_issue(one, tensors, 0, None, trace)   # type: ignore[arg-type]
-            held._at = 1
-            if (self.steps if steps is None else steps) > 1:
-                held.advance(self.steps if steps is None else steps - 1)
-            return held
         xs: list[Out | None] = list(tensors)
         for b, bucket in enumerate(self.buckets):
             rows = self.rows[b] if self.rows else None
             if rows is not None:       # FSDP's hot path: one shape compare per tensor
-                for item, i in zip(rows.items, bucket):
-                    x = tensors[i]
-                    if not isinstance(x, Tensor) or x.shape != item.shape_in:
-                        _refuse_rows(self.jobs[i].plan, x, item, i)
+                self._check_rows(rows, bucket, tensors)
                 continue
             for i in bucket:
                 job, x = self.jobs[i], tensors[i]
@@ -140,14 +125,19 @@ class Prepared:
         handle.advance(self.steps if steps is None else steps)
         return handle
 
-
-def _refuse_rows(plan: Plan, x: Tensor | None, item: RowsItem, i: int) -> None:
-    """A padded-rows input must be a tensor of its plan's local shape (any dtype: it is
-    cast); raise for `x`, which is not."""
-    got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-    raise ShapeError(f'issue: tensor {i} ("{plan.src}" -> "{plan.dst}" of shape'
-                         f" {plan.shape}) is {got}, but this rank holds {item.shape_in}"
-                         " under the source layout; fix: pass this rank's local shard")
+    def _check_rows(self, rows: Rows, bucket: tuple[int, ...],
+                    tensors: Sequence[Tensor | None]) -> None:
+        """A padded-rows bucket's inputs: tensors of their plans' local shapes (any dtype:
+        each is cast), one shape compare each; raise for the first that is not."""
+        for item, i in zip(rows.items, bucket):
+            x = tensors[i]
+            if isinstance(x, Tensor) and x.shape == item.shape_in:
+                continue
+            plan = self.jobs[i].plan
+            got = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise ShapeError(f'issue: tensor {i} ("{plan.src}" -> "{plan.dst}" of shape'
+                             f" {plan.shape}) is {got}, but this rank holds {item.shape_in}"
+                             " under the source layout; fix: pass this rank's local shard")
 
 
 class Handle:
