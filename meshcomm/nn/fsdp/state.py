@@ -12,9 +12,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
+from ...executors.distributed import Handle
 from .param import UNIT_ATTR
 from .schedule import Schedule
-from .unit import Pending, Unit
+from .unit import Unit
 
 
 def finish_backward(schedule: Schedule[Unit]) -> None:
@@ -32,8 +33,8 @@ def finish_backward(schedule: Schedule[Unit]) -> None:
 
 
 def _wait(issued: object) -> None:
-    if isinstance(issued, Pending):
-        issued.handle.wait()
+    if isinstance(issued, Handle):
+        issued.wait()
 
 
 class Gathered(torch.autograd.Function):

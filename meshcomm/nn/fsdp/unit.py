@@ -10,7 +10,7 @@ measure. A step's work here is a few tensor ops per parameter, whatever the worl
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -20,10 +20,6 @@ from ...runtime.bind import BoundMesh
 from .param import MixedPrecision, Param
 from .regather import Regather
 from .schedule import Schedule
-
-
-class Pending(NamedTuple):
-    handle: Handle                 # the issued gather (waited on at use)
 
 
 class Unit:
@@ -66,19 +62,19 @@ class Unit:
         self.received_bytes += recv_bytes
 
     # -- gather ------------------------------------------------------------------------
-    def issue_gather(self) -> Pending:
+    def issue_gather(self) -> Handle:
         """Start the unit's gather (returns at once; waited on in `finish_gather`)."""
-        return Pending(self.gathers.issue([p.local() for p in self.params],
-                                          trace=self))  # type: ignore[arg-type]
+        return self.gathers.issue([p.local() for p in self.params],
+                                  trace=self)  # type: ignore[arg-type]
 
-    def finish_gather(self, pending: Pending) -> list[Tensor]:
+    def finish_gather(self, issued: Handle) -> list[Tensor]:
         """The gathered parameters (views of the gathered buffer where shards are even)."""
-        return pending.handle.wait()  # type: ignore[return-value]
+        return issued.wait()  # type: ignore[return-value]
 
     def gather(self) -> list[Tensor]:
         """The gathered parameters: the gather issued ahead (prefetched), else one now."""
         pending = self.schedule.take(self)
-        return self.finish_gather(pending if isinstance(pending, Pending)
+        return self.finish_gather(pending if isinstance(pending, Handle)
                                   else self.issue_gather())
 
     def prefetch_gather(self) -> None:
