@@ -41,11 +41,14 @@ class DimPlacement:
 
     `uneven` is True for a "(axes... name)" group whose size does not divide; its
     parts then hold the mesh axes and the name with size 0 (sizes vary by rank).
+    `zigzag`: a "zigzag(axes... name)" dim; its parts are those of its contiguous twin
+    "(axes... name)", whose blocks it lays out head and tail (`zigzag_spans`).
     """
 
     size: int
     parts: tuple[Part, ...]
     uneven: bool
+    zigzag: bool = False
 
     @property
     def axes(self) -> tuple[AxisName, ...]:
@@ -197,6 +200,39 @@ class Layout:
                             " the first one before marking the other")
         return _from_parts(self.dims, op, (*self.partial_axes, *axes))
 
+    @property
+    def zigzag_dims(self) -> tuple[int, ...]:
+        """The dims split head-tail ("zigzag(cp s)"), ascending."""
+        return tuple(i for i, d in enumerate(self.dims) if d.zigzag)
+
+    def without_zigzag(self, dims: Sequence[int] | None = None) -> Layout:
+        """This layout with its zigzag dims (or those of `dims`) written contiguous:
+        "zigzag(cp s)" -> "(cp s)". Every rank's local tensor keeps its shape; the global
+        order of the dim differs (`zigzag_order` maps one to the other).
+
+        >>> Layout("b zigzag(cp s) d").without_zigzag()
+        Layout('b (cp s) d')
+        """
+        chosen = self.zigzag_dims if dims is None else tuple(dims)
+        if not any(self.dims[d].zigzag for d in chosen):
+            return self
+        out = tuple(Dim(d.factors) if i in chosen else d for i, d in enumerate(self.dims))
+        return _from_parts(out, self.reduce_op, self.partial_axes)
+
+    def zigzag_order(self, mesh: Mesh, shape: Shape, dim: int) -> tuple[int, ...]:
+        """The global index of dim `dim` at each position of its contiguous twin
+        (`without_zigzag`): the ranks' blocks in rank order, each as the rank holds it.
+        For a dim that is not zigzag, range(size).
+
+        >>> Layout("zigzag(cp s)").zigzag_order(Mesh("cp=2"), (8,), 0)
+        (0, 1, 6, 7, 2, 3, 4, 5)
+        """
+        placed = self.placements(mesh, shape)[dim]
+        if not placed.zigzag:
+            return tuple(range(placed.size))
+        return tuple(i for head, tail in zigzag_spans(placed)
+                     for lo, n in (head, tail) for i in range(lo, lo + n))
+
     def split(self, dim: int, axis: AxisName) -> Layout:
         """This layout with dim `dim` (negative: from the end) also split over `axis`, as its
         most minor axis (just before the dim's own name).
@@ -207,7 +243,7 @@ class Layout:
         i = range(self.ndim)[dim]
         factors = self.dims[i].factors
         dims = list(self.dims)
-        dims[i] = Dim((*factors[:-1], notation.Factor(axis), factors[-1]))
+        dims[i] = Dim((*factors[:-1], notation.Factor(axis), factors[-1]), self.dims[i].zigzag)
         return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
 
     def with_dim(self, dim: int, name: str) -> Layout:
@@ -220,6 +256,16 @@ class Layout:
         dims[range(self.ndim)[dim]] = Dim((notation.Factor(name),))
         return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
 
+    def dim_from(self, dim: int, other: Layout) -> Layout:
+        """This layout with dim `dim` as `other` has it.
+
+        >>> Layout("s (tp d) | sum(dp)").dim_from(0, Layout("zigzag(cp s) d"))
+        Layout('zigzag(cp s) (tp d) | sum(dp)')
+        """
+        dims = list(self.dims)
+        dims[range(self.ndim)[dim]] = other.dims[range(other.ndim)[dim]]
+        return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
+
     def renamed(self, names: Mapping[str, str]) -> Layout:
         """This layout with each name in `names` (a dim's name or a mesh axis) replaced by
         its value, all at once ("d1 d0" renames safely).
@@ -228,7 +274,7 @@ class Layout:
         Layout('(tp d0) d1')
         """
         dims = tuple(Dim(tuple(notation.Factor(names.get(f.name, f.name), f.size)
-                               for f in d.factors)) for d in self.dims)
+                               for f in d.factors), d.zigzag) for d in self.dims)
         return _from_parts(dims, self.reduce_op,
                            tuple(names.get(a, a) for a in self.partial_axes))
 
@@ -321,6 +367,16 @@ def _axis_error(text: str, name: str, mesh: Mesh, why: str) -> MeshAxisError:
 
 
 def _place_dim(text: str, i: int, dim: Dim, size: int, mesh: Mesh) -> DimPlacement:
+    if dim.zigzag:
+        strays = [f.name for f in dim.factors[:-1] if f.name not in mesh.axis_names]
+        if strays or dim.factors[-1].name in mesh.axis_names:
+            name = strays[0] if strays else dim.factors[-1].name
+            why = ("zigzag(...) splits over mesh axes ({axes})" if strays
+                   else "zigzag(...) ends with the dim's own name, not a mesh axis")
+            raise _axis_error(text, name, mesh, why) if strays else ShapeError(
+                f'layout "{text}": dim {i} {dim}: {why}; fix: write e.g. "zigzag(cp s)"')
+        twin = _place_dim(text, i, Dim(dim.factors), size, mesh)
+        return DimPlacement(twin.size, twin.parts, twin.uneven, True)
     axes = set(mesh.axis_names)
     for f in dim.factors:
         if f.name in axes and f.size is not None and f.size != mesh.axis_size(f.name):
@@ -389,12 +445,56 @@ def _chunk_span(dim: DimPlacement, where: dict[str, int]) -> tuple[int, int]:
     return start, length
 
 
+def group_position(dim: DimPlacement, where: Mapping[str, int]) -> int:
+    """The flat position (row-major over the dim's axes, as written) of coordinates `where`."""
+    out = 0
+    for part in dim.parts:
+        if part.axis:
+            out = out * part.size + where[part.name]
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_spans(dim: DimPlacement) -> tuple[tuple[int, int], ...]:
+    """Per group position (`group_position`), the (start, length) block of a "(axes... name)"
+    dim (nested `torch.chunk`; a zigzag dim: its contiguous twin's)."""
+    sizes = [p.size for p in dim.parts if p.axis]
+    names = [p.name for p in dim.parts if p.axis]
+    out = []
+    for flat in range(math.prod(sizes)):
+        where, rest = {}, flat
+        for name, n in zip(reversed(names), reversed(sizes)):
+            rest, where[name] = divmod(rest, n)
+        out.append(_chunk_span(dim, where))
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def zigzag_spans(dim: DimPlacement) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+    """Per group position of a zigzag dim, its (start, length) head and tail: the twin's
+    block (nested `torch.chunk`, as "(axes... name)") cut in two by `torch.chunk`, heads
+    laid out in group order from the start of the dim, tails after them in reverse group
+    order. An even split of 2g chunks gives position p chunks p and 2g-1-p."""
+    lengths = [n for _, n in chunk_spans(dim)]
+    heads = [-(-n // 2) for n in lengths]
+    tails = [n - h for n, h in zip(lengths, heads)]
+    out, head_at, tail_end = [], 0, dim.size
+    for h, t in zip(heads, tails):
+        out.append(((head_at, h), (tail_end - t, t)))
+        head_at, tail_end = head_at + h, tail_end - t
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=65536)
 def _indices(placed: tuple[DimPlacement, ...],
              coords: tuple[tuple[str, int], ...]) -> tuple[tuple[int, ...], ...]:
     where = dict(coords)
     out = []
     for dim in placed:
+        if dim.zigzag:
+            (h0, hn), (t0, tn) = zigzag_spans(dim)[group_position(dim, where)]
+            out.append((*range(h0, h0 + hn), *range(t0, t0 + tn)))
+            continue
         if dim.uneven:
             start, length = _chunk_span(dim, where)
             out.append(tuple(range(start, start + length)))
@@ -407,7 +507,7 @@ def _indices(placed: tuple[DimPlacement, ...],
 def _local_shape(placed: tuple[DimPlacement, ...],
                  coords: tuple[tuple[str, int], ...]) -> Shape:
     where = dict(coords)
-    return tuple(_chunk_span(dim, where)[1] if dim.uneven
+    return tuple(_chunk_span(dim, where)[1] if dim.uneven or dim.zigzag
                  else math.prod(p.size for p in dim.parts if not p.axis) for dim in placed)
 
 

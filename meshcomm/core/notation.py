@@ -7,9 +7,14 @@ canonical form, and parsing that form gives the same value.
 Grammar (whitespace separates tokens)::
 
     layout  := dim* ["|" reduce+]
-    dim     := factor | "(" factor+ ")"
+    dim     := factor | "(" factor+ ")" | "zigzag(" NAME+ ")"
     factor  := NAME | NAME "=" INT          (a sized factor, e.g. x=2)
     reduce  := OP "(" NAME ("," NAME)* ")"   OP in sum, avg, max, min
+
+"zigzag(cp s)" is the head-tail (zigzag) split of a dim over mesh axes: each rank's
+contiguous block of "(cp s)" is its two halves, the first at the head of the dim in rank
+order, the second at its tail in reverse rank order (rank r of cp holds chunks r and
+2cp-1-r of 2cp). Its factors are mesh axes and one dim name, the name last.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 
 from .errors import LayoutSyntaxError, caret
 from .reduce_ops import REDUCE_OPS
+
+ZIGZAG = "zigzag"     # "zigzag(cp s)": the head-tail split (a dim of that name: no "(" after)
 
 # The token is optional so that trailing whitespace (newlines too, which "." skips) matches.
 _TOKEN_RE = re.compile(r"\s*(?:([A-Za-z_][A-Za-z0-9_]*)(\s*=\s*(-?[0-9]+))?|(.))?")
@@ -38,11 +45,15 @@ class Factor:
 
 @dataclass(frozen=True, slots=True)
 class Dim:
-    """A tensor dim as factors, major to minor; one factor is a plain dim."""
+    """A tensor dim as factors, major to minor; one factor is a plain dim. `zigzag`: the
+    head-tail split of the group (see the module doc)."""
 
     factors: tuple[Factor, ...]
+    zigzag: bool = False
 
     def __str__(self) -> str:
+        if self.zigzag:
+            return "zigzag(" + " ".join(str(f) for f in self.factors) + ")"
         if len(self.factors) == 1:
             return str(self.factors[0])
         return "(" + " ".join(str(f) for f in self.factors) + ")"
@@ -126,8 +137,16 @@ def _parse_dims(text: str, body: str) -> tuple[Dim, ...]:
     dims: list[Dim] = []
     group: list[Factor] | None = None
     open_at = 0
-    for tok in _tokens(text, 0, len(body)):
-        start, end, name, _, punct = tok
+    zigzag = False
+    toks = _tokens(text, 0, len(body))
+    for i, tok in enumerate(toks):
+        start, end, name, size, punct = tok
+        if name == ZIGZAG and size is None and i + 1 < len(toks) and toks[i + 1][4] == "(":
+            if group is not None:
+                raise _fail(text, start, end, "a group cannot open inside another group",
+                            "close the first group, e.g. \"zigzag(cp s) d\"")
+            zigzag, open_at = True, start
+            continue
         if name:
             factor = _factor(text, tok)
             if group is None:
@@ -138,15 +157,19 @@ def _parse_dims(text: str, body: str) -> tuple[Dim, ...]:
             if group is not None:
                 raise _fail(text, start, end, "a group cannot open inside another group",
                             "close the first group, e.g. \"(dp b) s (tp h)\"")
-            group, open_at = [], start
+            group, open_at = [], (open_at if zigzag else start)
         elif punct == ")":
             if group is None:
                 raise _fail(text, start, end, "')' closes no group", "remove it or add '('")
             if not group:
                 raise _fail(text, open_at, end, "an empty group names no factor",
                             "write at least one name, e.g. \"(dp b)\"")
-            dims.append(Dim(tuple(group)))
-            group = None
+            if zigzag and (len(group) < 2 or group[-1].size is not None
+                           or any(f.size is not None for f in group)):
+                raise _fail(text, open_at, end, "zigzag(...) holds mesh axes and one dim name,"
+                            " the name last", "write e.g. \"zigzag(cp s)\"")
+            dims.append(Dim(tuple(group), zigzag))
+            group, zigzag = None, False
         else:
             why = "unexpected character" + (" (a size needs a name: x=2)"
                                             if punct.isdigit() else "")

@@ -51,6 +51,11 @@ def to_placements(mesh: Mesh, shape: Sequence[int], layout: str | Layout) -> Pla
 @functools.lru_cache(maxsize=4096)
 def _to_desc(mesh: Mesh, shape: Shape, layout: Layout) -> tuple[Desc, ...]:
     placed = layout.placements(mesh, shape)
+    if layout.zigzag_dims:
+        d = layout.zigzag_dims[0]
+        raise InteropError(f'layout "{layout}": dim {d} {layout.dims[d]} (head-tail) has no'
+                           " DTensor placement; fix: reshard to its contiguous twin"
+                           f' "{layout.without_zigzag()}" first (mc.reshard)')
     names = mesh.axis_names
     out: list[Desc] = [("R",)] * len(names)
     for axis in layout.partial_axes:

@@ -17,7 +17,7 @@ from ..core.errors import PlanError
 from ..core.layout import Layout, Shape, as_layout
 from ..core.mesh import Mesh
 from ..core.untraced import untraced
-from . import crossmesh, search
+from . import crossmesh, search, zigzag
 from .memo import PlanMemos
 from .values import CostModel, Plan
 
@@ -117,6 +117,13 @@ def _fresh_plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
                         f" {type(bad[0]).__name__}); fix: pass sizes such as (8, 16)")
     shape = tuple(int(s) for s in shape)
     src_l, dst_l = as_layout(src, "src"), as_layout(dst, "dst")
+    if src_l.zigzag_dims or dst_l.zigzag_dims:
+        if dst_mesh is not None and dst_mesh != mesh:
+            zz = src_l if src_l.zigzag_dims else dst_l
+            raise PlanError(f'plan between meshes from "{src_l}" to "{dst_l}": a zigzag dim'
+                            " moves on one mesh only; fix: reshard to its contiguous twin"
+                            f' "{zz.without_zigzag()}" first, then between the meshes')
+        return zigzag.zigzag_plan(mesh, shape, dtype, src_l, dst_l, cost_model)
     if dst_mesh is not None and dst_mesh != mesh:
         return crossmesh.cross_plan(mesh, dst_mesh, shape, dtype, src_l, dst_l, cost_model)
     return search.single_plan(mesh, shape, dtype, src_l, dst_l, cost_model)

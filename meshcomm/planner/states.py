@@ -113,6 +113,8 @@ def as_chunks(dim: DimState) -> tuple[AxisName, ...] | None:
 
 
 def _dim_from_placement(p: DimPlacement, mesh: Mesh) -> DimState:
+    # zigzag dims are planned by `planner.zigzag` on their contiguous twins, never here
+    assert not p.zigzag, "a zigzag dim reached the planner's states; this is a meshcomm bug"
     # A size-1 axis shards nothing: it is left out, so that states stay canonical.
     if p.uneven or p.size == 0:
         return chunk_dim(p.size, tuple(a for a in p.axes if mesh.axis_size(a) > 1), mesh)

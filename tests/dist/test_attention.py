@@ -1,7 +1,7 @@
 """`mc.nn.attention` with the sequence split over mesh axes, on 4 and 8 gloo ranks, in
 float64: every strategy's output and the gradients of q, k and v equal one process's
 attention (relative error <= 1e-10), for causal, full, sliding-window and document masks,
-contiguous "(cp s)" and striped "(s cp)" splits, even and uneven sequences, MHA and GQA.
+contiguous "(cp s)", striped "(s cp)" and zigzag "zigzag(cp s)" splits, even and uneven sequences, MHA and GQA.
 One spawn per world size runs every case; it also measures the ring's bytes on the wire
 against its `Cost`, and (4 ranks) the ring's overlap of a slow wire with slow blocks.
 """
@@ -29,7 +29,8 @@ from conftest import ranks_fixture, slow_wire
 MASKS = [(False, None, False), (True, None, False), (True, 5, False), (False, 4, False),
          (True, None, True), (False, 3, True)]          # (causal, window, documents)
 SHAPES = {"(cp s)": [(16, 4, 4), (13, 4, 2), (16, 2, 1), (7, 8, 8)],   # (seq, heads, kv heads)
-          "(s cp)": [(16, 4, 4), (16, 2, 1), (8, 8, 2)]}
+          "(s cp)": [(16, 4, 4), (16, 2, 1), (8, 8, 2)],
+          "zigzag(cp s)": [(16, 4, 4), (13, 4, 2), (16, 2, 1), (7, 8, 8)]}
 
 
 def cases(world: int) -> list[tuple[Any, ...]]:

@@ -75,6 +75,12 @@ NAMED = [
     ("a=2 b=2 c=2", (3, 3, 16), "i (c j) k | max(a)", "i j (c a k)", torch.float32),  # relay
     ("dp=2 tp=4", (8, 8), "(tp i) j", "(dp i) (tp j)", torch.float32),   # rotated send_recv
     ("a=2 b=2 c=2", (1, 8), "(a b i) j", "(c i) (b j)", torch.int64),
+    ("dp=2 tp=2", (16, 3), "(tp s) d", "zigzag(tp s) d", torch.float32),     # zigzag
+    ("dp=2 tp=2", (13, 3), "zigzag(dp tp s) d", "(dp tp s) d", torch.float64),
+    ("dp=2 tp=2", (9, 4), "s (tp d)", "zigzag(dp s) (tp d)", torch.float32),
+    ("dp=2 tp=2", (10, 4), "zigzag(tp s) d | sum(dp)", "s d", torch.int64),
+    ("dp=2 tp=4", (19, 2), "zigzag(tp s) (dp d)", "(dp s) d", torch.float32),
+    ("dp=2 tp=4", (32, 2), "(s tp) d", "zigzag(tp s) d", torch.float32),
 ]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
          "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce",

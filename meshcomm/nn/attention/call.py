@@ -42,6 +42,18 @@ class Call:
         return self.bound.mesh
 
     @property
+    def q_twin(self) -> Layout:
+        """The layout the strategies' plans move q in: `q_layout` with a zigzag sequence read
+        as its contiguous twin (`Layout.without_zigzag`; the tokens' order is in
+        `seq_order`)."""
+        return self.q_layout.without_zigzag()
+
+    @property
+    def kv_twin(self) -> Layout:
+        """`kv_layout` as `q_twin` reads it."""
+        return self.kv_layout.without_zigzag()
+
+    @property
     def seq_dim(self) -> int:
         return self.order[2]
 
@@ -52,6 +64,11 @@ class Call:
     def positions(self, layout: Layout, shape: Shape, rank: int) -> tuple[int, ...]:
         """The global sequence positions `rank` holds under `layout`, in local order."""
         return _positions(layout, self.mesh, shape, rank, self.seq_dim)
+
+    def seq_order(self, layout: Layout, shape: Shape) -> tuple[int, ...]:
+        """The global positions of the sequence gathered whole from `layout`'s twin
+        (`q_twin`): range(length), or for a zigzag split its permuted order."""
+        return _seq_order(layout, self.mesh, shape, self.seq_dim)
 
     def canonical(self, x: Tensor) -> Tensor:
         """A local tensor in the user's dim order as `b h s d` (a view; a missing batch dim
@@ -75,6 +92,11 @@ class Call:
 def _positions(layout: Layout, mesh: Mesh, shape: Shape, rank: int,
                dim: int) -> tuple[int, ...]:
     return layout.indices(mesh, shape, rank)[dim]
+
+
+@functools.lru_cache(maxsize=256)
+def _seq_order(layout: Layout, mesh: Mesh, shape: Shape, dim: int) -> tuple[int, ...]:
+    return layout.zigzag_order(mesh, shape, dim)
 
 
 def resolve(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | Layout,
@@ -101,6 +123,9 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | Lay
         raise ShapeError(f'attention: the sequence is split over {list(seq)} in layout'
                          f' "{q_layout}" but over {other} in kv_layout "{kv}"; fix: split both'
                          " the same way")
+    if q_layout.dims[order[2]].zigzag != kv.dims[order[2]].zigzag:
+        raise ShapeError(f'attention: the sequence of layout "{q_layout}" and of kv_layout'
+                         f' "{kv}" must both be zigzag or neither; fix: split both the same way')
     if q.dim() != q_layout.ndim or k.dim() != kv.ndim or v.dim() != kv.ndim:
         raise ShapeError(f"attention: q, k, v have {q.dim()}, {k.dim()}, {v.dim()} dims;"
                          f' layout "{q_layout}" has {q_layout.ndim}, kv_layout "{kv}"'

@@ -82,14 +82,14 @@ def gathered(call: Call, x: Tensor, layout: Layout, shape: tuple[int, ...]) -> T
 
 def allgather(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
     bound, rank = call.bound, call.bound.rank
-    full = whole_seq(call, call.kv_layout)
-    k_all = gathered(call, k, call.kv_layout, call.kv_shape)
-    v_all = gathered(call, v, call.kv_layout, call.kv_shape)
+    full = whole_seq(call, call.kv_twin)       # a zigzag sequence: gathered as its twin
+    k_all = gathered(call, k, call.kv_twin, call.kv_shape)
+    v_all = gathered(call, v, call.kv_twin, call.kv_shape)
     qpos = call.positions(call.q_layout, call.q_shape, rank)
-    kpos = range(call.kv_shape[call.seq_dim])
+    kpos = call.seq_order(call.kv_layout, call.kv_shape)
     kdoc = None
     if doc is not None:
-        src = doc_layout(call, call.q_layout)
+        src = doc_layout(call, call.q_twin)
         kdoc = reshard(doc, bound, src, doc_layout(call, full),
                        shape=_doc_shape(call, call.q_shape))
     out = chunked(call.canonical(q), call.canonical(k_all), call.canonical(v_all), call.mask,
@@ -111,21 +111,21 @@ def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> 
     if group > 1:         # GQA: each query head's key/value head, repeated to its place
         k, v = k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
     kv_shape = repeated_kv_shape(call)
-    kv_layout = call.kv_layout
-    q_heads, kv_heads = heads_layout(call, call.q_layout), heads_layout(call, kv_layout)
-    q_h = reshard(q, bound, call.q_layout, q_heads, shape=call.q_shape)
+    q_twin, kv_layout = call.q_twin, call.kv_twin     # a zigzag sequence: moved as its twin
+    q_heads, kv_heads = heads_layout(call, q_twin), heads_layout(call, kv_layout)
+    q_h = reshard(q, bound, q_twin, q_heads, shape=call.q_shape)
     k_h = reshard(k, bound, kv_layout, kv_heads, shape=kv_shape)
     v_h = reshard(v, bound, kv_layout, kv_heads, shape=kv_shape)
-    qpos, kpos = range(call.q_shape[call.seq_dim]), range(call.kv_shape[call.seq_dim])
+    qpos = call.seq_order(call.q_layout, call.q_shape)
+    kpos = call.seq_order(call.kv_layout, call.kv_shape)
     full_doc = None
     if doc is not None:
-        src = doc_layout(call, call.q_layout)
-        full_doc = reshard(doc, bound, src, doc_layout(call, whole_seq(call, call.q_layout)),
+        src = doc_layout(call, q_twin)
+        full_doc = reshard(doc, bound, src, doc_layout(call, whole_seq(call, q_twin)),
                            shape=_doc_shape(call, call.q_shape))
     out = chunked(call.canonical(q_h), call.canonical(k_h), call.canonical(v_h), call.mask,
                   call.scale, qpos, kpos, _docs(full_doc), _docs(full_doc))
-    return reshard(call.user(out.to(q.dtype)), bound, q_heads, call.q_layout,
-                   shape=call.q_shape)
+    return reshard(call.user(out.to(q.dtype)), bound, q_heads, q_twin, shape=call.q_shape)
 
 
 def ring(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
