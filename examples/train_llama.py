@@ -73,14 +73,17 @@ LLAMA3_8B = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_siz
                       rope_theta=500000.0)
 
 
+SPLITS = {"contiguous": "(cp s)", "zigzag": "zigzag(cp s)", "striped": "(s cp)"}
+
+
 def dry_run(args: argparse.Namespace) -> int:
     """Under `meshcomm dryrun`: this rank's training steps on meta tensors, nothing checked
     against other ranks (there are none); the dry run prints what the rank did.
 
     A mesh with a `cp` axis splits the sequence too (context parallelism): each rank holds
-    `"(dp b) (cp s)"` of the tokens, with their positions (the rotary embedding reads
-    them), the attention runs `mc.nn.attention` over `"(dp b) (tp h) (cp s) d"`
-    (`--cp-strategy`), and the parameters are replicated over cp (`fully_shard(...,
+    `"(dp b) (cp s)"` of the tokens (`--cp-split zigzag`: `"zigzag(cp s)"`), with their
+    positions (the rotary embedding reads them), the attention runs `mc.nn.attention` over
+    `"(dp b) (tp h) (cp s) d"` (`--cp-strategy`), and the parameters are replicated over cp (`fully_shard(...,
     replicate="cp")`: the cp ranks average their gradients, as HSDP's replicas)."""
     bound = mc.init_mesh(args.mesh)
     margs = LLAMA3_8B if args.size == "8b" else model_args(251)
@@ -99,16 +102,17 @@ def dry_run(args: argparse.Namespace) -> int:
     tokens = torch.zeros(args.batch, seq + 1, dtype=torch.long, device="meta")
     inputs, labels, positions = tokens[:, :-1], tokens[:, 1:], None
     if cp:
-        layout = "(dp b) (tp h) (cp s) d" if "tp" in bound.mesh.axis_names else "(dp b) h (cp s) d"
+        split = SPLITS[args.cp_split]      # the sequence's split: tokens, labels, positions
+        heads = "(tp h)" if "tp" in bound.mesh.axis_names else "h"
         for block in model.layers:
             block.attention.attend = functools.partial(
-                mc.nn.attention, bound=bound, layout=layout, causal=True,
+                mc.nn.attention, bound=bound, layout=f"(dp b) {heads} {split} d", causal=True,
                 strategy=args.cp_strategy)
-        n = bound.mesh.axis_size("cp")
-        mine = mc.Layout("(cp s)").indices(mc.Mesh(f"cp={n}"), (seq,), bound.coords["cp"])[0]
-        start, stop = mine[0], mine[-1] + 1        # "(cp s)": one run of tokens
-        inputs, labels = inputs[:, start:stop], labels[:, start:stop]
-        positions = torch.arange(start, stop, device="meta")
+        # each dp rank's batch, held whole, into the split: a local select (the same plan
+        # for the tokens, the labels and the positions; from a loader's "(cp s)" split it
+        # would be one exchange within the cp group)
+        inputs, labels = (mc.reshard(t, bound, "b s", f"b {split}") for t in (inputs, labels))
+        positions = mc.reshard(torch.arange(seq, device="meta"), bound, "s", split)
     for _ in range(args.steps):
         logits = model(inputs, positions)
         if args.sequence_parallel:
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
                     " and cp to split the sequence)")
     ap.add_argument("--cp-strategy", default="auto", help="dry runs with a cp axis: the"
                     " attention strategy (allgather, ulysses or auto)")
+    ap.add_argument("--cp-split", choices=sorted(SPLITS), default="contiguous",
+                    help="dry runs with a cp axis: how the sequence is split (zigzag and"
+                    " striped balance causal attention)")
     ap.add_argument("--batch", type=int, default=1, help="dry runs only: sequences per rank")
     ap.add_argument("--seq", type=int, default=0, help="dry runs only: sequence length"
                     " (default 8192 for 8b, 32 for tiny)")

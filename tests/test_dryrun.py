@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import in_fresh_interpreter, scaled
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,13 +123,15 @@ def test_cli_runs_the_llama_example_dry_with_context_parallelism() -> None:
     assert "all_reduce      cp (4)" in out and "all_gather      dp (2)" in out
 
 
-def test_the_dry_run_counts_a_rings_point_to_point_messages() -> None:
+@pytest.mark.parametrize("split", ["contiguous", "zigzag"])
+def test_the_dry_run_counts_a_rings_point_to_point_messages(split: str) -> None:
     """The ring strategy's shifts are p2p batches: 3 * 4 - 2 per layer on cp=4 (3 forward,
     3 backward, 4 for dK/dV going home), each K and V block 512 B here (one kv head of 8
-    tokens x 16 float32 per tp rank): 10 KiB per layer."""
+    tokens x 16 float32 per tp rank): 10 KiB per layer. A zigzag split moves the same blocks
+    (each rank's tokens are selected locally from its batch: no extra collective)."""
     proc = subprocess.run([sys.executable, "-m", "meshcomm", "dryrun", "-n", "16", "--rank",
                            "5", "examples/train_llama.py", "--mesh", "dp=2 cp=4 tp=2",
-                           "--steps", "1", "--cp-strategy", "ring"],
+                           "--steps", "1", "--cp-strategy", "ring", "--cp-split", split],
                           cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "20 x p2p             cp (4)           sent   20.0 KiB  received   20.0 KiB" \
