@@ -1,7 +1,8 @@
 """A Hugging Face Llama (built from a config, GQA, rotary positions) trained under context
 parallelism on 4 gloo ranks (`dp=2 cp=2`: batch over dp, sequence over cp, parameters
 `fully_shard(axis="dp", replicate="cp")`), against the same model trained in one process:
-losses and final parameters equal, for each strategy. Token ids, position ids and the
+losses and final parameters equal, for each strategy (the ring on a zigzag split, moved
+there from the loader's contiguous one by `mc.reshard`). Token ids, position ids and the
 labels (shifted before the split) follow one layout; the attention layers run
 `mc.nn.attention` through transformers' attention registry (`register_hf_attention`).
 """
@@ -23,8 +24,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 # the model, batch sizes and one-process training of the data-parallel Hugging Face tests
 from test_hf import BATCH, SEQ, STEPS, VOCAB, build, train  # noqa: E402
 
-TOKENS = "(dp b) (cp s)"                   # ids, positions, labels: one layout
-STRATEGIES = ("allgather", "ulysses")
+TOKENS = "(dp b) (cp s)"                   # the loader's layout: ids, positions, labels
+# (strategy, the sequence's split): a zigzag split is reached from the loader's with one
+# planned reshard per tensor, the same plan for ids, positions and labels
+CASES = {"allgather": "(cp s)", "ulysses": "(cp s)", "ring": "zigzag(cp s)"}
+STRATEGIES = tuple(CASES)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,19 +54,21 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     mine = [scatter(t, mesh, TOKENS)[rank] for t in (x, labels, positions)]
     count = int((labels != -100).sum())          # every rank knows the global count
     out: dict[str, Any] = {}
-    for strategy in STRATEGIES:
+    for strategy, split in CASES.items():
+        ids, targets, pos = (mc.reshard(t, bound, TOKENS, f"(dp b) {split}",
+                                        shape=(BATCH, SEQ)) for t in mine)
         model = build("llama", {})
         model.set_attn_implementation(mc.nn.register_hf_attention(
-            bound, "(dp b) h (cp s) d", name=f"meshcomm_{strategy}", strategy=strategy))
+            bound, f"(dp b) h {split} d", name=f"meshcomm_{strategy}", strategy=strategy))
         for layer in model.model.layers:
             mc.nn.fully_shard(layer, bound, axis="dp", replicate="cp")
         mc.nn.fully_shard(model, bound, axis="dp", replicate="cp")
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         losses = []
         for _ in range(STEPS):
-            logits = model(input_ids=mine[0], position_ids=mine[2]).logits
+            logits = model(input_ids=ids, position_ids=pos).logits
             # this rank's share of the global mean; the units average over the 4 ranks
-            total = F.cross_entropy(logits.flatten(0, 1).float(), mine[1].flatten(),
+            total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(),
                                     ignore_index=-100, reduction="sum")
             loss = total * world / count
             opt.zero_grad()
