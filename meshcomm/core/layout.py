@@ -256,6 +256,17 @@ class Layout:
         dims[range(self.ndim)[dim]] = Dim((notation.Factor(name),))
         return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
 
+    def without_axes(self, dim: int, axes: Sequence[AxisName]) -> Layout:
+        """This layout with the factors named in `axes` taken out of dim `dim`.
+
+        >>> Layout("b (dp cp s) d").without_axes(1, ["cp"])
+        Layout('b (dp s) d')
+        """
+        i = range(self.ndim)[dim]
+        dims = list(self.dims)
+        dims[i] = Dim(tuple(f for f in dims[i].factors if f.name not in axes), dims[i].zigzag)
+        return _from_parts(tuple(dims), self.reduce_op, self.partial_axes)
+
     def dim_from(self, dim: int, other: Layout) -> Layout:
         """This layout with dim `dim` as `other` has it.
 

@@ -25,7 +25,9 @@ ROLES = ("b", "h", "s", "d")      # batch, heads, sequence, head dim (the canoni
 class Call:
     """An attention call on this rank. `q_layout` / `kv_layout` are the user's layouts;
     `order` the user's dims in canonical `b h s d` order (batch may be absent: -1);
-    `seq_axes` the mesh axes splitting the sequence (the same for q and kv)."""
+    `seq_axes` the mesh axes splitting the sequence (the same for q and kv). `unfolded`:
+    set on a call a strategy makes over the contiguous twin of a zigzag split (the hybrid's
+    ring): the user's layout and shape, whose twin order relabels this call's positions."""
 
     bound: BoundMesh
     q_layout: Layout
@@ -36,6 +38,7 @@ class Call:
     seq_axes: tuple[AxisName, ...]
     mask: Mask
     scale: float
+    unfolded: tuple[Layout, Shape] | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -63,7 +66,10 @@ class Call:
 
     def positions(self, layout: Layout, shape: Shape, rank: int) -> tuple[int, ...]:
         """The global sequence positions `rank` holds under `layout`, in local order."""
-        return _positions(layout, self.mesh, shape, rank, self.seq_dim)
+        if self.unfolded is None:
+            return _positions(layout, self.mesh, shape, rank, self.seq_dim)
+        return _relabelled(layout, *self.unfolded, self.mesh, shape[self.seq_dim], rank,
+                           self.seq_dim)
 
     def seq_order(self, layout: Layout, shape: Shape) -> tuple[int, ...]:
         """The global positions of the sequence gathered whole from `layout`'s twin
@@ -92,6 +98,16 @@ class Call:
 def _positions(layout: Layout, mesh: Mesh, shape: Shape, rank: int,
                dim: int) -> tuple[int, ...]:
     return layout.indices(mesh, shape, rank)[dim]
+
+
+@functools.lru_cache(maxsize=256)
+def _relabelled(layout: Layout, user: Layout, user_shape: Shape, mesh: Mesh, length: int,
+                rank: int, dim: int) -> tuple[int, ...]:
+    """`rank`'s positions under `layout` (over the twin of `user`'s zigzag sequence, of
+    `length` tokens) as positions of the user's sequence."""
+    shape = tuple(length if i == dim else n for i, n in enumerate(user_shape))
+    order = _seq_order(user, mesh, shape, dim)
+    return tuple(order[i] for i in layout.indices(mesh, shape, rank)[dim])
 
 
 @functools.lru_cache(maxsize=256)
