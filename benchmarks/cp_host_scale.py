@@ -15,6 +15,9 @@ causal:
   causal mask built from their positions;
 - `ulysses`: `mc.nn.attention(..., strategy="ulysses")` beside DeepSpeed Ulysses from
   DTensor: q, k, v `[Shard(0), Shard(2)] -> [Shard(0), Shard(1)]`, SDPA, the output back.
+- `ring` and `hybrid` (the sequence over `ca=2 cr=cp/2`: all_to_all on ca, the ring on
+  cr): meshcomm alone (PyTorch's ring runs only with CUDA SDPA kernels); their op counts
+  grow with the ring's steps (cp), never with N.
 
 Each row: the median of `--repeat` calls after one warm-up, with one intra-op thread, and
 the tensor ops one call runs (a count that grows with N is a per-rank loop). The ratio is
@@ -39,6 +42,8 @@ from host_scale import RANK, op_count, start_world, step_time  # benchmarks/, be
 import meshcomm as mc
 
 LAYOUT = "(dp b) h (cp s) d"
+STRATEGIES = ("allgather", "ulysses", "ring", "hybrid")
+ANCHORED = ("allgather", "ulysses")    # PyTorch's ring runs on CUDA SDPA kernels only
 H, PER_RANK, D = 8, 16, 16
 DEFAULT_JSON = Path(__file__).parent / "results" / "cp_host_scale.json"
 
@@ -54,11 +59,15 @@ def _locals(n: int, cp: int) -> list[torch.Tensor]:
 
 
 def meshcomm_step(n: int, cp: int, strategy: str) -> Callable[[], None]:
-    bound = mc.init_mesh(f"dp={n // cp} cp={cp}", backend="fake")
+    if strategy == "hybrid":       # the sequence over two axes: all_to_all on ca, ring on cr
+        bound = mc.init_mesh(f"dp={n // cp} ca=2 cr={cp // 2}", backend="fake")
+        layout = LAYOUT.replace("(cp s)", "(ca cr s)")
+    else:
+        bound, layout = mc.init_mesh(f"dp={n // cp} cp={cp}", backend="fake"), LAYOUT
     q, k, v = _locals(n, cp)
 
     def step() -> None:
-        y = mc.nn.attention(q, k, v, bound, LAYOUT, causal=True, strategy=strategy)
+        y = mc.nn.attention(q, k, v, bound, layout, causal=True, strategy=strategy)
         y.sum().backward()
     return step
 
@@ -106,19 +115,23 @@ def main() -> None:
         for cp in sorted({8, max(8, n // 8)}):
             if n % cp:
                 continue
-            for strategy in ("allgather", "ulysses"):
-                start_world(n)
-                theirs = measure(pytorch_step(n, cp, strategy), repeat)
+            for strategy in STRATEGIES:
+                theirs: tuple[float | None, int | None] = (None, None)
+                if strategy in ANCHORED:
+                    start_world(n)
+                    theirs = measure(pytorch_step(n, cp, strategy), repeat)
                 start_world(n)
                 ours = measure(meshcomm_step(n, cp, strategy), repeat)
                 row = {"ranks": n, "cp": cp, "strategy": strategy,
                        "pytorch_s": theirs[0], "pytorch_ops": theirs[1],
                        "meshcomm_s": ours[0], "meshcomm_ops": ours[1],
-                       "ratio": ours[0] / theirs[0]}
+                       "ratio": None if theirs[0] is None else ours[0] / theirs[0]}
                 rows.append(row)
-                print(f"{strategy:10s} ranks {n:5d} cp {cp:4d}  pytorch {theirs[0] * 1e3:7.2f} ms"
-                      f" ({theirs[1]} ops)  meshcomm {ours[0] * 1e3:7.2f} ms ({ours[1]} ops)"
-                      f"  ratio {row['ratio']:.2f}x", flush=True)
+                anchor = ("pytorch       -  (no CPU anchor)       " if theirs[0] is None else
+                          f"pytorch {theirs[0] * 1e3:7.2f} ms ({theirs[1]} ops)")
+                ratio = "" if row["ratio"] is None else f"  ratio {row['ratio']:.2f}x"
+                print(f"{strategy:10s} ranks {n:5d} cp {cp:4d}  {anchor}  meshcomm"
+                      f" {ours[0] * 1e3:7.2f} ms ({ours[1]} ops){ratio}", flush=True)
     dist.destroy_process_group()
     out = args.json or DEFAULT_JSON
     out.parent.mkdir(parents=True, exist_ok=True)
