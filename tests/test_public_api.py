@@ -120,3 +120,12 @@ def test_version_is_the_package_s() -> None:
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert mc.__version__ == project["version"]
+
+
+def test_attention_names_are_exported_from_nn() -> None:
+    """`mc.nn` exports the attention entry points side by side (docs/api.md), each the
+    attention package's own."""
+    package = importlib.import_module("meshcomm.nn.attention")
+    for name in ("attention", "attention_costs", "attention_explain", "attention_reference"):
+        assert name in mc.nn.__all__, name
+        assert getattr(mc.nn, name) is getattr(package, name), name

@@ -5,7 +5,7 @@ Every block has `explain(shape)`: the plans it runs in forward and backward, one
 See docs/tutorial.md.
 """
 from ..core.errors import CheckpointError
-from .attention import attention, attention_costs, attention_reference
+from .attention import attention, attention_costs, attention_explain, attention_reference
 from .attention.hf import register_hf_attention
 from .checkpoint import CheckpointRead, load_checkpoint, save_checkpoint
 from .comms import Comm, format_comms
@@ -37,7 +37,8 @@ from .tensor_parallel import (
 __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
            "MixedPrecision", "MoE", "ParamSpec",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
-           "VocabParallelEmbedding", "attention", "attention_costs", "attention_reference",
+           "VocabParallelEmbedding", "attention", "attention_costs", "attention_explain",
+           "attention_reference",
            "combine", "dispatch", "format_comms",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
            "logical_axes", "parallelize", "param_spec", "planning_mesh", "register_hf_attention",

@@ -30,11 +30,22 @@ from torch import Tensor
 from ...core.layout import Layout
 from ...executors.distributed.autograd import reshard_autograd
 from ...planner.plan import plan
-from ...planner.values import Plan
+from ...planner.values import CostModel, Plan
 from ...sharded import reshard
-from .blocks import chunked
+from .blocks import chunked, compute_dtype
 from .call import Call
-from .ring import ring_attention, traffic
+from .ring import Ring, ring_attention, traffic
+from .timing import (
+    DEFAULT_COST_MODEL,
+    DEFAULT_FLOPS,
+    check_rate,
+    chunked_seconds,
+    pairs,
+    per_pair,
+    plan_time,
+    ring_time,
+    serial,
+)
 
 
 def whole_seq(call: Call, layout: Layout) -> Layout:
@@ -140,40 +151,84 @@ def ring(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Ten
 class Cost:
     """One strategy's figures on this rank for a forward and backward: bytes sent (from
     the plans; the ring's from its schedule), extra peak memory (bytes of the largest
-    buffers it adds), collective calls (the ring's: point-to-point batches)."""
+    buffers it adds), collective calls (the ring's: point-to-point batches), and modelled
+    seconds (`timing.py`): `time_s` in all, `comm_s` of its messages alone and `compute_s`
+    of its blocks alone (the group's slowest member's; the ring overlaps the two)."""
 
     strategy: str
     sent_bytes: int
     extra_bytes: int
     calls: int
+    time_s: float
+    comm_s: float
+    compute_s: float
 
 
 def _sent(call: Call, shape: tuple[int, ...], src: Layout, dst: Layout,
-          dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes this rank sends, collectives) of one plan, forward and backward together (the
-    backward plan moves as many bytes: a reduce_scatter for an all_gather, the inverse
-    all_to_all)."""
+          dtype: torch.dtype, cost_model: CostModel) -> tuple[int, int, float]:
+    """(bytes this rank sends, collectives, modelled seconds) of one plan, forward and
+    backward together (the backward plan moves as many bytes: a reduce_scatter for an
+    all_gather, the inverse all_to_all)."""
     p = plan(call.mesh, shape, src, dst, dtype=dtype)
     at = p.mesh.position(call.bound.rank)
-    return 2 * p.send_bytes[at], 2 * len(p.collectives)
+    return 2 * p.send_bytes[at], 2 * len(p.collectives), 2 * plan_time(p, cost_model)
 
 
-def costs(call: Call, dtype: torch.dtype) -> list[Cost]:
-    """Every strategy's `Cost` for this call."""
+def costs(call: Call, dtype: torch.dtype, cost_model: CostModel = DEFAULT_COST_MODEL,
+          flops: float = DEFAULT_FLOPS) -> list[Cost]:
+    """Every strategy's `Cost` for this call, times under `cost_model` (the links) and
+    `flops` (FLOP/s of a rank's attention blocks)."""
+    check_rate(flops)
     item = torch.empty((), dtype=dtype).element_size()
     rank, mesh = call.bound.rank, call.mesh
-    full = whole_seq(call, call.kv_layout)
+    q_layout, kv_layout = call.q_twin, call.kv_twin
+    group = Ring.of(call).ranks              # this rank's sequence group
+    d = call.q_shape[call.order[3]]
+    kpos = call.seq_order(call.kv_layout, call.kv_shape)   # the gathered keys' order
+    full = whole_seq(call, kv_layout)
     kv_full = math.prod(full.local_shape(mesh, call.kv_shape, rank))
-    sent, calls = _sent(call, call.kv_shape, call.kv_layout, full, dtype)
-    out = [Cost("allgather", 2 * sent, 2 * kv_full * item, 2 * calls)]
+    sent, calls, comm = _sent(call, call.kv_shape, kv_layout, full, dtype, cost_model)
+    compute = max(chunked_seconds(call.mask, call.positions(call.q_layout, call.q_shape, r),
+                                  kpos, per_pair(q_layout.local_shape(mesh, call.q_shape, r),
+                                                 call.order, d), flops) for r in group)
+    out = [Cost("allgather", 2 * sent, 2 * kv_full * item, 2 * calls,
+                *serial(2 * comm, compute))]
     kv_shape = repeated_kv_shape(call)
-    q_heads = heads_layout(call, call.q_layout)
-    kv_heads = heads_layout(call, call.kv_layout)
-    sq, cq = _sent(call, call.q_shape, call.q_layout, q_heads, dtype)
-    sk, ck = _sent(call, kv_shape, call.kv_layout, kv_heads, dtype)
+    q_heads = heads_layout(call, q_layout)
+    kv_heads = heads_layout(call, kv_layout)
+    sq, cq, tq = _sent(call, call.q_shape, q_layout, q_heads, dtype, cost_model)
+    sk, ck, tk = _sent(call, kv_shape, kv_layout, kv_heads, dtype, cost_model)
     q_local = math.prod(q_heads.local_shape(mesh, call.q_shape, rank))
     k_local = math.prod(kv_heads.local_shape(mesh, kv_shape, rank))
+    widest = max(per_pair(q_heads.local_shape(mesh, call.q_shape, r), call.order, d)
+                 for r in group)
+    compute = chunked_seconds(call.mask, call.seq_order(call.q_layout, call.q_shape), kpos,
+                              widest, flops)
     out.append(Cost("ulysses", 2 * sq + 2 * sk, (2 * q_local + 2 * k_local) * item,
-                    2 * cq + 2 * ck))
-    out.append(Cost("ring", *traffic(call, dtype)))
+                    2 * cq + 2 * ck, *serial(2 * tq + 2 * tk, compute)))
+    out.append(Cost("ring", *traffic(call, dtype), *_ring_time(call, dtype, cost_model, flops)))
     return out
+
+
+def _ring_time(call: Call, dtype: torch.dtype, cost_model: CostModel,
+               flops: float) -> tuple[float, float, float]:
+    """The ring's (time, comm, compute): at step t member j computes its queries against
+    the block of member j - t; the hops carry the largest block (every block is on the
+    move at every step)."""
+    ring, mesh, d = Ring.of(call), call.mesh, call.q_shape[call.order[3]]
+    qpos = [call.positions(call.q_layout, call.q_shape, r) for r in ring.ranks]
+    kpos = [call.positions(call.kv_layout, call.kv_shape, r) for r in ring.ranks]
+    width = [per_pair(call.q_twin.local_shape(mesh, call.q_shape, r), call.order, d)
+             for r in ring.ranks]
+    work = []
+    for t in range(ring.size):
+        held = [kpos[(j - t) % ring.size] for j in range(ring.size)]
+        work.append(max(pairs(call.mask, qpos[j], held[j], len(held[j])) * width[j]
+                        for j in range(ring.size)))
+    block = max(math.prod(call.kv_twin.local_shape(mesh, call.kv_shape, r)) for r in ring.ranks)
+    item = torch.empty((), dtype=dtype).element_size()
+    grad_item = torch.empty((), dtype=compute_dtype(dtype)).element_size()
+    kv_s = cost_model.time(ring.axes, 2 * block * item) if ring.axes else 0.0
+    dkv_s = cost_model.time(ring.axes, 2 * block * grad_item) if ring.axes else 0.0
+    latency = cost_model.time(ring.axes, 0) if ring.axes else 0.0
+    return ring_time(work, kv_s, dkv_s, latency, flops)

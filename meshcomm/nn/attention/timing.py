@@ -1,0 +1,110 @@
+"""Modelled time of one attention call, forward and backward, per strategy: the link time of
+what it sends (a `CostModel`: latency + bytes / bandwidth per collective) combined with the
+time of the attention blocks it computes (FLOPs over a `flops` rate). This module never
+communicates; every figure is the same on every rank of the sequence's group (the slowest
+member sets each phase), so every rank picks the same strategy.
+
+FLOPs: a block of `sq` queries by `sk` keys costs `4 sq sk d` per head forward (scores,
+probabilities x values) and `10 sq sk d` backward (scores recomputed, dV, dP, dQ, dK), 14
+in all. A block no query sees by position is skipped, as the strategies skip it; a computed
+block counts every pair (it runs dense under its mask): `allgather` and `ulysses` attend
+`blocks.KEY_CHUNK` keys at a time, the ring one rank's block at a time.
+
+Overlap, as the strategies run:
+- `ring`: each step posts the next block's exchange, then computes: a step takes the larger
+  of its slowest member's block and its messages (K/V forward; K/V and the travelling
+  dK/dV backward); plus one exposed latency per pass and the last dK/dV hop home.
+- `allgather`: the gathers of K and V finish before the blocks start and the
+  reduce_scatters of dK, dV start after their backward, so nothing overlaps: comm +
+  compute. (K's and V's plans run back to back; the model adds their times.)
+- `ulysses`: its all_to_alls sit between the blocks' phases: comm + compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ...planner.values import CostModel, Plan
+from .blocks import KEY_CHUNK, Mask
+
+FORWARD_FLOPS, BACKWARD_FLOPS = 4, 10     # per query-key pair, head and head-dim element
+DEFAULT_FLOPS = 100e12                    # FLOP/s of one rank's attention (an accelerator's)
+DEFAULT_COST_MODEL = CostModel(latency_s=10e-6, bandwidth=50e9)   # one link of a node
+
+
+def pairs(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], chunk: int) -> int:
+    """Query-key pairs computed when `qpos` attend to `kpos` `chunk` keys at a time, blocks
+    that no query sees by position skipped (as `blocks.chunked` and the ring skip them)."""
+    qspan = span(qpos)
+    out = 0
+    for c0 in range(0, len(kpos), max(1, chunk)):
+        part = kpos[c0:c0 + chunk]
+        if not mask.skips(qspan, span(part)):
+            out += len(qpos) * len(part)
+    return out
+
+
+def span(pos: Sequence[int]) -> tuple[int, ...]:
+    """(first, last) of positions as `Mask.skips` reads them (it reads the least and the
+    greatest only), () when empty: a range's in O(1)."""
+    if not pos:
+        return ()
+    if isinstance(pos, range) and pos.step > 0:
+        return pos[0], pos[-1]
+    return min(pos), max(pos)
+
+
+def plan_time(p: Plan, cost_model: CostModel) -> float:
+    """Seconds of one run of `p` under `cost_model`: each collective pays latency plus its
+    busiest rank's bytes over the bandwidth (a tree step: a latency per round)."""
+    return sum(cost_model.time(s.axes, max(max(s.send_bytes), max(s.recv_bytes)))
+               + (s.rounds - 1) * cost_model.time(s.axes, 0) for s in p.collectives)
+
+
+def seconds(flops_per_unit: float, units: int, rate: float) -> float:
+    """Seconds of `units` pair x batch x heads x head-dim elements at `flops_per_unit` each."""
+    return flops_per_unit * units / rate
+
+
+def serial(comm_s: float, compute_s: float) -> tuple[float, float, float]:
+    """(time, comm, compute) of a strategy whose communication does not overlap its math."""
+    return comm_s + compute_s, comm_s, compute_s
+
+
+def ring_time(step_work: Sequence[int], kv_s: float, dkv_s: float, latency_s: float,
+              rate: float) -> tuple[float, float, float]:
+    """(time, comm, compute) of the ring: `step_work[t]` is the most pairs x batch x heads x
+    head dim any member computes at step t; `kv_s` one K/V hop, `dkv_s` one dK/dV hop.
+    Forward: step t < size - 1 overlaps the next block's hop; backward: step t overlaps the
+    next K/V hop and the dK/dV buffer posted at step t - 1; the last buffer's hop home is
+    exposed, and each pass exposes one latency."""
+    size = len(step_work)
+    fwd = [seconds(FORWARD_FLOPS, n, rate) for n in step_work]
+    bwd = [seconds(BACKWARD_FLOPS, n, rate) for n in step_work]
+    if size <= 1:
+        return sum(fwd) + sum(bwd), 0.0, sum(fwd) + sum(bwd)
+    kv = [kv_s if t < size - 1 else 0.0 for t in range(size)]
+    back = [kv[t] + (dkv_s if t > 0 else 0.0) for t in range(size)]
+    time = (sum(max(c, m) for c, m in zip(fwd, kv)) + sum(max(c, m) for c, m in zip(bwd, back))
+            + dkv_s + 2 * latency_s)
+    return time, sum(kv) + sum(back) + dkv_s, sum(fwd) + sum(bwd)
+
+
+def chunked_seconds(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], per_pair: int,
+                    rate: float) -> float:
+    """Seconds of forward and backward of `blocks.chunked` over these positions."""
+    return seconds((FORWARD_FLOPS + BACKWARD_FLOPS) * per_pair,
+                   pairs(mask, qpos, kpos, KEY_CHUNK), rate)
+
+
+def per_pair(local_shape: Sequence[int], order: Sequence[int], head_dim: int) -> int:
+    """Batch x heads x head dim of a rank's local query shape (`order`: b h s d dims)."""
+    b, h = order[0], order[1]
+    return (local_shape[b] if b >= 0 else 1) * local_shape[h] * head_dim
+
+
+def check_rate(flops: float) -> None:
+    if not (flops > 0 and math.isfinite(flops)):
+        raise ValueError(f"attention(flops={flops!r}): expected a positive FLOP/s rate, e.g."
+                         " flops=100e12")
