@@ -1,7 +1,9 @@
 """`mc.nn.attention` with the sequence split over mesh axes, on 4 and 8 gloo ranks, in
 float64: every strategy's output and the gradients of q, k and v equal one process's
 attention (relative error <= 1e-10), for causal, full, sliding-window and document masks,
-contiguous "(cp s)", striped "(s cp)" and zigzag "zigzag(cp s)" splits, even and uneven sequences, MHA and GQA.
+contiguous "(cp s)", striped "(s cp)" and zigzag "zigzag(cp s)" splits, even and uneven
+sequences, MHA and GQA; the sequence over one axis, and over two (the hybrid strategy:
+all_to_all on one, the ring on the other).
 One spawn per world size runs every case; it also measures the ring's bytes on the wire
 against its `Cost`, and (4 ranks) the ring's overlap of a slow wire with slow blocks.
 """
@@ -33,9 +35,25 @@ SHAPES = {"(cp s)": [(16, 4, 4), (13, 4, 2), (16, 2, 1), (7, 8, 8)],   # (seq, h
           "zigzag(cp s)": [(16, 4, 4), (13, 4, 2), (16, 2, 1), (7, 8, 8)]}
 
 
+# the sequence over two axes ("cq" then "cr"): every strategy, the hybrid too (all_to_all
+# over cq, the ring over cr)
+TWO_AXES = {"(cp s)": [(16, 4, 2), (13, 8, 8)], "(s cp)": [(16, 4, 4)],
+            "zigzag(cp s)": [(16, 4, 2), (11, 2, 1)]}
+
+
+def two_axis_cases(world: int) -> list[tuple[Any, ...]]:
+    out = []
+    for strategy, seq in itertools.product(sorted(STRATEGIES), TWO_AXES):
+        for (causal, window, docs), (s, h, hk) in itertools.product(MASKS[1::2], TWO_AXES[seq]):
+            if seq == "(s cp)" and s % world:
+                continue
+            out.append((strategy, seq, causal, window, docs, s, h, hk))
+    return out
+
+
 def cases(world: int) -> list[tuple[Any, ...]]:
     out = []
-    for strategy, seq in itertools.product(sorted(STRATEGIES), SHAPES):
+    for strategy, seq in itertools.product(sorted(set(STRATEGIES) - {"hybrid"}), SHAPES):
         for (causal, window, docs), (s, h, hk) in itertools.product(MASKS, SHAPES[seq]):
             if seq == "(s cp)" and s % world:
                 continue
@@ -56,15 +74,15 @@ def _inputs(s: int, h: int, hk: int, docs: bool) -> tuple[torch.Tensor, ...]:
 def run_case(bound: BoundMesh, strategy: str, seq: str, causal: bool, window: int | None,
              docs: bool, s: int, h: int, hk: int) -> float:
     """The largest relative error of output, dq, dk, dv on this rank."""
-    axis = bound.mesh.axis_names[0]
-    layout = f"b h {seq.replace('cp', axis)} d"
+    axes = " ".join(a for a in bound.mesh.axis_names if a != "x")   # x: a spare size-1 axis
+    layout = f"b h {seq.replace('cp', axes)} d"
     q, k, v, doc = _inputs(s, h, hk, docs)
     rq, rk, rv = (t.clone().requires_grad_() for t in (q, k, v))
     ref = reference(rq, rk, rv, Mask(causal, window), doc=doc if docs else None)
     (ref * ref.detach().cos()).sum().backward()
     mesh, rank = bound.mesh, bound.rank
     lq, lk, lv = (scatter(t, mesh, layout)[rank].clone().requires_grad_() for t in (q, k, v))
-    ldoc = scatter(doc, mesh, f"b {seq.replace('cp', axis)}")[rank] if docs else None
+    ldoc = scatter(doc, mesh, f"b {seq.replace('cp', axes)}")[rank] if docs else None
     out = attention(lq, lk, lv, bound, layout, causal=causal, window=window,
                     document_ids=ldoc, strategy=strategy, shape=q.shape, kv_shape=k.shape)
     want_out = scatter(ref.detach(), mesh, layout)[rank]
@@ -82,18 +100,19 @@ def run_case(bound: BoundMesh, strategy: str, seq: str, causal: bool, window: in
     return worst
 
 
-def ring_on_the_wire(bound: BoundMesh) -> dict[str, Any]:
-    """The ring's bytes and p2p batches on this rank, forward and backward, measured by the
-    wire, and its `Cost`: uneven (13 tokens), GQA, causal (skipped blocks still travel)."""
-    layout = "b h (cp s) d"
+def on_the_wire(bound: BoundMesh, strategy: str = "ring",
+                layout: str = "b h (cp s) d") -> dict[str, Any]:
+    """A strategy's bytes and calls on this rank, forward and backward, measured by the
+    wire, and its `Cost`: uneven (13 tokens), GQA, causal (the ring's skipped blocks still
+    travel)."""
     q, k, v, _ = _inputs(13, 4, 2, False)
     lq, lk, lv = (scatter(t, bound.mesh, layout)[bound.rank].clone().requires_grad_()
                   for t in (q, k, v))
     with wire.recording() as heard:
-        attention(lq, lk, lv, bound, layout, causal=True, strategy="ring", shape=q.shape,
+        attention(lq, lk, lv, bound, layout, causal=True, strategy=strategy, shape=q.shape,
                   kv_shape=k.shape).sum().backward()
     cost = next(c for c in attention_costs(lq, lk, lv, bound, layout, shape=q.shape,
-                                           kv_shape=k.shape) if c.strategy == "ring")
+                                           kv_shape=k.shape) if c.strategy == strategy)
     return {"measured": (sum(w.sent * size for w, size in heard), len(heard),
                          sorted({w.kind for w, _ in heard})),
             "cost": (cost.sent_bytes, cost.calls)}
@@ -144,11 +163,15 @@ def all_cases(rank: int, world: int) -> list[Any]:
     out: list[Any] = []
     for c in cases(world):
         out.append(run_case(bound, *c))
+    two = mc.init_mesh(f"x=1 cq=2 cr={world // 2}")
+    for c in two_axis_cases(world):
+        out.append(run_case(two, *c))
     out.append(run_case(unnamed, "allgather", "(cp s)", True, None, False, 13, 4, 2))
     costs = attention_costs(*(torch.zeros(2, 4, 16 // world, 8) for _ in range(3)), bound,
                             "b h (cp s) d")
     out.append({"costs": {c.strategy: (c.sent_bytes, c.extra_bytes, c.calls) for c in costs},
-                "ring": ring_on_the_wire(bound),
+                "ring": on_the_wire(bound),
+                "hybrid": on_the_wire(two, "hybrid", "b h (cq cr s) d"),
                 "overlap": check_ring_overlap(bound) if world == 4 else None})
     return out
 
@@ -160,7 +183,8 @@ eight = ranks_fixture(all_cases, 8)
 @pytest.mark.parametrize("world", [4, 8])
 def test_every_strategy_equals_one_process(world: int, request: pytest.FixtureRequest) -> None:
     results = request.getfixturevalue("four" if world == 4 else "eight")
-    names = cases(world) + [("allgather on d0", "(cp s)", True, None, False, 13, 4, 2)]
+    names = (cases(world) + [("on two axes", *c) for c in two_axis_cases(world)]
+             + [("allgather on d0", "(cp s)", True, None, False, 13, 4, 2)])
     bad = [(c, max(r[i] for r in results)) for i, c in enumerate(names)
            if max(r[i] for r in results) > 1e-10]
     assert not bad, bad[:5]
@@ -190,6 +214,18 @@ def test_ring_sends_what_its_cost_says(world: int, request: pytest.FixtureReques
         assert got["measured"] == (*got["cost"], ["p2p"]), got
 
 
+@pytest.mark.parametrize("world", [4, 8])
+def test_the_hybrid_sends_what_its_cost_says(world: int, request: pytest.FixtureRequest
+                                             ) -> None:
+    """On cq=2 x cr=world/2: the all_to_alls over cq (q, k, v and the output, each way)
+    and the ring's point-to-point batches over cr, as the hybrid's Cost counts them."""
+    results = request.getfixturevalue("four" if world == 4 else "eight")
+    for r in results:
+        got = r[-1]["hybrid"]
+        assert got["measured"][:2] == got["cost"], got
+        assert set(got["measured"][2]) <= {"p2p", "all_to_all"}, got
+
+
 def test_ring_overlaps_a_slow_wire_with_its_blocks(four: list[Any]) -> None:
     """Serial: 3 (delay + compute) + compute = 1.4 s; the ring: about 3 max + compute."""
     for r in four:
@@ -207,5 +243,10 @@ def test_bad_arguments_raise_before_any_communication() -> None:
         attention(q, torch.zeros(2, 3, 4, 8), torch.zeros(2, 3, 4, 8), bound, "b h (cp s) d")
     with pytest.raises(ShapeError, match="strategy='nope'"):
         attention(q, q, q, bound, "b h (cp s) d", strategy="nope")
+    with pytest.raises(ShapeError, match="hybrid needs two or more axes"):
+        attention(q, q, q, bound, "b h (cp s) d", strategy="hybrid")
+    assert "hybrid" not in {c.strategy for c in attention_costs(q, q, q, bound, "b h (cp s) d")}
+    with pytest.raises(ShapeError, match="must both be zigzag or neither"):
+        attention(q, q, q, bound, "b h zigzag(cp s) d", kv_layout="b h (cp s) d")
     with pytest.raises(ValueError, match="window=0"):
         attention(q, q, q, bound, "b h (cp s) d", window=0)

@@ -25,7 +25,7 @@ from ...planner.values import CostModel
 from ...runtime.bind import BoundMesh, require_bound
 from .blocks import Mask, reference
 from .call import Call, resolve
-from .strategies import Cost, allgather, costs, ulysses
+from .strategies import Cost, allgather, costs, hybrid, ulysses
 from .strategies import ring as ring_strategy  # `ring` names the module (ring.py)
 from .timing import DEFAULT_COST_MODEL, DEFAULT_FLOPS
 
@@ -33,6 +33,7 @@ STRATEGIES: dict[str, Callable[[Call, Tensor, Tensor, Tensor, Tensor | None], Te
     "allgather": allgather,
     "ulysses": ulysses,
     "ring": ring_strategy,
+    "hybrid": hybrid,
 }
 
 __all__ = ["AttentionExplain", "Cost", "Mask", "STRATEGIES", "attention", "attention_costs",

@@ -21,12 +21,14 @@ the ring's own function. Every byte figure comes from the plans, or the ring's s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from ...core.errors import ShapeError
 from ...core.layout import Layout
 from ...executors.distributed.autograd import reshard_autograd
 from ...planner.plan import plan
@@ -53,10 +55,12 @@ def whole_seq(call: Call, layout: Layout) -> Layout:
     return layout.with_dim(call.seq_dim, layout.dim_names(call.mesh)[call.seq_dim])
 
 
-def heads_layout(call: Call, layout: Layout) -> Layout:
-    """`layout` with the sequence's axes moved onto the heads (as their most minor splits)."""
-    out = whole_seq(call, layout)
-    for axis in call.seq_axes:
+def heads_layout(call: Call, layout: Layout, axes: tuple[str, ...] | None = None) -> Layout:
+    """`layout` with the sequence's axes (or those of `axes`) moved onto the heads, as their
+    most minor splits."""
+    moved = call.seq_axes if axes is None else axes
+    out = layout.without_axes(call.seq_dim, moved)
+    for axis in moved:
         out = out.split(call.order[1], axis)
     return out
 
@@ -147,6 +151,54 @@ def ring(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Ten
     return ring_attention(call, q, k, v, _docs(doc), _docs(kdoc))
 
 
+def hybrid_axes(call: Call) -> tuple[tuple[str, ...], str]:
+    """The hybrid's split of the sequence's axes: (moved to the heads by all_to_all, kept
+    for the ring): every axis but the last (mesh order), and the last."""
+    axes = tuple(a for a in call.mesh.axis_names if a in call.seq_axes)
+    if len(axes) < 2:
+        raise ShapeError(f"attention(strategy='hybrid'): the sequence is split over"
+                         f" {list(axes)}; the hybrid needs two or more axes (all_to_all on"
+                         " one, the ring on another). fix: split the sequence over two mesh"
+                         ' axes ("(a r s)"), or pick another strategy')
+    return axes[:-1], axes[-1]
+
+
+def hybrid_call(call: Call) -> Call:
+    """The call the hybrid's ring runs: the sequence's axes but the last moved onto the heads
+    of q and k, v (whose heads are repeated to the query heads), the ring over the last; a
+    zigzag split as its twin, positions relabelled (`Call.unfolded`)."""
+    moved, _ = hybrid_axes(call)
+    zigzag = bool(call.q_layout.zigzag_dims)
+    return dataclasses.replace(
+        call, q_layout=heads_layout(call, call.q_twin, moved),
+        kv_layout=heads_layout(call, call.kv_twin, moved), kv_shape=repeated_kv_shape(call),
+        seq_axes=tuple(a for a in call.seq_axes if a not in moved),
+        unfolded=(call.q_layout, call.q_shape) if zigzag else None)
+
+
+def hybrid(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
+    """Ulysses over the sequence's axes but the last, then the ring over the last (USP):
+    q, k, v move their sequence's first axes onto the heads (an all_to_all each, key/value
+    heads repeated to the query heads first), the ring runs over the axis left
+    (`hybrid_call`), and the output moves back."""
+    sub, bound, h = hybrid_call(call), call.bound, call.order[1]
+    group = call.q_shape[h] // call.kv_shape[h]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
+    q_h = reshard(q, bound, call.q_twin, sub.q_layout, shape=call.q_shape)
+    k_h = reshard(k, bound, call.kv_twin, sub.kv_layout, shape=sub.kv_shape)
+    v_h = reshard(v, bound, call.kv_twin, sub.kv_layout, shape=sub.kv_shape)
+    qdoc = kdoc = None
+    if doc is not None:
+        src, dst = doc_layout(call, call.q_twin), doc_layout(call, sub.q_layout)
+        qdoc = reshard(doc, bound, src, dst, shape=_doc_shape(call, call.q_shape))
+        kdst = doc_layout(call, sub.kv_layout)
+        kdoc = qdoc if kdst == dst else reshard(doc, bound, src, kdst,
+                                                shape=_doc_shape(call, call.q_shape))
+    out = ring_attention(sub, q_h, k_h, v_h, _docs(qdoc), _docs(kdoc))
+    return reshard(out, bound, sub.q_layout, call.q_twin, shape=call.q_shape)
+
+
 @dataclass(frozen=True)
 class Cost:
     """One strategy's figures on this rank for a forward and backward: bytes sent (from
@@ -165,13 +217,16 @@ class Cost:
 
 
 def _sent(call: Call, shape: tuple[int, ...], src: Layout, dst: Layout,
-          dtype: torch.dtype, cost_model: CostModel) -> tuple[int, int, float]:
-    """(bytes this rank sends, collectives, modelled seconds) of one plan, forward and
-    backward together (the backward plan moves as many bytes: a reduce_scatter for an
-    all_gather, the inverse all_to_all)."""
-    p = plan(call.mesh, shape, src, dst, dtype=dtype)
-    at = p.mesh.position(call.bound.rank)
-    return 2 * p.send_bytes[at], 2 * len(p.collectives), 2 * plan_time(p, cost_model)
+          dtype: torch.dtype, cost_model: CostModel,
+          back: Layout | None = None) -> tuple[int, int, float]:
+    """(bytes this rank sends, collectives, modelled seconds) of a plan and its backward,
+    the plan from `back` (default `dst`) to `src` (the allgather's: a reduce_scatter of a
+    pending sum). Uneven splits send other amounts each way."""
+    fwd = plan(call.mesh, shape, src, dst, dtype=dtype)
+    bwd = plan(call.mesh, shape, dst if back is None else back, src, dtype=dtype)
+    at = fwd.mesh.position(call.bound.rank)
+    return (fwd.send_bytes[at] + bwd.send_bytes[at], len(fwd.collectives) + len(bwd.collectives),
+            plan_time(fwd, cost_model) + plan_time(bwd, cost_model))
 
 
 def costs(call: Call, dtype: torch.dtype, cost_model: CostModel = DEFAULT_COST_MODEL,
@@ -187,7 +242,8 @@ def costs(call: Call, dtype: torch.dtype, cost_model: CostModel = DEFAULT_COST_M
     kpos = call.seq_order(call.kv_layout, call.kv_shape)   # the gathered keys' order
     full = whole_seq(call, kv_layout)
     kv_full = math.prod(full.local_shape(mesh, call.kv_shape, rank))
-    sent, calls, comm = _sent(call, call.kv_shape, kv_layout, full, dtype, cost_model)
+    sent, calls, comm = _sent(call, call.kv_shape, kv_layout, full, dtype, cost_model,
+                              full.pending("sum", call.seq_axes))
     compute = max(chunked_seconds(call.mask, call.positions(call.q_layout, call.q_shape, r),
                                   kpos, per_pair(q_layout.local_shape(mesh, call.q_shape, r),
                                                  call.order, d), flops) for r in group)
@@ -207,7 +263,25 @@ def costs(call: Call, dtype: torch.dtype, cost_model: CostModel = DEFAULT_COST_M
     out.append(Cost("ulysses", 2 * sq + 2 * sk, (2 * q_local + 2 * k_local) * item,
                     2 * cq + 2 * ck, *serial(2 * tq + 2 * tk, compute)))
     out.append(Cost("ring", *traffic(call, dtype), *_ring_time(call, dtype, cost_model, flops)))
+    if len(call.seq_axes) > 1:
+        out.append(_hybrid_cost(call, dtype, cost_model, flops))
     return out
+
+
+def _hybrid_cost(call: Call, dtype: torch.dtype, cost_model: CostModel, flops: float) -> Cost:
+    """The hybrid's figures: its all_to_alls (q, k, v and the output, each way) as Ulysses'
+    over the moved axes, then the ring's over the axis left (they do not overlap)."""
+    sub, item, mesh, rank = hybrid_call(call), torch.empty((), dtype=dtype).element_size(), \
+        call.mesh, call.bound.rank
+    sq, cq, tq = _sent(call, call.q_shape, call.q_twin, sub.q_layout, dtype, cost_model)
+    sk, ck, tk = _sent(call, sub.kv_shape, call.kv_twin, sub.kv_layout, dtype, cost_model)
+    moved = (2 * math.prod(sub.q_layout.local_shape(mesh, call.q_shape, rank))
+             + 2 * math.prod(sub.kv_layout.local_shape(mesh, sub.kv_shape, rank))) * item
+    sent, extra, calls = traffic(sub, dtype)
+    time, comm, compute = _ring_time(sub, dtype, cost_model, flops)
+    a2a = 2 * tq + 2 * tk
+    return Cost("hybrid", 2 * sq + 2 * sk + sent, moved + extra, 2 * cq + 2 * ck + calls,
+                a2a + time, a2a + comm, compute)
 
 
 def _ring_time(call: Call, dtype: torch.dtype, cost_model: CostModel,
