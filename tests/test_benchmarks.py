@@ -81,3 +81,30 @@ def test_crossmesh_scale_quick_run_writes_its_json(tmp_path: Path) -> None:
         assert case["transfers"] == 0 and case["plan_s"] > 0
         assert all(r["transfers"] > 0 for r in case["run"].values())
         assert case["receiver"] and all(r["blocks"] > 0 for r in case["receiver"].values())
+
+
+def test_cp_vs_torch_quick_run_is_exact_and_counts_its_bytes(tmp_path: Path) -> None:
+    """benchmarks/cp_vs_torch.py --quick (4 gloo ranks): every row equals anchor (a)'s output
+    and gradients, each meshcomm strategy's bytes on the wire equal its `Cost.sent_bytes` on
+    every rank, and every grid case has one pick (times are reported, never asserted)."""
+    out = tmp_path / "cp_vs_torch.json"
+    script = SCRIPT.parent / "cp_vs_torch.py"
+    proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out),
+                           "--timeout", str(scaled(120))],
+                          capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"meta", "calibration", "rows", "ratios", "ring", "grid", "summary"} <= set(report)
+    impls = {"torch_allgather", "torch_ulysses", "allgather", "ulysses", "ring"}
+    assert {r["impl"] for r in report["rows"]} == impls
+    for row in report["rows"]:
+        assert row["max_rel_diff"] < 1e-4, row
+        assert row["step_s"] > 0 and row["peak_bytes"] >= 0
+        if row["impl"] in impls - {"torch_allgather", "torch_ulysses"}:
+            assert row["sent_bytes_by_rank"] == row["cost_sent_bytes_by_rank"], row
+    assert {r["impl"] for r in report["ratios"]} == {"allgather", "ulysses", "ring"}
+    assert report["ring"] and all(r["math_s"] > 0 and r["comm_s"] > 0 for r in report["ring"])
+    grid = report["grid"]
+    assert grid and all(g["pick"] in g["measured_s"] for g in grid)
+    assert report["summary"]["grid_cases"] == len(grid)
+    assert "auto within 10% of the fastest in" in proc.stdout
