@@ -81,10 +81,26 @@ class Ring:
         return post_shift(x, self.call.bound, self.axes, shift=1, recv_shape=shape)
 
     def post(self, kv: Tensor, doc: Tensor | None, step: int) -> Arriving:
-        """Pass this rank's block (and its doc ids) on; the block of `step` arrives."""
-        kv_in = self.shift(kv, self.shape(step, kv))
-        doc_in = None if doc is None else self.shift(doc, (doc.shape[0], len(self.kpos(step))))
-        return lambda: (kv_in.wait(), None if doc_in is None else doc_in.wait())
+        """Pass this rank's block (and its doc ids) on; the block of `step` arrives. Doc ids
+        travel in the block's message, as bytes ahead of it: two messages to one peer could
+        be posted in either order under torch.compile (inductor schedules independent sends
+        by each rank's own graph, and the ranks' graphs differ by their skipped blocks)."""
+        shape = self.shape(step, kv)
+        if doc is None:
+            kv_in = self.shift(kv, shape)
+            return lambda: (kv_in.wait(), None)
+        doc_shape = (doc.shape[0], len(self.kpos(step)))
+        doc = doc.to(torch.int64)                  # 8 bytes an id: the block after is aligned
+        doc_bytes = math.prod(doc_shape) * doc.element_size()
+        packed = torch.cat([doc.contiguous().view(-1).view(torch.uint8),
+                            kv.contiguous().view(-1).view(torch.uint8)])
+        both = self.shift(packed, (doc_bytes + math.prod(shape) * kv.element_size(),))
+
+        def arrive() -> tuple[Tensor, Tensor | None]:
+            got = both.wait()
+            return (got[doc_bytes:].view(kv.dtype).view(shape),
+                    got[:doc_bytes].view(doc.dtype).view(doc_shape))
+        return arrive
 
 
 def ring_attention(call: Call, q: Tensor, k: Tensor, v: Tensor, qdoc: Tensor | None,
