@@ -185,7 +185,7 @@ def calibrate(bound: mc.BoundMesh, rank: int) -> dict[str, float]:
 
     def blocks() -> None:
         out, lse = block(q, k, k, allowed, D ** -0.5)
-        block_grads(q, k, k, out, lse, (out * out).sum(-1), allowed, D ** -0.5)
+        block_grads(q, k, k, out, out, lse, (out * out).sum(-1), allowed, D ** -0.5)
     blocks()
     dist.barrier()
     t0 = time.perf_counter()

@@ -145,8 +145,8 @@ def check_ring_overlap(bound: BoundMesh) -> dict[str, float]:
         start = time.perf_counter()
         for _ in range(3):
             kv = post_shift(kv, bound, "cp").wait()
-            slow_block(lq, kv[0], kv[1], torch.ones((), dtype=torch.bool), 1.0)
-        slow_block(lq, kv[0], kv[1], torch.ones((), dtype=torch.bool), 1.0)
+            slow_block(lq, kv[0], kv[1], None, 1.0)
+        slow_block(lq, kv[0], kv[1], None, 1.0)
         serial = time.perf_counter() - start
         torch.distributed.barrier()
         start = time.perf_counter()

@@ -56,7 +56,7 @@ class Mask:
             ok = ok & (qdoc[:, None, :, None] == kdoc[:, None, None, :])
         return ok
 
-    def skips(self, qpos: range | tuple[int, ...], kpos: range | tuple[int, ...]) -> bool:
+    def skips(self, qpos: Sequence[int], kpos: Sequence[int]) -> bool:
         """True when no query of `qpos` sees a key of `kpos` by position (no document ids
         read): a block every strategy skips. Host-side integers only: no device sync."""
         if not qpos or not kpos:
@@ -71,24 +71,104 @@ class Mask:
         return False
 
 
+    def sees_all(self, qpos: Sequence[int], kpos: Sequence[int]) -> bool:
+        """True when every query of `qpos` sees every key of `kpos` by position (host-side
+        integers only)."""
+        if not qpos or not kpos or min(qpos) < 0 or min(kpos) < 0:
+            return False
+        if self.causal and max(kpos) > min(qpos):
+            return False
+        if self.window is not None:
+            if max(qpos) - min(kpos) >= self.window:
+                return False
+            if not self.causal and max(kpos) - min(qpos) >= self.window:
+                return False
+        return True
+
+    def seen(self, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
+             kdoc: Tensor | None, device: torch.device) -> Seen | None:
+        """How queries at `qpos` see keys at `kpos`: None when none sees any (the block is
+        skipped); else `(allowed, causal)` for `block`: `(None, False)` every pair,
+        `(None, True)` the causal triangle of a block against itself (one run of
+        positions: the kernel skips the tiles above the diagonal), else the boolean mask.
+        Document ids always take the mask."""
+        if self.skips(qpos, kpos):
+            return None
+        docs = qdoc is not None and kdoc is not None
+        if not docs and self.sees_all(qpos, kpos):
+            return None, False
+        if (not docs and self.causal and self.window is None and tuple(qpos) == tuple(kpos)
+                and _is_run(qpos)):
+            return None, True
+        return self.allowed(torch.tensor(qpos, dtype=torch.long, device=device),
+                            torch.tensor(kpos, dtype=torch.long, device=device),
+                            qdoc, kdoc), False
+
+
+Seen = tuple[Tensor | None, bool]      # `Mask.seen`: (the mask, or None; aligned causal)
+
+
+def _is_run(pos: Sequence[int]) -> bool:
+    """True when `pos` is one run of consecutive positions, ascending."""
+    return len(pos) > 0 and tuple(pos) == tuple(range(pos[0], pos[0] + len(pos)))
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype scores, the log-sum-exp and merges are kept in: float64 for float64 inputs,
     else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float
-          ) -> tuple[Tensor, Tensor]:
-    """(out, lse) of queries `q` (b, hq, sq, d) over keys `k` and values `v` (b, hk, sk, d)
-    where `allowed` (broadcast to (b, hq, sq, sk)); out in the compute dtype, lse (b, hq,
-    sq). A query that sees no key gets out 0 and lse -inf (it merges as nothing)."""
-    dt = compute_dtype(q.dtype)
+# torch's fused CPU attention (flash-style tiles; returns the log-sum-exp): the block math on
+# CPU. Elsewhere (CUDA, meta) the blocks are plain tensor ops.
+_FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _fused(q: Tensor, k: Tensor) -> bool:
+    """Whether the fused CPU kernel runs this block (it cannot take empty tensors)."""
+    return q.device.type == "cpu" and q.numel() > 0 and k.numel() > 0
+
+
+def _bias(allowed: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """The additive mask the fused kernel takes: 0 where allowed, -inf elsewhere."""
+    if allowed is None:
+        return None
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, float("-inf"))
+
+
+def _repeated(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """k and v with their heads repeated to q's (GQA)."""
     hq, hk = q.shape[1], k.shape[1]
-    if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=1)
-        v = v.repeat_interleave(hq // hk, dim=1)
+    if hq != hk and hk:
+        return k.repeat_interleave(hq // hk, dim=1), v.repeat_interleave(hq // hk, dim=1)
+    return k, v
+
+
+def _triangle(q: Tensor, k: Tensor) -> Tensor:
+    return torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+
+
+def block(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor | None, scale: float,
+          causal: bool = False) -> tuple[Tensor, Tensor]:
+    """(out, lse) of queries `q` (b, hq, sq, d) over keys `k` and values `v` (b, hk, sk, d)
+    where `allowed` (broadcast to (b, hq, sq, sk); None: every pair; `causal`: the block
+    against itself, `Mask.seen`); out in the compute dtype, lse (b, hq, sq). A query that
+    sees no key gets out 0 and lse -inf (it merges as nothing)."""
+    dt = compute_dtype(q.dtype)
+    k, v = _repeated(q, k, v)
+    if _fused(q, k):
+        out, lse = _FUSED(q.to(dt), k.to(dt), v.to(dt), 0.0, causal,
+                          attn_mask=_bias(allowed, dt), scale=scale)
+        if allowed is not None:       # the kernel gives a query that sees nothing lse 0
+            lse = lse.masked_fill(~allowed.any(-1), float("-inf"))
+        return out, lse
+    if causal:
+        allowed = _triangle(q, k)
     scores = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     return torch.matmul(p, v.to(dt)), lse
@@ -114,25 +194,33 @@ def reference(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float | None =
     return out.to(q.dtype)
 
 
-def block_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                allowed: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of one block, in the compute dtype, from the whole attention's `lse`
-    (b, hq, sq) and `delta` = sum(dout * out, -1): the probabilities recomputed, as flash
-    attention's backward. GQA: dk and dv summed over the query heads of each key head."""
+def block_grads(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
+                delta: Tensor, allowed: Tensor | None, scale: float, causal: bool = False
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of one block, in the compute dtype, from the whole attention's `out`,
+    `lse` (b, hq, sq) and `delta` = sum(dout * out, -1): the probabilities recomputed, as
+    flash attention's backward. GQA: dk and dv summed over the query heads of each key
+    head. `allowed` and `causal` as `block` takes them."""
     dt = compute_dtype(q.dtype)
     hq, hk = q.shape[1], k.shape[1]
     group = hq // hk if hk else 1      # a rank may hold no heads (ulysses, uneven)
-    kr, vr = k.to(dt), v.to(dt)
-    if group > 1:
-        kr, vr = kr.repeat_interleave(group, dim=1), vr.repeat_interleave(group, dim=1)
+    kr, vr = _repeated(q, k.to(dt), v.to(dt))
     qd, dod = q.to(dt), dout.to(dt)
-    scores = torch.matmul(qd, kr.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    p = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), dod)
-    ds = p * (torch.matmul(dod, vr.transpose(-1, -2)) - delta[..., None])
-    dq = torch.matmul(ds, kr) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), qd) * scale
+    safe = lse.masked_fill(torch.isinf(lse), 0.0)
+    if _fused(q, k):
+        dq, dk, dv = _FUSED_BACKWARD(dod, qd, kr, vr, out.to(dt), safe, 0.0, causal,
+                                     attn_mask=_bias(allowed, dt), scale=scale)
+    else:
+        if causal:
+            allowed = _triangle(q, k)
+        scores = torch.matmul(qd, kr.transpose(-1, -2)) * scale
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        p = torch.exp(scores - safe[..., None])
+        dv = torch.matmul(p.transpose(-1, -2), dod)
+        ds = p * (torch.matmul(dod, vr.transpose(-1, -2)) - delta[..., None])
+        dq = torch.matmul(ds, kr) * scale
+        dk = torch.matmul(ds.transpose(-1, -2), qd) * scale
     if group > 1:
         b, _, sk, d = dk.shape
         dk = dk.view(b, hk, group, sk, d).sum(2)
@@ -160,16 +248,31 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
 
 def _blocks(mask: Mask, qpos: tuple[int, ...], kpos: tuple[int, ...], qdoc: Tensor | None,
             kdoc: Tensor | None, chunk: int, device: torch.device
-            ) -> Iterator[tuple[int, int, Tensor]]:
-    """(start, stop, allowed) of each block of `chunk` keys some query sees by position (the
-    others skipped), for forward and backward alike."""
-    qp = torch.tensor(qpos, dtype=torch.long, device=device)
-    for c0 in range(0, len(kpos), chunk):
-        c1 = min(c0 + chunk, len(kpos))
-        if mask.skips(qpos, kpos[c0:c1]):
+            ) -> Iterator[tuple[int, int, Tensor | None, bool]]:
+    """(start, stop, allowed, causal) of each block of keys some query sees by position (the
+    others skipped), for forward and backward alike: blocks of `chunk` keys, except that
+    the queries' own run of positions among the keys is one block (the causal triangle,
+    no mask) and neighbouring blocks every query sees whole are one block (no mask)."""
+    cuts = set(range(0, len(kpos), chunk)) | {len(kpos)}
+    if _is_run(qpos) and _is_run(kpos):
+        at = qpos[0] - kpos[0]
+        if 0 <= at and at + len(qpos) <= len(kpos):
+            cuts = {c for c in cuts if not at < c < at + len(qpos)} | {at, at + len(qpos)}
+    edges = sorted(cuts)
+    whole: int | None = None              # the start of a run of blocks seen whole
+    for c0, c1 in zip(edges, edges[1:]):
+        seen = mask.seen(qpos, kpos[c0:c1], qdoc, None if kdoc is None else kdoc[:, c0:c1],
+                         device)
+        if seen is not None and seen[0] is None and not seen[1]:
+            whole = c0 if whole is None else whole
             continue
-        kp = torch.tensor(kpos[c0:c1], dtype=torch.long, device=device)
-        yield c0, c1, mask.allowed(qp, kp, qdoc, None if kdoc is None else kdoc[:, c0:c1])
+        if whole is not None:
+            yield whole, c0, None, False
+            whole = None
+        if seen is not None:
+            yield c0, c1, seen[0], seen[1]
+    if whole is not None:
+        yield whole, len(kpos), None, False
 
 
 class _Chunked(torch.autograd.Function):
@@ -180,8 +283,8 @@ class _Chunked(torch.autograd.Function):
         dt = compute_dtype(q.dtype)
         out = q.new_zeros(q.shape, dtype=dt)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=dt)
-        for c0, c1, allowed in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
-            o, s = block(q, k[:, :, c0:c1], v[:, :, c0:c1], allowed, scale)
+        for c0, c1, allowed, causal in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
+            o, s = block(q, k[:, :, c0:c1], v[:, :, c0:c1], allowed, scale, causal)
             out, lse = merge(out, lse, o, s)
         ctx.args = (mask, scale, qpos, kpos, chunk)
         ctx.save_for_backward(q, k, v, out, lse, qdoc, kdoc)
@@ -196,9 +299,9 @@ class _Chunked(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dk = torch.zeros(k.shape, dtype=dt, device=k.device)
         dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-        for c0, c1, allowed in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
-            gq, gk, gv = block_grads(q, k[:, :, c0:c1], v[:, :, c0:c1], dout, lse, delta,
-                                     allowed, scale)
+        for c0, c1, allowed, causal in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
+            gq, gk, gv = block_grads(q, k[:, :, c0:c1], v[:, :, c0:c1], dout, out, lse, delta,
+                                     allowed, scale, causal)
             dq += gq
             dk[:, :, c0:c1] = gk
             dv[:, :, c0:c1] = gv

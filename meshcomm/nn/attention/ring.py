@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ...core.mesh import AxisName
 from ...runtime.collectives import Shifted, post_shift
-from .blocks import block, block_grads, compute_dtype, merge
+from .blocks import Seen, block, block_grads, compute_dtype, merge
 from .call import Call
 
 Arriving = Callable[[], tuple[Tensor, Tensor | None]]     # waits a block (and its doc ids)
@@ -62,16 +62,11 @@ class Ring:
     def qpos(self) -> tuple[int, ...]:
         return self.call.positions(self.call.q_layout, self.call.q_shape, self.call.bound.rank)
 
-    def allowed(self, step: int, qdoc: Tensor | None, kdoc: Tensor | None,
-                device: torch.device) -> Tensor | None:
-        """The mask of this rank's queries against the block of `step`; None when no query
+    def seen(self, step: int, qdoc: Tensor | None, kdoc: Tensor | None,
+             device: torch.device) -> Seen | None:
+        """How this rank's queries see the block of `step` (`Mask.seen`); None when no query
         sees a key of it by position (the block is skipped)."""
-        qpos, kpos = self.qpos(), self.kpos(step)
-        if self.call.mask.skips(qpos, kpos):
-            return None
-        return self.call.mask.allowed(torch.tensor(qpos, dtype=torch.long, device=device),
-                                      torch.tensor(kpos, dtype=torch.long, device=device),
-                                      qdoc, kdoc)
+        return self.call.mask.seen(self.qpos(), self.kpos(step), qdoc, kdoc, device)
 
     def shape(self, step: int, like: Tensor) -> tuple[int, ...]:
         """`like` ((2, b, h, s, d): K and V, or dK and dV) at the length of `step`'s block."""
@@ -143,9 +138,9 @@ def _forward(ring: Ring, q: Tensor, kv: Tensor, qdoc: Tensor | None, kdoc: Tenso
     lse: Tensor | None = None
     for step in range(ring.size):
         arriving = ring.post(kv, kdoc, step + 1) if step + 1 < ring.size else None
-        allowed = ring.allowed(step, qdoc, kdoc, q.device)
-        if allowed is not None:
-            o, s = block(q, kv[0], kv[1], allowed, ring.call.scale)
+        seen = ring.seen(step, qdoc, kdoc, q.device)
+        if seen is not None:
+            o, s = block(q, kv[0], kv[1], seen[0], ring.call.scale, seen[1])
             out, lse = (o, s) if out is None or lse is None else merge(out, lse, o, s)
         if arriving is not None:
             kv, kdoc = arriving()
@@ -166,10 +161,11 @@ def _backward(ring: Ring, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dout:
     acc = kv.new_zeros(kv.shape, dtype=dt)
     for step in range(ring.size):
         arriving = ring.post(kv, kdoc, step + 1) if step + 1 < ring.size else None
-        allowed = ring.allowed(step, qdoc, kdoc, q.device)
+        seen = ring.seen(step, qdoc, kdoc, q.device)
         grads = None
-        if allowed is not None:
-            grads = block_grads(q, kv[0], kv[1], dout, lse, delta, allowed, ring.call.scale)
+        if seen is not None:
+            grads = block_grads(q, kv[0], kv[1], dout, out, lse, delta, seen[0],
+                                ring.call.scale, seen[1])
             dq += grads[0]
         if travelling is not None:
             acc = travelling.wait()          # the sum of the ranks before this one
