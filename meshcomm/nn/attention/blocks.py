@@ -97,7 +97,7 @@ class Mask:
         docs = qdoc is not None and kdoc is not None
         if not docs and self.sees_all(qpos, kpos):
             return None, False
-        if (not docs and self.causal and self.window is None and tuple(qpos) == tuple(kpos)
+        if (not docs and self.causal and self.window is None and _same(qpos, kpos)
                 and _is_run(qpos)):
             return None, True
         return self.allowed(torch.tensor(qpos, dtype=torch.long, device=device),
@@ -108,9 +108,22 @@ class Mask:
 Seen = tuple[Tensor | None, bool]      # `Mask.seen`: (the mask, or None; aligned causal)
 
 
+def as_positions(pos: Sequence[int]) -> Sequence[int]:
+    """`pos` as a `range` where it is one ascending run (its min, max, slices and equality
+    are then O(1): a call's host work follows its blocks, not its tokens), else a tuple."""
+    if isinstance(pos, range) and pos.step == 1:
+        return pos
+    run = range(pos[0], pos[0] + len(pos)) if len(pos) else range(0)
+    return run if tuple(pos) == tuple(run) else tuple(pos)
+
+
 def _is_run(pos: Sequence[int]) -> bool:
     """True when `pos` is one run of consecutive positions, ascending."""
-    return len(pos) > 0 and tuple(pos) == tuple(range(pos[0], pos[0] + len(pos)))
+    return len(pos) > 0 and as_positions(pos) == range(pos[0], pos[0] + len(pos))
+
+
+def _same(a: Sequence[int], b: Sequence[int]) -> bool:
+    return a == b if isinstance(a, range) and isinstance(b, range) else tuple(a) == tuple(b)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -241,12 +254,12 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
     log-sum-exp, and backward recomputes each block's probabilities from the saved q, out
     and lse (`block_grads`). Memory: queries x `chunk` scores at a time, never queries x
     keys. Differentiable in q, k and v."""
-    out = _Chunked.apply(q, k, v, mask, scale, tuple(qpos), tuple(kpos), qdoc, kdoc,
+    out = _Chunked.apply(q, k, v, mask, scale, as_positions(qpos), as_positions(kpos), qdoc, kdoc,
                          max(1, chunk))  # type: ignore[no-untyped-call]
     return cast(Tensor, out)
 
 
-def _blocks(mask: Mask, qpos: tuple[int, ...], kpos: tuple[int, ...], qdoc: Tensor | None,
+def _blocks(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
             kdoc: Tensor | None, chunk: int, device: torch.device
             ) -> Iterator[tuple[int, int, Tensor | None, bool]]:
     """(start, stop, allowed, causal) of each block of keys some query sees by position (the
@@ -278,7 +291,7 @@ def _blocks(mask: Mask, qpos: tuple[int, ...], kpos: tuple[int, ...], qdoc: Tens
 class _Chunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
-                qpos: tuple[int, ...], kpos: tuple[int, ...], qdoc: Tensor | None,
+                qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
                 kdoc: Tensor | None, chunk: int) -> Tensor:
         dt = compute_dtype(q.dtype)
         out = q.new_zeros(q.shape, dtype=dt)

@@ -16,7 +16,7 @@ from ...core.errors import ShapeError
 from ...core.layout import Layout, Shape
 from ...core.mesh import AxisName, Mesh
 from ...runtime.bind import BoundMesh
-from .blocks import Mask
+from .blocks import Mask, as_positions
 
 ROLES = ("b", "h", "s", "d")      # batch, heads, sequence, head dim (the canonical order)
 
@@ -64,14 +64,15 @@ class Call:
     def head_dim_index(self) -> int:
         return self.order[1]
 
-    def positions(self, layout: Layout, shape: Shape, rank: int) -> tuple[int, ...]:
-        """The global sequence positions `rank` holds under `layout`, in local order."""
+    def positions(self, layout: Layout, shape: Shape, rank: int) -> Sequence[int]:
+        """The global sequence positions `rank` holds under `layout`, in local order (a
+        `range` where they are one run: `blocks.as_positions`)."""
         if self.unfolded is None:
             return _positions(layout, self.mesh, shape, rank, self.seq_dim)
         return _relabelled(layout, *self.unfolded, self.mesh, shape[self.seq_dim], rank,
                            self.seq_dim)
 
-    def seq_order(self, layout: Layout, shape: Shape) -> tuple[int, ...]:
+    def seq_order(self, layout: Layout, shape: Shape) -> Sequence[int]:
         """The global positions of the sequence gathered whole from `layout`'s twin
         (`q_twin`): range(length), or for a zigzag split its permuted order."""
         return _seq_order(layout, self.mesh, shape, self.seq_dim)
@@ -96,23 +97,23 @@ class Call:
 
 @functools.lru_cache(maxsize=256)
 def _positions(layout: Layout, mesh: Mesh, shape: Shape, rank: int,
-               dim: int) -> tuple[int, ...]:
-    return layout.indices(mesh, shape, rank)[dim]
+               dim: int) -> Sequence[int]:
+    return as_positions(layout.indices(mesh, shape, rank)[dim])
 
 
 @functools.lru_cache(maxsize=256)
 def _relabelled(layout: Layout, user: Layout, user_shape: Shape, mesh: Mesh, length: int,
-                rank: int, dim: int) -> tuple[int, ...]:
+                rank: int, dim: int) -> Sequence[int]:
     """`rank`'s positions under `layout` (over the twin of `user`'s zigzag sequence, of
     `length` tokens) as positions of the user's sequence."""
     shape = tuple(length if i == dim else n for i, n in enumerate(user_shape))
     order = _seq_order(user, mesh, shape, dim)
-    return tuple(order[i] for i in layout.indices(mesh, shape, rank)[dim])
+    return as_positions([order[i] for i in layout.indices(mesh, shape, rank)[dim]])
 
 
 @functools.lru_cache(maxsize=256)
-def _seq_order(layout: Layout, mesh: Mesh, shape: Shape, dim: int) -> tuple[int, ...]:
-    return layout.zigzag_order(mesh, shape, dim)
+def _seq_order(layout: Layout, mesh: Mesh, shape: Shape, dim: int) -> Sequence[int]:
+    return as_positions(layout.zigzag_order(mesh, shape, dim))
 
 
 def resolve(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | Layout,

@@ -18,7 +18,7 @@ size (every rank derives every block's size from the layout); an empty block is 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -54,12 +54,12 @@ class Ring:
     def size(self) -> int:
         return len(self.ranks)
 
-    def kpos(self, step: int) -> tuple[int, ...]:
+    def kpos(self, step: int) -> Sequence[int]:
         """The global key positions of the block this rank holds at `step`."""
         owner = self.ranks[(self.pos - step) % self.size]
         return self.call.positions(self.call.kv_layout, self.call.kv_shape, owner)
 
-    def qpos(self) -> tuple[int, ...]:
+    def qpos(self) -> Sequence[int]:
         return self.call.positions(self.call.q_layout, self.call.q_shape, self.call.bound.rank)
 
     def seen(self, step: int, qdoc: Tensor | None, kdoc: Tensor | None,
