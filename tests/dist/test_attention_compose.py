@@ -11,11 +11,12 @@
   (RING_INDUCTOR_XFAIL): the opaque call is the fix `attention` needs;
 - meta tensors under the fake process group (rank 3 of 8): each strategy's output and
   gradients are meta tensors of the right shapes (a host sync on a meta tensor raises);
-- HSDP and CP on separate axes (8 ranks, "rep=2 dp=2 cp=2"): `fully_shard(replicate=)`
-  takes one axis, so the supported forms bind a second view of the same ranks whose one
-  axis is two of the first's: parameters sharded over dp x cp and replicated over rep
-  (torchtitan's "dp_shard_cp"), or sharded over dp and replicated over rep x cp. A causal
-  attention block trains as one process. `replicate=("rep", "cp")` itself: xfail.
+- HSDP and CP on separate axes (8 ranks, "rep=2 dp=2 cp=2"): parameters sharded over dp
+  and replicated over rep and cp (`fully_shard(axis="dp", replicate=("rep", "cp"))`), and
+  two forms on a second view of the same ranks whose one axis is two of the first's:
+  sharded over dp x cp and replicated over rep (torchtitan's "dp_shard_cp"), or sharded
+  over dp and replicated over one flattened rep x cp axis. A causal attention block trains
+  as one process in each.
 """
 
 from __future__ import annotations
@@ -332,11 +333,7 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
 eight = ranks_fixture(eight_ranks, 8)
 
 
-@pytest.mark.parametrize("form", [pytest.param(f[0], marks=pytest.mark.xfail(
-    strict=True, reason="fully_shard(replicate=) takes one mesh axis: api.py checks"
-    " `replicate not in bound.mesh.axis_names`, param.py builds the gradient layout as"
-    " use.pending('avg', [axis, replicate]), unit.py / report.py keep one axis")) if
-    isinstance(f[4]["replicate"], tuple) else f[0] for f in HSDP_FORMS])
+@pytest.mark.parametrize("form", [f[0] for f in HSDP_FORMS])
 def test_hsdp_and_cp_on_separate_axes_train_as_one_process(eight: list[Any],
                                                           form: str) -> None:
     want = one_process8()

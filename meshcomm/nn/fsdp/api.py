@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ from .unit import Unit
 def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
                 reshard_after_forward: bool | None = None,
                 mp_policy: MixedPrecision | None = None, prefetch: bool = True,
-                replicate: str | None = None) -> nn.Module:
+                replicate: str | Sequence[str] | None = None) -> nn.Module:
     """Shard the parameters `module` owns over mesh axis `axis` and gather them around its
     forward (FSDP); returns `module` (changed in place), as FSDP2's `fully_shard`.
 
@@ -47,8 +47,9 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     True, False for a module that holds other units) frees the gathered parameters after
     forward and gathers them again in backward. `mp_policy`: `MixedPrecision`. `prefetch`:
     issue the next unit's all_gather before computing this one (forward and backward).
-    `replicate`: HSDP, a second mesh axis over which the shards are replicated and the
-    gradients averaged too (one all_reduce of the shard per unit after its reduce_scatter).
+    `replicate`: HSDP, a mesh axis (`"rep"`) or several (`("rep", "cp")`: HSDP with context
+    parallelism) over which the shards are replicated and the gradients averaged too (one
+    all_reduce of the shard over all of them, per unit, after its reduce_scatter).
     Parameters on the meta device stay on it (shard-sized): `model.to_empty(device=...)`
     then `mc.nn.init_shards(model, fn)` fills them.
 
@@ -60,10 +61,7 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     """
     bound = _bound(mesh)
     axis = _axis(bound, axis)
-    if replicate is not None and (replicate not in bound.mesh.axis_names or replicate == axis):
-        raise MeshAxisError(f"fully_shard(replicate={replicate!r}): not an axis of"
-                            f" {bound.mesh!r} other than axis={axis!r}; fix: one of"
-                            f" {[a for a in bound.mesh.axis_names if a != axis]}")
+    replicas = _replicate(bound, axis, replicate)
     if not bound.in_mesh:
         raise MeshMismatchError(
             f"fully_shard: rank {bound.rank} is not in {bound.mesh!r} (its ranks are"
@@ -78,10 +76,10 @@ def fully_shard(module: nn.Module, mesh: Any, *, axis: str | None = None,
     owned, tied = owned_params(module)
     params = [recipe_param(bound, m, attr, name, p, tied.get(id(p), ()))
               if isinstance(m, ShardedModule) and attr in m.specs else
-              shard_param(bound, axis, m, attr, name, p, replicate, tied.get(id(p), ()), module)
+              shard_param(bound, axis, m, attr, name, p, replicas, tied.get(id(p), ()), module)
               for m, attr, name, p in owned]
     unit = Unit(module, bound, axis, params, mp_policy or MixedPrecision(),
-                reshard_after_forward, prefetch, Schedule(), replicate)
+                reshard_after_forward, prefetch, Schedule(), replicas)
     setattr(module, UNIT_ATTR, unit)
     if has_units:   # the units below and this one: one model, one recorded order
         shared: Schedule[Unit] = Schedule()
@@ -124,6 +122,33 @@ def _axis(bound: BoundMesh, axis: str | None) -> str:
         raise MeshAxisError(f"fully_shard(axis={axis!r}): not an axis of {bound.mesh!r};"
                             f" fix: one of {list(names)}")
     return axis
+
+
+def _replicate(bound: BoundMesh, axis: str, replicate: Any) -> tuple[str, ...]:
+    """`replicate` as a tuple of distinct mesh axes other than `axis` (None: no axes)."""
+    if replicate is None:
+        return ()
+    others = [a for a in bound.mesh.axis_names if a != axis]
+    one = isinstance(replicate, str)
+    if not one and not (isinstance(replicate, Sequence)
+                        and all(isinstance(a, str) for a in replicate)):
+        raise MeshAxisError(f"fully_shard(replicate={replicate!r}): takes a mesh axis name or"
+                            f" a sequence of them; fix: e.g. replicate={tuple(others[:2])}"
+                            f" (the axes of {bound.mesh!r} other than axis={axis!r}:"
+                            f" {others})")
+    axes = (replicate,) if one else tuple(replicate)
+    for a in axes:
+        if a not in others:
+            which = "" if one else f" ({a!r})"
+            raise MeshAxisError(f"fully_shard(replicate={replicate!r}): not an axis of"
+                                f" {bound.mesh!r} other than axis={axis!r}{which}; fix: one"
+                                f" of {others}")
+    twice = [a for a in dict.fromkeys(axes) if axes.count(a) > 1]
+    if twice:
+        raise MeshAxisError(f"fully_shard(replicate={replicate!r}): names {twice[0]!r} more"
+                            " than once; fix: name each axis once, replicate="
+                            f"{tuple(dict.fromkeys(axes))}")
+    return axes
 
 
 def set_requires_gradient_sync(module: nn.Module, requires: bool) -> nn.Module:

@@ -32,8 +32,9 @@ UNIT_ATTR = "_meshcomm_fsdp_unit"     # the attribute a fully_shard'ed module ho
 # fully_shard's plans: an all_gather forward, a reduce_scatter backward, whatever the shard
 # sizes (the planner alone would reduce a tiny uneven parameter by all_reduce and a slice;
 # FSDP2 pads, so does the unit: one collective per unit each way). HSDP adds the all_reduce
-# over the replicas, which the planner puts after the reduce_scatter except for tiny uneven
-# parameters: those run their own plan beside the unit's buffer.
+# over the replicas (one call over all the replicate axes: one flattened group), which the
+# planner puts after the reduce_scatter except for tiny uneven parameters: those run their
+# own plan beside the unit's buffer.
 FSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter"))
 HSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter", "all_reduce"))
 
@@ -173,11 +174,11 @@ def owned_params(module: nn.Module) -> tuple[list[tuple[nn.Module, str, str, nn.
 
 
 def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name: str,
-                 p: nn.Parameter, replicate: str | None = None,
+                 p: nn.Parameter, replicate: tuple[str, ...] = (),
                  aliases: tuple[tuple[nn.Module, str], ...] = (),
                  unit_module: nn.Module | None = None) -> Param:
     """`p` as a DTensor parameter sharded along dim 0 over `axis` (on top of the tensor
-    parallel split a DTensor `p` already has)."""
+    parallel split a DTensor `p` already has), replicated over the axes `replicate` (HSDP)."""
     mesh = bound.mesh
     if p.dim() == 0:
         raise ShapeError(f"fully_shard: parameter {name} is a scalar; FSDP shards dim 0."
@@ -190,8 +191,8 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
                                     f" {mesh!r}; fix: parallelize on the same mesh")
         shape = global_shape(p)
         use = from_placements(mesh, shape, placements_of(p), names=" ".join(names))
-        for taken in (axis, replicate):
-            if taken is not None and (taken in use.sharded_axes(mesh) or use.partial_axes):
+        for taken in (axis, *replicate):
+            if taken in use.sharded_axes(mesh) or use.partial_axes:
                 raise ShapeError(f"fully_shard: parameter {name} is already split over"
                                  f' {taken!r} ("{use}"); fix: shard it over another axis')
         full = local_of(p)
@@ -222,7 +223,7 @@ def shard_param(bound: BoundMesh, axis: str, module: nn.Module, attr: str, name:
     module._parameters[attr] = param
     for m, a in aliases:             # tied: every place holds the one sharded parameter
         m._parameters[a] = param
-    grad = use.pending("avg", [axis] if replicate is None else [axis, replicate])
+    grad = use.pending("avg", [axis, *replicate])
     spec = ParamSpec(" ".join(names), mesh, shape, p.dtype, stored, use, grad,
-                     cost_model=FSDP_PLANS if replicate is None else HSDP_PLANS)
+                     cost_model=HSDP_PLANS if replicate else FSDP_PLANS)
     return Param(module, attr, name, param, spec, use_shape, aliases)

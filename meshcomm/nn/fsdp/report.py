@@ -52,7 +52,7 @@ def fsdp_schedule(module: nn.Module) -> str:
                      for c in u.gathers.calls()]
         before = units[id(order[i - 1])] if i else None
         for k, c in enumerate(u.reduces.calls()):
-            if c.kind != "all_reduce" or c.axes != (u.replicate,):
+            if c.kind != "all_reduce" or set(c.axes) != set(u.replicate):
                 when = (f"runs while {before}'s backward computes" if before
                         else "waited on when backward ends")
             else:

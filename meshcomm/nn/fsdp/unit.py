@@ -27,10 +27,10 @@ class Unit:
 
     def __init__(self, module: nn.Module, bound: BoundMesh, axis: str, params: list[Param],
                  mp: MixedPrecision, reshard_after_forward: bool, prefetch: bool,
-                 schedule: Schedule[Unit], replicate: str | None = None) -> None:
+                 schedule: Schedule[Unit], replicate: tuple[str, ...] = ()) -> None:
         self.module, self.bound, self.axis, self.params = module, bound, axis, params
         self.mp, self.reshard_after_forward, self.prefetch = mp, reshard_after_forward, prefetch
-        self.replicate = replicate       # HSDP: gradients also averaged over this axis
+        self.replicate = replicate       # HSDP: gradients also averaged over these axes
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
         self.kept: list[Tensor] | None = None   # gathered, kept to backward (no reshard)
