@@ -98,6 +98,10 @@ def test_blocks_cut_at_the_queries_run_and_join_what_is_seen_whole() -> None:
            _blocks(Mask(causal=True), tuple(range(8, 12)), tuple(range(16)), None, None, 3,
                    torch.device("cpu"))]
     assert got == [(0, 8, True, False), (8, 12, True, True)]
+    plain = [(c0, c1) for c0, c1, _, _ in     # the plain math (CUDA, meta): chunks of 3 only
+             _blocks(Mask(causal=True), tuple(range(8, 12)), tuple(range(16)), None, None, 3,
+                     torch.device("cpu"), fused=False)]
+    assert plain == [(0, 3), (3, 6), (6, 9), (9, 12)]
     windowed = [(c0, c1, a is None) for c0, c1, a, _ in
                 _blocks(Mask(causal=True, window=4), tuple(range(8, 12)), tuple(range(16)),
                         None, None, 3, torch.device("cpu"))]

@@ -260,14 +260,15 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
 
 
 def _blocks(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
-            kdoc: Tensor | None, chunk: int, device: torch.device
+            kdoc: Tensor | None, chunk: int, device: torch.device, fused: bool = True
             ) -> Iterator[tuple[int, int, Tensor | None, bool]]:
     """(start, stop, allowed, causal) of each block of keys some query sees by position (the
-    others skipped), for forward and backward alike: blocks of `chunk` keys, except that
-    the queries' own run of positions among the keys is one block (the causal triangle,
-    no mask) and neighbouring blocks every query sees whole are one block (no mask)."""
+    others skipped), for forward and backward alike: blocks of `chunk` keys. For the fused
+    kernel (flash tiles: no scores of queries x keys are kept), the queries' own run of
+    positions among the keys is one block (the causal triangle, no mask) and neighbouring
+    blocks every query sees whole are one block (no mask); the plain math keeps `chunk`."""
     cuts = set(range(0, len(kpos), chunk)) | {len(kpos)}
-    if _is_run(qpos) and _is_run(kpos):
+    if fused and _is_run(qpos) and _is_run(kpos):
         at = qpos[0] - kpos[0]
         if 0 <= at and at + len(qpos) <= len(kpos):
             cuts = {c for c in cuts if not at < c < at + len(qpos)} | {at, at + len(qpos)}
@@ -276,7 +277,7 @@ def _blocks(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor |
     for c0, c1 in zip(edges, edges[1:]):
         seen = mask.seen(qpos, kpos[c0:c1], qdoc, None if kdoc is None else kdoc[:, c0:c1],
                          device)
-        if seen is not None and seen[0] is None and not seen[1]:
+        if fused and seen is not None and seen[0] is None and not seen[1]:
             whole = c0 if whole is None else whole
             continue
         if whole is not None:
@@ -296,7 +297,8 @@ class _Chunked(torch.autograd.Function):
         dt = compute_dtype(q.dtype)
         out = q.new_zeros(q.shape, dtype=dt)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=dt)
-        for c0, c1, allowed, causal in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
+        for c0, c1, allowed, causal in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device,
+                                               _fused(q, k)):
             o, s = block(q, k[:, :, c0:c1], v[:, :, c0:c1], allowed, scale, causal)
             out, lse = merge(out, lse, o, s)
         ctx.args = (mask, scale, qpos, kpos, chunk)
@@ -312,7 +314,8 @@ class _Chunked(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=dt, device=q.device)
         dk = torch.zeros(k.shape, dtype=dt, device=k.device)
         dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-        for c0, c1, allowed, causal in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device):
+        for c0, c1, allowed, causal in _blocks(mask, qpos, kpos, qdoc, kdoc, chunk, q.device,
+                                               _fused(q, k)):
             gq, gk, gv = block_grads(q, k[:, :, c0:c1], v[:, :, c0:c1], dout, out, lse, delta,
                                      allowed, scale, causal)
             dq += gq
