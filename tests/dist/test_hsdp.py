@@ -38,14 +38,10 @@ def mean_over_world(loss: torch.Tensor) -> float:
     return total.item() / torch.distributed.get_world_size()
 
 
-def hsdp(rank: int) -> dict[str, Any]:
-    bound = mc.init_mesh("rep=2 dp=2")
-    m = model()
-    for i in (0, 2, 4):
-        mc.nn.fully_shard(m[i], bound, axis="dp", replicate="rep")
-    mc.nn.fully_shard(m, bound, axis="dp", replicate="rep")
+def train(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[list[float], list[int]]:
+    """STEPS of AdamW on this rank's batch: the losses averaged over the world, and the
+    bytes the model's units sent at each step."""
     opt = torch.optim.AdamW(m.parameters(), lr=0.05)
-    x, y = quarter(rank)         # the batch split over all 4 ranks
     losses, per_step = [], []
     for _ in range(STEPS):
         before = sent(m)
@@ -55,6 +51,16 @@ def hsdp(rank: int) -> dict[str, Any]:
         opt.step()
         per_step.append(sent(m) - before)
         losses.append(mean_over_world(loss))
+    return losses, per_step
+
+
+def hsdp(rank: int) -> dict[str, Any]:
+    bound = mc.init_mesh("rep=2 dp=2")
+    m = model()
+    for i in (0, 2, 4):
+        mc.nn.fully_shard(m[i], bound, axis="dp", replicate="rep")
+    mc.nn.fully_shard(m, bound, axis="dp", replicate="rep")
+    losses, per_step = train(m, *quarter(rank))     # the batch split over all 4 ranks
     return {"losses": losses, "sent": per_step,
             "params": {n: p.full_tensor() for n, p in m.named_parameters()},
             "local": {n: p.to_local().clone() for n, p in m.named_parameters()},

@@ -19,27 +19,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import outcome, run_scaled
 from test_cp_training import Block
 from test_fsdp import BATCH, data, model, reference
+from test_hsdp import STEPS, sent, train, units
 from torch import nn
 
 import meshcomm as mc
 from meshcomm.executors.sim import scatter
 from meshcomm.nn.fsdp import UNIT_ATTR
 
-STEPS = 3
 B, S, E = 4, 10, 16                  # 4 rows over rep x dp = 4, 10 tokens over cp = 2
 CP_STRATEGIES = ("allgather", "ulysses", "ring")
-
-
-def units(m: nn.Module) -> list[Any]:
-    return [getattr(x, UNIT_ATTR) for x in m.modules() if hasattr(x, UNIT_ATTR)]
-
-
-def sent(m: nn.Module) -> int:
-    return sum(u.sent_bytes for u in units(m))
 
 
 # -- CP with HSDP --------------------------------------------------------------------------
@@ -103,20 +94,8 @@ def linear_hsdp(rank: int, folder: str) -> dict[str, Any]:
     for i in (0, 2, 4):
         mc.nn.fully_shard(m[i], bound, axis="dp", replicate=["r1", "r2"])   # any sequence
     mc.nn.fully_shard(m, bound, axis="dp", replicate=("r1", "r2"))
-    opt = torch.optim.AdamW(m.parameters(), lr=0.05)
     x, y = data()
-    x, y = x[rank:rank + 1], y[rank:rank + 1]        # the batch of 8 split over all 8 ranks
-    losses, per_step = [], []
-    for _ in range(STEPS):
-        before = sent(m)
-        loss = F.cross_entropy(m(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        per_step.append(sent(m) - before)
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / torch.distributed.get_world_size())
+    losses, per_step = train(m, x[rank:rank + 1], y[rank:rank + 1])   # the batch of 8 over 8
     mc.nn.save_checkpoint(m.state_dict(), folder)
     flat = mc.init_mesh("dp=8")
     fresh = model(seed=1)
