@@ -102,39 +102,61 @@ def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: s
 # (strings, ints, tuples) off the bound mesh, and `_reshard_traced` is one opaque call for
 # Dynamo that AOTAutograd traces down to the functional collectives it makes, planning with
 # real Python on the way (outside the fake-tensor mode; see `plan_untraced`).
+# `mc.nn.attention` does the same with `plain_bound`, `plain_cost_model` and `concrete`.
+def plain_bound(bound: BoundMesh) -> tuple[Any, ...]:
+    """The fields of `bound` as plain values (strings, ints, tuples), which a function marked
+    `torch._dynamo.nonstrict_trace` takes where it refuses a BoundMesh; `rebind` reverses."""
+    mesh = bound.mesh
+    names = tuple((axes, bound.group_name(axes)) for k in range(1, len(mesh.axis_names) + 1)
+                  for axes in itertools.combinations(mesh.axis_names, k))
+    return (mesh.axis_names, mesh.shape, mesh.ranks, bound.backend, str(bound.device),
+            bound.rank, names)
+
+
+def rebind(plain: tuple[Any, ...]) -> BoundMesh:
+    """The BoundMesh whose `plain_bound` is `plain` (bound to the same process groups)."""
+    axes, sizes, ranks, backend, device, rank, names = plain
+    return BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
+                     torch.device(device), rank, dict(names))
+
+
+def plain_cost_model(cost_model: CostModel | None) -> tuple[Any, ...]:
+    """`cost_model`'s fields as (name, value) pairs, () for None (None is no graph input);
+    `cost_model_of` reverses."""
+    return () if cost_model is None else tuple(
+        (f.name, getattr(cost_model, f.name)) for f in dataclasses.fields(cost_model) if f.init)
+
+
+def cost_model_of(plain: tuple[Any, ...]) -> CostModel | None:
+    """The CostModel whose `plain_cost_model` is `plain`."""
+    return CostModel(**dict(plain)) if plain else None
+
+
 def _static_args(bound: BoundMesh, src: str | Layout, dst: str | Layout,
                  shape: Sequence[int] | None, dtype: torch.dtype | None,
                  cost_model: CostModel | None) -> tuple[Any, ...]:
     """Everything `_reshard_traced` needs besides the tensor, as plain values."""
     if not isinstance(bound, BoundMesh):
         _plan_for(torch.empty(0), bound, src, dst, shape, dtype, cost_model)  # raises
-    mesh = bound.mesh
-    names = tuple((axes, bound.group_name(axes)) for k in range(1, len(mesh.axis_names) + 1)
-                  for axes in itertools.combinations(mesh.axis_names, k))
     # None is no graph input: an absent shape, dtype or cost model is an empty tuple.
-    cost = () if cost_model is None else tuple(
-        (f.name, getattr(cost_model, f.name)) for f in dataclasses.fields(cost_model) if f.init)
-    return (mesh.axis_names, mesh.shape, mesh.ranks, bound.backend, str(bound.device), bound.rank,
-            names, str(src), str(dst), () if shape is None else (tuple(int(s) for s in shape),),
-            () if dtype is None else (dtype,), cost)
+    return (plain_bound(bound), str(src), str(dst),
+            () if shape is None else (tuple(int(s) for s in shape),),
+            () if dtype is None else (dtype,), plain_cost_model(cost_model))
 
 
-def _concrete(value: Any) -> Any:
+def concrete(value: Any) -> Any:
     """`value` with every SymInt made an int (a guard on its value). After a recompile
     Dynamo makes the ints a call passes dynamic; a plan is made for one shape."""
     if isinstance(value, (tuple, list)):
-        return type(value)(_concrete(v) for v in value)
+        return type(value)(concrete(v) for v in value)
     return int(value) if isinstance(value, torch.SymInt) else value
 
 
 def _reshard_opaque(x: Tensor, static: tuple[Any, ...]) -> Tensor:
-    static = _concrete(static)
-    axes, sizes, ranks, backend, device, rank, names, src, dst, shape, dtype, cost = static
-    bound = BoundMesh(Mesh(dict(zip(axes, sizes)), ranks=list(ranks)), backend,
-                      torch.device(device), rank, dict(names))
-    cost_model = CostModel(**dict(cost)) if cost else None
+    fields, src, dst, shape, dtype, cost = concrete(static)
+    bound = rebind(fields)
     p = _plan_for(x, bound, src, dst, shape[0] if shape else None, dtype[0] if dtype else None,
-                  cost_model)
+                  cost_model_of(cost))
     return reshard_autograd(x, bound, p, reverse=backward_plan)
 
 

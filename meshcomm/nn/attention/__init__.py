@@ -23,6 +23,8 @@ from ...core.layout import Layout
 from ...core.units import format_bytes, format_us
 from ...planner.values import CostModel
 from ...runtime.bind import BoundMesh, require_bound
+from ...runtime.compiler import when_dynamo_loads
+from ...sharded.local import concrete, cost_model_of, plain_bound, plain_cost_model, rebind
 from .blocks import Mask, reference
 from .call import Call, resolve
 from .strategies import Cost, allgather, costs, hybrid, ulysses
@@ -76,6 +78,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | L
     `shape` / `kv_shape`: the global shapes, needed when a split is uneven.
     """
     bound = require_bound(bound, "attention")
+    if torch.compiler.is_compiling():
+        static = (plain_bound(bound), str(layout),
+                  _plain(None if kv_layout is None else str(kv_layout)), causal,
+                  _plain(window), _plain(scale), strategy, dims,
+                  _plain(None if shape is None else tuple(int(s) for s in shape)),
+                  _plain(None if kv_shape is None else tuple(int(s) for s in kv_shape)),
+                  _plain(memory_budget), plain_cost_model(cost_model), _plain(flops))
+        return _attention_traced(q, k, v, _plain(document_ids), static)
+    return _attention(q, k, v, bound, layout, kv_layout, causal, window, document_ids, scale,
+                      strategy, dims, shape, kv_shape, memory_budget, cost_model, flops)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | Layout,
+               kv_layout: str | Layout | None, causal: bool, window: int | None,
+               document_ids: Tensor | None, scale: float | None, strategy: str, dims: str,
+               shape: Sequence[int] | None, kv_shape: Sequence[int] | None,
+               memory_budget: int | None, cost_model: CostModel | None,
+               flops: float | None) -> Tensor:
     call = resolve(q, k, v, bound, layout, kv_layout, dims, shape, kv_shape,
                    Mask(causal, window), scale)
     if document_ids is not None and call.q_shape[call.seq_dim] != call.kv_shape[call.seq_dim]:
@@ -88,6 +108,42 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | L
         raise ShapeError(f"attention(strategy={strategy!r}): expected 'auto' or one of"
                          f" {sorted(STRATEGIES)}")
     return STRATEGIES[name](call, q, k, v, document_ids)
+
+
+# Under torch.compile, Dynamo traces neither the call's resolution nor the planner (a cached
+# call with a generator argument stops it): `attention` hands the tensors and plain values
+# (str, int, float, tuples; an absent value is (), since None is no graph input) to one
+# function marked nonstrict_trace, which AOTAutograd traces down to the collectives and the
+# block math, as `mc.reshard` does (meshcomm/sharded/local.py).
+def _plain(value: Any) -> tuple[Any, ...]:
+    return () if value is None else (value,)
+
+
+def _given(plain: tuple[Any, ...]) -> Any:
+    return plain[0] if plain else None
+
+
+def _attention_opaque(q: Tensor, k: Tensor, v: Tensor, document_ids: tuple[Tensor, ...],
+                      static: tuple[Any, ...]) -> Tensor:
+    (bound, layout, kv_layout, causal, window, scale, strategy, dims, shape, kv_shape, budget,
+     cost, flops) = concrete(static)
+    return _attention(q, k, v, rebind(bound), layout, _given(kv_layout), causal,
+                      _given(window), _given(document_ids), _given(scale), strategy, dims,
+                      _given(shape), _given(kv_shape), _given(budget), cost_model_of(cost),
+                      _given(flops))
+
+
+# What `attention` calls under torch.compile: `_attention_opaque` marked nonstrict_trace when
+# torch._dynamo loads (importing it here would double `import meshcomm`'s time).
+_attention_traced = _attention_opaque
+
+
+def _mark_for_dynamo() -> None:
+    global _attention_traced
+    _attention_traced = torch._dynamo.nonstrict_trace(_attention_opaque)
+
+
+when_dynamo_loads(_mark_for_dynamo)
 
 
 @functools.lru_cache(maxsize=1024)
