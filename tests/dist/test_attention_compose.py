@@ -195,15 +195,6 @@ def test_compiled_attention_with_graph_breaks_equals_eager(four: list[Any],
     _compiled(four, "aot_eager", False, strategy, 0.0)
 
 
-COLD_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "compiled before any eager call of the same shapes: the allgather strategy (and auto,"
-    " whose costs plan every strategy) calls planner.plan inside the traced function, under"
-    " the fake-tensor mode, and the planner's search reads a fake tensor's value"
-    " (planner/search.py _search_from: int(src_numels.max()) -> GuardOnDataDependentSymNode);"
-    " the eager tests above pass because the plans are already cached. fix (strategies.py):"
-    " plan with planner.plan.plan_untraced, as mc.reshard does"))
-
-
 DYNAMIC_XFAIL = pytest.mark.xfail(strict=True, reason=(
     "the ring recompiled for a second batch size: Dynamo makes the batch dim dynamic, the"
     " ring's packed message length becomes symbolic, and runtime/collectives.py post_shift"
@@ -256,10 +247,9 @@ def _fake_compiled() -> dict[str, dict[str, str]]:
         "dist.test_attention_compose", "fake_compile_worker")
 
 
-@pytest.mark.parametrize("strategy", [pytest.param(n, marks=[COLD_XFAIL] if n in
-                                                   ("allgather", "auto") else [])
-                                      for n in [*NAMES, "auto"]])
+@pytest.mark.parametrize("strategy", [*NAMES, "auto"])
 def test_fullgraph_compiles_before_any_eager_call(strategy: str) -> None:
+    """The strategies plan outside the trace (`plan_untraced`): compiling first works."""
     assert _fake_compiled()["cold"][strategy] == "ok"
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 from ...core.errors import ShapeError
 from ...core.layout import Layout
 from ...executors.distributed.autograd import reshard_autograd
-from ...planner.plan import plan
+from ...planner.plan import plan_untraced
 from ...planner.values import CostModel, Plan
 from ...sharded import reshard
 from .blocks import chunked, compute_dtype
@@ -88,10 +88,11 @@ def gathered(call: Call, x: Tensor, layout: Layout, shape: tuple[int, ...]) -> T
     sum over the sequence's axes (its queries saw every key), so the reverse plan is a
     reduce_scatter of `"... s ... | sum(cp)"`, not the slice of a replicated gradient."""
     full = whole_seq(call, layout)
-    forward = plan(call.mesh, shape, layout, full, dtype=x.dtype)
+    forward = plan_untraced(call.mesh, shape, layout, full, dtype=x.dtype)
 
     def reverse(_: Plan, dtype: torch.dtype) -> Plan:
-        return plan(call.mesh, shape, full.pending("sum", call.seq_axes), layout, dtype=dtype)
+        return plan_untraced(call.mesh, shape, full.pending("sum", call.seq_axes), layout,
+                             dtype=dtype)
     return reshard_autograd(x, call.bound, forward, reverse=reverse)
 
 
@@ -222,8 +223,8 @@ def _sent(call: Call, shape: tuple[int, ...], src: Layout, dst: Layout,
     """(bytes this rank sends, collectives, modelled seconds) of a plan and its backward,
     the plan from `back` (default `dst`) to `src` (the allgather's: a reduce_scatter of a
     pending sum). Uneven splits send other amounts each way."""
-    fwd = plan(call.mesh, shape, src, dst, dtype=dtype)
-    bwd = plan(call.mesh, shape, dst if back is None else back, src, dtype=dtype)
+    fwd = plan_untraced(call.mesh, shape, src, dst, dtype=dtype)
+    bwd = plan_untraced(call.mesh, shape, dst if back is None else back, src, dtype=dtype)
     at = fwd.mesh.position(call.bound.rank)
     return (fwd.send_bytes[at] + bwd.send_bytes[at], len(fwd.collectives) + len(bwd.collectives),
             plan_time(fwd, cost_model) + plan_time(bwd, cost_model))
