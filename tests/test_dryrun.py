@@ -125,8 +125,9 @@ def test_cli_runs_the_llama_example_dry_with_context_parallelism() -> None:
 
 @pytest.mark.parametrize("split", ["contiguous", "zigzag"])
 def test_the_dry_run_counts_a_rings_point_to_point_messages(split: str) -> None:
-    """The ring strategy's shifts are p2p batches: 3 * 4 - 2 per layer on cp=4 (3 forward,
-    3 backward, 4 for dK/dV going home), each K and V block 512 B here (one kv head of 8
+    """The ring strategy's shifts are p2p batches: 2 * 4 per layer on cp=4 (3 forward; 5
+    backward: each step's block with the dK/dV buffer of the step before, and the last
+    buffer's hop home), each K and V block 512 B here (one kv head of 8
     tokens x 16 float32 per tp rank): 10 KiB per layer. A zigzag split moves the same blocks
     (each rank's tokens are selected locally from its batch: no extra collective)."""
     proc = subprocess.run([sys.executable, "-m", "meshcomm", "dryrun", "-n", "16", "--rank",
@@ -134,5 +135,5 @@ def test_the_dry_run_counts_a_rings_point_to_point_messages(split: str) -> None:
                            "--steps", "1", "--cp-strategy", "ring", "--cp-split", split],
                           cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "20 x p2p             cp (4)           sent   20.0 KiB  received   20.0 KiB" \
+    assert "16 x p2p             cp (4)           sent   20.0 KiB  received   20.0 KiB" \
         in proc.stdout

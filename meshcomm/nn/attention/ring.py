@@ -9,8 +9,9 @@ sees by position (`Mask.skips`: causal, window) are passed on but not computed.
 
 Backward is the classic ring: the blocks pass around again; each rank recomputes a
 block's probabilities from the saved q, out and log-sum-exp, adds to its own dq, and adds
-its share of the block's dK/dV to a buffer that travels with the block; after the full
-cycle the buffer takes one more hop, to the block's owner. Saved: q, k, v, out and the
+its share of the block's dK/dV to a buffer that travels one step behind the block, in the
+same message as the next block (one message a step: `Ring.exchange`); after the full
+cycle the last buffer takes one more hop, to its block's owner. Saved: q, k, v, out and the
 log-sum-exp (this rank's, never the sequence's). Uneven splits send each block at its true
 size (every rank derives every block's size from the layout); an empty block is not sent.
 """
@@ -29,8 +30,6 @@ from ...core.mesh import AxisName
 from ...runtime.collectives import Shifted, post_shift
 from .blocks import Seen, block, block_grads, compute_dtype, merge
 from .call import Call
-
-Arriving = Callable[[], tuple[Tensor, Tensor | None]]     # waits a block (and its doc ids)
 
 
 @dataclass(frozen=True)
@@ -75,27 +74,51 @@ class Ring:
     def shift(self, x: Tensor, shape: tuple[int, ...]) -> Shifted:
         return post_shift(x, self.call.bound, self.axes, shift=1, recv_shape=shape)
 
-    def post(self, kv: Tensor, doc: Tensor | None, step: int) -> Arriving:
-        """Pass this rank's block (and its doc ids) on; the block of `step` arrives. Doc ids
-        travel in the block's message, as bytes ahead of it: two messages to one peer could
-        be posted in either order under torch.compile (inductor schedules independent sends
-        by each rank's own graph, and the ranks' graphs differ by their skipped blocks)."""
-        shape = self.shape(step, kv)
-        if doc is None:
-            kv_in = self.shift(kv, shape)
-            return lambda: (kv_in.wait(), None)
-        doc_shape = (doc.shape[0], len(self.kpos(step)))
-        doc = doc.to(torch.int64)                  # 8 bytes an id: the block after is aligned
-        doc_bytes = math.prod(doc_shape) * doc.element_size()
-        packed = torch.cat([doc.contiguous().view(-1).view(torch.uint8),
-                            kv.contiguous().view(-1).view(torch.uint8)])
-        both = self.shift(packed, (doc_bytes + math.prod(shape) * kv.element_size(),))
+    def exchange(self, parts: Sequence[Tensor | None], expect: Sequence[Part | None]
+                 ) -> Callable[[], list[Tensor | None]]:
+        """Send `parts` (None: absent) to the next member in one message and receive the
+        previous member's, whose parts have the shapes and dtypes of `expect` (None:
+        absent); the function waits them. One message a step, never two to one peer: under
+        torch.compile inductor orders independent sends by each rank's own graph, and the
+        ranks' graphs differ by their skipped blocks. Several parts travel as bytes, each in
+        place by its dtype (`_PACKING`: the widest items first, so every part starts
+        aligned); a lone part as itself."""
+        sent = [p for p in parts if p is not None]
+        want = [(i, e) for i, e in enumerate(expect) if e is not None]
+        if not sent:
+            return lambda: [None] * len(expect)
+        if len(sent) == 1:             # one part each way (the same on every member)
+            got = self.shift(sent[0], want[0][1][0])
 
-        def arrive() -> tuple[Tensor, Tensor | None]:
+            def one() -> list[Tensor | None]:
+                out: list[Tensor | None] = [None] * len(expect)
+                out[want[0][0]] = got.wait()
+                return out
+            return one
+        data = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in sent])
+        sizes = [math.prod(shape) * _itemsize(dtype) for _, (shape, dtype) in want]
+        both = self.shift(data, (sum(sizes),))
+
+        def arrive() -> list[Tensor | None]:
             got = both.wait()
-            return (got[doc_bytes:].view(kv.dtype).view(shape),
-                    got[:doc_bytes].view(doc.dtype).view(doc_shape))
+            out: list[Tensor | None] = [None] * len(expect)
+            at = 0
+            for (i, (shape, dtype)), n in zip(want, sizes):
+                out[i] = got[at:at + n].view(dtype).view(shape)
+                at += n
+            return out
         return arrive
+
+    def doc_part(self, doc: Tensor | None, step: int) -> Part | None:
+        """The doc ids of the block of `step` as a received part (int64), or None."""
+        return None if doc is None else ((doc.shape[0], len(self.kpos(step))), torch.int64)
+
+
+Part = tuple[tuple[int, ...], torch.dtype]      # a part of a ring message: shape, dtype
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def ring_attention(call: Call, q: Tensor, k: Tensor, v: Tensor, qdoc: Tensor | None,
@@ -136,14 +159,19 @@ def _forward(ring: Ring, q: Tensor, kv: Tensor, qdoc: Tensor | None, kdoc: Tenso
     `kv` (2, b, hk, s, d) is this rank's block."""
     out: Tensor | None = None
     lse: Tensor | None = None
+    kdoc = None if kdoc is None else kdoc.to(torch.int64)
     for step in range(ring.size):
-        arriving = ring.post(kv, kdoc, step + 1) if step + 1 < ring.size else None
+        arriving = None
+        if step + 1 < ring.size:           # the next block (and its doc ids) on its way
+            arriving = ring.exchange([kdoc, kv], [ring.doc_part(kdoc, step + 1),
+                                                  (ring.shape(step + 1, kv), kv.dtype)])
         seen = ring.seen(step, qdoc, kdoc, q.device)
         if seen is not None:
             o, s = block(q, kv[0], kv[1], seen[0], ring.call.scale, seen[1])
             out, lse = (o, s) if out is None or lse is None else merge(out, lse, o, s)
         if arriving is not None:
-            kv, kdoc = arriving()
+            kdoc, got = arriving()
+            kv = cast(Tensor, got)
     if out is None or lse is None:          # no key seen: out 0, lse -inf (as `block`)
         dt = compute_dtype(q.dtype)
         return q.new_zeros(q.shape, dtype=dt), q.new_full(q.shape[:3], float("-inf"), dtype=dt)
@@ -153,30 +181,39 @@ def _forward(ring: Ring, q: Tensor, kv: Tensor, qdoc: Tensor | None, kdoc: Tenso
 def _backward(ring: Ring, q: Tensor, kv: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
               qdoc: Tensor | None, kdoc: Tensor | None) -> tuple[Tensor, Tensor]:
     """(dq, dkv) in the compute dtype: dq of this rank's queries, dkv (2, b, hk, s, d) the
-    gradient of this rank's keys and values, summed over every rank's queries."""
+    gradient of this rank's keys and values, summed over every rank's queries. At each step
+    one message goes to the next member: the next block (and its doc ids) and the dK/dV
+    buffer of the block this rank computed at the step before, which the next member holds
+    now; after the last step the last buffer takes one more hop, to its block's owner."""
     dt = compute_dtype(q.dtype)
     delta = (dout.to(dt) * out.to(dt)).sum(-1)
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    travelling: Shifted | None = None        # the dK/dV buffer of the block of this step
-    acc = kv.new_zeros(kv.shape, dtype=dt)
+    kdoc = None if kdoc is None else kdoc.to(torch.int64)
+    acc: Tensor | None = None                # the buffer of the block of the step before
     for step in range(ring.size):
-        arriving = ring.post(kv, kdoc, step + 1) if step + 1 < ring.size else None
+        more = step + 1 < ring.size
+        arriving = ring.exchange(
+            [kdoc if more else None, acc, kv if more else None],
+            [ring.doc_part(kdoc, step + 1) if more else None,
+             (ring.shape(step, kv), dt) if step else None,
+             (ring.shape(step + 1, kv), kv.dtype) if more else None])
         seen = ring.seen(step, qdoc, kdoc, q.device)
         grads = None
         if seen is not None:
             grads = block_grads(q, kv[0], kv[1], dout, out, lse, delta, seen[0],
                                 ring.call.scale, seen[1])
             dq += grads[0]
-        if travelling is not None:
-            acc = travelling.wait()          # the sum of the ranks before this one
+        got = arriving()
+        mine = got[1] if step else kv.new_zeros(kv.shape, dtype=dt)  # the ranks' before
+        assert mine is not None
         if grads is not None:
-            acc[0] += grads[1]
-            acc[1] += grads[2]
-        if ring.size > 1:                     # on with the block; after the last step, home
-            travelling = ring.shift(acc, ring.shape(step + 1, acc))
-        if arriving is not None:
-            kv, kdoc = arriving()
-    return dq, acc if travelling is None else travelling.wait()
+            mine[0] += grads[1]
+            mine[1] += grads[2]
+        acc = mine
+        if more:
+            kdoc, kv = got[0], cast(Tensor, got[2])
+    home = ring.exchange([acc], [(ring.shape(ring.size, kv), dt)])()[0]
+    return dq, cast(Tensor, home)
 
 
 def traffic(call: Call, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -184,8 +221,9 @@ def traffic(call: Call, dtype: torch.dtype) -> tuple[int, int, int]:
     rank, doc ids aside. Sent: K and V of every block but the one that would come back,
     forward and again backward, and the dK/dV buffer of every block (compute dtype), each
     at its true size. Extra: two K/V blocks (the one computing, the one arriving) and two
-    dK/dV buffers, of the largest block. Batches: size - 1 forward; backward size - 1 for
-    the blocks and size for their dK/dV (3 size - 2 in all, as torch's ring)."""
+    dK/dV buffers, of the largest block. Batches: size - 1 forward; backward one a step
+    (the block and the buffer of the step before travel together) and the last buffer's
+    hop home: size + 1 (2 size in all; torch's ring posts 3 size - 2)."""
     ring = Ring.of(call)
     if ring.size == 1:
         return 0, 0, 0
@@ -197,4 +235,4 @@ def traffic(call: Call, dtype: torch.dtype) -> tuple[int, int, int]:
              for step in range(ring.size)]
     sent = 2 * 2 * sum(numel[:-1]) * item + 2 * sum(numel) * grad_item
     extra = 2 * 2 * max(numel) * (item + grad_item)
-    return sent, extra, 3 * ring.size - 2
+    return sent, extra, 2 * ring.size
