@@ -142,3 +142,13 @@ def test_pick_is_cached_per_call_signature() -> None:
 def test_a_rate_must_be_positive() -> None:
     with pytest.raises(ValueError, match=re.escape("attention(flops=0.0): expected a positive")):
         _costs(flops=0.0)
+
+
+def test_a_collective_pays_a_latency_per_step_of_its_ring() -> None:
+    """At 1 ms a message and no bandwidth cost, allgather's four collectives over cp=4 (K
+    and V gathered, dK and dV reduce-scattered) each take 3 steps: 12 ms; the ring's
+    point-to-point batches one each (2 cp = 8 of them, its comm before overlap)."""
+    latency = mc.CostModel(latency_s=1e-3, bandwidth=1e30)
+    costs = _costs(cost_model=latency, flops=1e30)
+    assert costs["allgather"].comm_s == pytest.approx(4 * 3 * 1e-3)
+    assert costs["ring"].calls == 8

@@ -1,6 +1,8 @@
 """Modelled time of one attention call, forward and backward, per strategy: the link time of
 what it sends (a `CostModel`: latency + bytes / bandwidth per collective) combined with the
-time of the attention blocks it computes (FLOPs over a `flops` rate). This module never
+time of the attention blocks it computes (FLOPs over a `flops` rate). A collective over g
+ranks pays a latency per step of its ring algorithm (g - 1; an all_reduce 2 (g - 1)), a
+point-to-point batch one. This module never
 communicates; every figure is the same on every rank of the sequence's group (the slowest
 member sets each phase), so every rank picks the same strategy.
 
@@ -56,10 +58,20 @@ def span(pos: Sequence[int]) -> tuple[int, ...]:
 
 
 def plan_time(p: Plan, cost_model: CostModel) -> float:
-    """Seconds of one run of `p` under `cost_model`: each collective pays latency plus its
-    busiest rank's bytes over the bandwidth (a tree step: a latency per round)."""
+    """Seconds of one run of `p` under `cost_model`: each collective pays its busiest rank's
+    bytes over the bandwidth and a latency per hop of its algorithm (`hops`)."""
     return sum(cost_model.time(s.axes, max(max(s.send_bytes), max(s.recv_bytes)))
-               + (s.rounds - 1) * cost_model.time(s.axes, 0) for s in p.collectives)
+               + (hops(s.wire or s.kind, p.mesh.group_size(s.axes)) + s.rounds - 2)
+               * cost_model.time(s.axes, 0) for s in p.collectives)
+
+
+def hops(collective: str, group: int) -> int:
+    """The latencies one collective over `group` ranks pays in sequence: a ring all_gather,
+    reduce_scatter or all_to_all runs g - 1 steps, an all_reduce 2 (g - 1); a
+    point-to-point batch (the ring's shifts, a send_recv) one."""
+    if collective in ("p2p", "send_recv", "collective_permute"):
+        return 1
+    return max(1, (2 if collective == "all_reduce" else 1) * (group - 1))
 
 
 def seconds(flops_per_unit: float, units: int, rate: float) -> float:
