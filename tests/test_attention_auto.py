@@ -20,19 +20,20 @@ SLOW_LINK = mc.CostModel(latency_s=1e-3, bandwidth=1e6)      # 1 MB/s: bytes dec
 FAST_LINK = mc.CostModel(latency_s=1e-6, bandwidth=100e9)
 
 
-def _call(seq: int = 64, heads: int = 8, kv_heads: int | None = None) -> Call:
+def _call(seq: int = 64, heads: int = 8, kv_heads: int | None = None,
+          causal: bool = True) -> Call:
     q = torch.zeros(1, heads, seq // 4, 16)
     k = torch.zeros(1, kv_heads or heads, seq // 4, 16)
-    return resolve(q, k, k, BOUND, "b h (cp s) d", None, "b h s d", None, None, Mask(True),
-                   None)
+    return resolve(q, k, k, BOUND, "b h (cp s) d", None, "b h s d", None, None,
+                   Mask(causal), None)
 
 
-def _costs(seq: int = 64, heads: int = 8, kv_heads: int | None = None,
+def _costs(seq: int = 64, heads: int = 8, kv_heads: int | None = None, causal: bool = True,
            **kw: object) -> dict[str, Cost]:
     q = torch.zeros(1, heads, seq // 4, 16)
     k = torch.zeros(1, kv_heads or heads, seq // 4, 16)
     return {c.strategy: c for c in mc.nn.attention_costs(q, k, k, BOUND, "b h (cp s) d",
-                                                         causal=True, **kw)}
+                                                         causal=causal, **kw)}
 
 
 def _least(costs: list[Cost]) -> str:
@@ -59,17 +60,35 @@ def test_a_slow_link_picks_the_fewest_bytes() -> None:
 
 
 def test_slow_math_lets_the_ring_hide_its_messages() -> None:
-    """At 1 GFLOP/s every strategy's blocks take the same time (causal, contiguous: the
-    last rank's queries see every key); the ring overlaps its messages with them, the
-    others wait for theirs, so the ring is fastest though it sends the most bytes."""
-    costs = _costs(seq=1024, cost_model=FAST_LINK, flops=1e9)
+    """At 1 GFLOP/s and no mask every strategy computes the same pairs; the ring overlaps
+    its messages with them, the others wait for theirs, so the ring is fastest though it
+    sends the most bytes."""
+    costs = _costs(seq=1024, causal=False, cost_model=FAST_LINK, flops=1e9)
     ring = costs["ring"]
     assert ring.sent_bytes == max(c.sent_bytes for c in costs.values())
-    assert ring.compute_s == costs["allgather"].compute_s == costs["ulysses"].compute_s
+    for name in ("allgather", "ulysses"):
+        assert ring.compute_s == pytest.approx(costs[name].compute_s)
     assert ring.comm_s < ring.compute_s and ring.time_s < ring.compute_s + ring.comm_s
-    assert pick(_call(seq=1024), torch.float32, None, FAST_LINK, 1e9) == "ring"
+    full = _call(seq=1024, causal=False)
+    assert pick(full, torch.float32, None, FAST_LINK, 1e9) == "ring"
     # the same shapes on a slow link: the bytes decide again
-    assert pick(_call(seq=1024), torch.float32, None, SLOW_LINK, 1e9) == "ulysses"
+    assert pick(full, torch.float32, None, SLOW_LINK, 1e9) == "ulysses"
+
+
+def test_causal_work_is_counted_as_the_kernel_runs_it() -> None:
+    """Causal over a contiguous split: the ring's and allgather's slowest rank (the last)
+    computes cp - 1 whole blocks and its own causal triangle; Ulysses one causal triangle
+    over the whole sequence for a quarter of the heads: (cp - 1/2) / cp^2 against 1/(2 cp)
+    of the sequence's pairs per head, 0.219 against 0.125 on cp = 4 (up to the triangles'
+    diagonals)."""
+    costs = _costs(seq=1024, cost_model=FAST_LINK, flops=1e9)
+    assert costs["ring"].compute_s == pytest.approx(costs["allgather"].compute_s)
+    n, cp = 1024, 4
+    block = n // cp
+    last = (cp - 1) * block * block + block * (block + 1) // 2
+    whole = n * (n + 1) // 2 // cp
+    assert costs["ulysses"].compute_s / costs["ring"].compute_s == pytest.approx(whole / last)
+    assert pick(_call(seq=1024), torch.float32, None, FAST_LINK, 1e9) == "ulysses"
 
 
 def test_the_ring_time_is_its_steps_overlapped() -> None:

@@ -85,21 +85,32 @@ class Mask:
                 return False
         return True
 
-    def seen(self, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
-             kdoc: Tensor | None, device: torch.device) -> Seen | None:
-        """How queries at `qpos` see keys at `kpos`: None when none sees any (the block is
-        skipped); else `(allowed, causal)` for `block`: `(None, False)` every pair,
-        `(None, True)` the causal triangle of a block against itself (one run of
-        positions: the kernel skips the tiles above the diagonal), else the boolean mask.
-        Document ids always take the mask."""
+    def kind(self, qpos: Sequence[int], kpos: Sequence[int], docs: bool = False) -> str | None:
+        """How queries at `qpos` see keys at `kpos`, from positions alone (host integers):
+        None when none sees any (the block is skipped); "whole": every pair; "causal": the
+        causal triangle of a run of positions against itself (the fused kernel skips the
+        tiles above the diagonal); "masked": a mask decides. With document ids (`docs`)
+        every block seen at all is masked."""
         if self.skips(qpos, kpos):
             return None
-        docs = qdoc is not None and kdoc is not None
-        if not docs and self.sees_all(qpos, kpos):
-            return None, False
-        if (not docs and self.causal and self.window is None and _same(qpos, kpos)
-                and _is_run(qpos)):
-            return None, True
+        if docs:
+            return "masked"
+        if self.sees_all(qpos, kpos):
+            return "whole"
+        if self.causal and self.window is None and _same(qpos, kpos) and _is_run(qpos):
+            return "causal"
+        return "masked"
+
+    def seen(self, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
+             kdoc: Tensor | None, device: torch.device) -> Seen | None:
+        """`kind` as `block` takes it: None (skipped), else `(allowed, causal)`:
+        `(None, False)` every pair, `(None, True)` the causal triangle, else the boolean
+        mask."""
+        found = self.kind(qpos, kpos, qdoc is not None and kdoc is not None)
+        if found is None:
+            return None
+        if found != "masked":
+            return None, found == "causal"
         return self.allowed(torch.tensor(qpos, dtype=torch.long, device=device),
                             torch.tensor(kpos, dtype=torch.long, device=device),
                             qdoc, kdoc), False
@@ -259,34 +270,45 @@ def chunked(q: Tensor, k: Tensor, v: Tensor, mask: Mask, scale: float,
     return cast(Tensor, out)
 
 
-def _blocks(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
-            kdoc: Tensor | None, chunk: int, device: torch.device, fused: bool = True
-            ) -> Iterator[tuple[int, int, Tensor | None, bool]]:
-    """(start, stop, allowed, causal) of each block of keys some query sees by position (the
-    others skipped), for forward and backward alike: blocks of `chunk` keys. For the fused
-    kernel (flash tiles: no scores of queries x keys are kept), the queries' own run of
-    positions among the keys is one block (the causal triangle, no mask) and neighbouring
-    blocks every query sees whole are one block (no mask); the plain math keeps `chunk`."""
+def key_blocks(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], chunk: int,
+               fused: bool = True, docs: bool = False) -> list[tuple[int, int, str]]:
+    """(start, stop, `Mask.kind`) of each block of keys some query sees by position (the
+    others skipped): blocks of `chunk` keys. For the fused kernel (flash tiles: no scores of
+    queries x keys are kept), the queries' own run of positions among the keys is one block
+    (the causal triangle, no mask) and neighbouring blocks every query sees whole are one
+    block (no mask); the plain math keeps `chunk`. Host integers only: what `chunked`
+    computes and what `timing` counts."""
     cuts = set(range(0, len(kpos), chunk)) | {len(kpos)}
     if fused and _is_run(qpos) and _is_run(kpos):
         at = qpos[0] - kpos[0]
         if 0 <= at and at + len(qpos) <= len(kpos):
             cuts = {c for c in cuts if not at < c < at + len(qpos)} | {at, at + len(qpos)}
     edges = sorted(cuts)
-    whole: int | None = None              # the start of a run of blocks seen whole
+    out: list[tuple[int, int, str]] = []
     for c0, c1 in zip(edges, edges[1:]):
-        seen = mask.seen(qpos, kpos[c0:c1], qdoc, None if kdoc is None else kdoc[:, c0:c1],
-                         device)
-        if fused and seen is not None and seen[0] is None and not seen[1]:
-            whole = c0 if whole is None else whole
+        found = mask.kind(qpos, kpos[c0:c1], docs)
+        if found is None:
             continue
-        if whole is not None:
-            yield whole, c0, None, False
-            whole = None
-        if seen is not None:
-            yield c0, c1, seen[0], seen[1]
-    if whole is not None:
-        yield whole, len(kpos), None, False
+        if fused and found == "whole" and out and out[-1][2] == "whole" and out[-1][1] == c0:
+            out[-1] = (out[-1][0], c1, "whole")
+        else:
+            out.append((c0, c1, found))
+    return out
+
+
+def _blocks(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], qdoc: Tensor | None,
+            kdoc: Tensor | None, chunk: int, device: torch.device, fused: bool = True
+            ) -> Iterator[tuple[int, int, Tensor | None, bool]]:
+    """(start, stop, allowed, causal) of each of `key_blocks`, its mask built where it
+    takes one, for forward and backward alike."""
+    docs = qdoc is not None and kdoc is not None
+    for c0, c1, found in key_blocks(mask, qpos, kpos, chunk, fused, docs):
+        if found != "masked":
+            yield c0, c1, None, found == "causal"
+            continue
+        yield c0, c1, mask.allowed(torch.tensor(qpos, dtype=torch.long, device=device),
+                                   torch.tensor(kpos[c0:c1], dtype=torch.long, device=device),
+                                   qdoc, None if kdoc is None else kdoc[:, c0:c1]), False
 
 
 class _Chunked(torch.autograd.Function):

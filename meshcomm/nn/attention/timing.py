@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 
 from ...planner.values import CostModel, Plan
-from .blocks import KEY_CHUNK, Mask
+from .blocks import KEY_CHUNK, Mask, key_blocks
 
 FORWARD_FLOPS, BACKWARD_FLOPS = 4, 10     # per query-key pair, head and head-dim element
 DEFAULT_FLOPS = 100e12                    # FLOP/s of one rank's attention (an accelerator's)
@@ -36,14 +36,13 @@ DEFAULT_COST_MODEL = CostModel(latency_s=10e-6, bandwidth=50e9)   # one link of 
 
 
 def pairs(mask: Mask, qpos: Sequence[int], kpos: Sequence[int], chunk: int) -> int:
-    """Query-key pairs computed when `qpos` attend to `kpos` `chunk` keys at a time, blocks
-    that no query sees by position skipped (as `blocks.chunked` and the ring skip them)."""
-    qspan = span(qpos)
+    """Query-key pairs computed when `qpos` attend to `kpos` (`blocks.key_blocks`, as the
+    fused kernel runs them): a block no query sees is skipped, a causal triangle counts
+    its lower half, every other block each of its pairs (masked pairs run too)."""
     out = 0
-    for c0 in range(0, len(kpos), max(1, chunk)):
-        part = kpos[c0:c0 + chunk]
-        if not mask.skips(qspan, span(part)):
-            out += len(qpos) * len(part)
+    for c0, c1, found in key_blocks(mask, qpos, kpos, max(1, chunk)):
+        n = c1 - c0
+        out += n * (n + 1) // 2 if found == "causal" else len(qpos) * n
     return out
 
 
