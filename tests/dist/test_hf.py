@@ -42,12 +42,15 @@ CASES: dict[str, tuple[str, dict[str, Any], str, dict[str, str] | None, bool]] =
 
 def build(kind: str, options: dict[str, Any]) -> Any:
     torch.manual_seed(0)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
+    if kind in ("llama", "qwen2"):        # qwen2: llama's shape with q, k, v biases
+        config_class, model_class = ((transformers.LlamaConfig, transformers.LlamaForCausalLM)
+                                     if kind == "llama" else
+                                     (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+        config = config_class(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
             attn_implementation="eager", **options)
-        return transformers.LlamaForCausalLM(config)
+        return model_class(config)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
                                      n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                                      attn_pdrop=0.0, attn_implementation="eager", **options)

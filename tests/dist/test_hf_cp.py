@@ -1,14 +1,15 @@
-"""A Hugging Face Llama (built from a config, GQA, rotary positions) trained under context
-parallelism on 4 gloo ranks (`dp=2 cp=2`: batch over dp, sequence over cp, parameters
+"""A Hugging Face Llama and a Qwen2 (built from configs: GQA, rotary positions; Qwen2's q, k,
+v projections with biases) trained under context parallelism on 4 gloo ranks (`dp=2 cp=2`: batch over dp, sequence over cp, parameters
 `fully_shard(axis="dp", replicate="cp")`), against the same model trained in one process:
-losses and final parameters equal, for each strategy (the ring on a zigzag split, moved
-there from the loader's contiguous one by `mc.reshard`). Token ids, position ids and the
+losses and final parameters equal, for each case (the ring and Qwen2's Ulysses on a zigzag
+split, moved there from the loader's contiguous one by `mc.reshard`). Token ids, position ids and the
 labels (shifted before the split) follow one layout; the attention layers run
 `mc.nn.attention` through transformers' attention registry (`register_hf_attention`).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -27,7 +28,11 @@ from test_hf import BATCH, SEQ, STEPS, VOCAB, build, train  # noqa: E402
 TOKENS = "(dp b) (cp s)"                   # the loader's layout: ids, positions, labels
 # (strategy, the sequence's split): a zigzag split is reached from the loader's with one
 # planned reshard per tensor, the same plan for ids, positions and labels
-CASES = {"allgather": "(cp s)", "ulysses": "(cp s)", "ring": "zigzag(cp s)"}
+# name -> (model, strategy, split)
+CASES = {"allgather": ("llama", "allgather", "(cp s)"),
+         "ulysses": ("llama", "ulysses", "(cp s)"),
+         "ring": ("llama", "ring", "zigzag(cp s)"),
+         "qwen2 ulysses zigzag": ("qwen2", "ulysses", "zigzag(cp s)")}
 STRATEGIES = tuple(CASES)
 
 
@@ -39,8 +44,9 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x, labels
 
 
-def one_process() -> dict[str, Any]:
-    model = build("llama", {})
+@functools.cache
+def one_process(kind: str = "llama") -> dict[str, Any]:
+    model = build(kind, {})
     losses = train(model, batch()[0], checkpointing=False)
     return {"losses": [loss.item() for loss in losses],
             "params": {n: p.detach() for n, p in model.named_parameters()}}
@@ -54,12 +60,13 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
     mine = [scatter(t, mesh, TOKENS)[rank] for t in (x, labels, positions)]
     count = int((labels != -100).sum())          # every rank knows the global count
     out: dict[str, Any] = {}
-    for strategy, split in CASES.items():
+    for name, (kind, strategy, split) in CASES.items():
         ids, targets, pos = (mc.reshard(t, bound, TOKENS, f"(dp b) {split}",
                                         shape=(BATCH, SEQ)) for t in mine)
-        model = build("llama", {})
+        model = build(kind, {})
         model.set_attn_implementation(mc.nn.register_hf_attention(
-            bound, f"(dp b) h {split} d", name=f"meshcomm_{strategy}", strategy=strategy))
+            bound, f"(dp b) h {split} d", name=f"meshcomm_{strategy}_{kind}",
+            strategy=strategy))
         for layer in model.model.layers:
             mc.nn.fully_shard(layer, bound, axis="dp", replicate="cp")
         mc.nn.fully_shard(model, bound, axis="dp", replicate="cp")
@@ -76,7 +83,7 @@ def four_ranks(rank: int, world: int) -> dict[str, Any]:
             opt.step()
             losses.append(mc.reshard((total / count).detach().reshape(1), bound,
                                      "a | sum(dp, cp)", "a").item())
-        out[strategy] = {"losses": losses,
+        out[name] = {"losses": losses,
                          "params": {n: p.detach().full_tensor()
                                     for n, p in model.named_parameters()}}
     return out
@@ -86,8 +93,8 @@ four = ranks_fixture(four_ranks, 4)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_llama_under_cp_trains_as_one_process(strategy: str, four: list[Any]) -> None:
-    want = one_process()
+def test_hf_models_under_cp_train_as_one_process(strategy: str, four: list[Any]) -> None:
+    want = one_process(CASES[strategy][0])
     for r in four:
         got = r[strategy]
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
