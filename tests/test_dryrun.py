@@ -110,12 +110,15 @@ def test_cli_runs_the_llama_example_dry() -> None:
     assert "reduce_scatter  dp (4)" in out
 
 
-def test_cli_runs_the_llama_example_dry_with_context_parallelism() -> None:
+@pytest.mark.parametrize("more", [[], ["--sequence-parallel"]])
+def test_cli_runs_the_llama_example_dry_with_context_parallelism(more: list[str]) -> None:
     """A cp axis splits the sequence: 2 layers gather K and V over cp (allgather strategy)
-    and reduce-scatter dK, dV back; the parameters' gradients are averaged over cp too."""
+    and reduce-scatter dK, dV back; the parameters' gradients are averaged over cp too.
+    With sequence parallelism over tp as well (the norms' activations split over tp) the
+    same cp calls run (shapes only: a dry run checks no values)."""
     proc = subprocess.run([sys.executable, "-m", "meshcomm", "dryrun", "-n", "16", "--rank",
                            "5", "examples/train_llama.py", "--mesh", "dp=2 cp=4 tp=2",
-                           "--steps", "1", "--cp-strategy", "allgather"],
+                           "--steps", "1", "--cp-strategy", "allgather", *more],
                           cwd=ROOT, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
