@@ -5,11 +5,11 @@
   un-checkpointed call bit for bit, and one process's attention;
 - torch.compile of each strategy, forward and backward equal to eager: `attention` under
   compile is one opaque `torch._dynamo.nonstrict_trace` call (as `mc.reshard` is), so
-  `fullgraph=True` compiles under aot_eager (bit for bit) and inductor (to rounding), but
-  for the ring and the hybrid under inductor on 4 ranks (RING_INDUCTOR_XFAIL);
+  `fullgraph=True` compiles every strategy under aot_eager (bit for bit) and inductor (to
+  rounding; the ring's shifts are traced as all_to_alls over its group, `post_shift`);
 - the same under the fake process group (rank 0 of 4): each strategy compiled before any
-  eager call planned its shapes (COLD_XFAIL: allgather, auto), and recompiled for a second
-  batch size (DYNAMIC_XFAIL: the ring);
+  eager call planned its shapes, and recompiled for a second batch size (DYNAMIC_XFAIL:
+  the ring);
 - meta tensors under the fake process group (rank 3 of 8): each strategy's output and
   gradients are meta tensors of the right shapes (a host sync on a meta tensor raises);
 - HSDP and CP on separate axes (8 ranks, "rep=2 dp=2 cp=2"): parameters sharded over dp
@@ -49,16 +49,8 @@ DOCS = "b (cp cq s)"
 SHAPE, KV_SHAPE = (2, 4, 12, 4), (2, 2, 12, 4)       # GQA, 3 tokens per rank
 NAMES = sorted(STRATEGIES)
 ONE_AXIS = [n for n in NAMES if n != "hybrid"]      # those that run on one sequence axis
-RING_SENDS_TWO_STREAMS = ("ring", "hybrid")
-RING_INDUCTOR_XFAIL = pytest.mark.xfail(strict=True, run=False, reason=(
-    "ring and hybrid compiled by inductor on 4 ranks: since the ring sends one message a"
-    " step (a block with the dK/dV buffer of the step before), the ranks' batches match and"
-    " gloo no longer aborts, and a 4-rank ring over one axis (cp=4) is exact with and"
-    " without doc ids (5 runs); but over two axes (cp=2 cq=2) about one run in three gives"
-    " wrong values (rank 3's output, rank 0's dK/dV; off by ~2): a race, most likely a send"
-    " buffer that inductor's memory planning reuses before the asynchronous send has read"
-    " it (funcol.batch_p2p_ops_inplace gives back an empty token, not the buffer). aot_eager"
-    " is exact. Not run: a flaky pass would hide it"))
+
+
 def _data() -> tuple[Tensor, ...]:
     g = torch.Generator().manual_seed(3)
     q, w = (torch.randn(SHAPE, generator=g, dtype=torch.float64) for _ in range(2))
@@ -127,10 +119,10 @@ def compiled(bound: BoundMesh) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     runs = [("aot_eager", True, n, {}) for n in NAMES] + \
-        [("inductor", True, n, {}) for n in NAMES if n not in RING_SENDS_TWO_STREAMS] + \
+        [("inductor", True, n, {}) for n in NAMES] + \
         [("aot_eager", False, n, {}) for n in NAMES] + \
         [("aot_eager", True, "auto", EVERY_ARGUMENT)]
-    for backend, fullgraph, name, more in runs:   # inductor: no ring (RING_INDUCTOR_XFAIL)
+    for backend, fullgraph, name, more in runs:
         key = f"{backend} fullgraph={fullgraph} {name}"
         torch._dynamo.reset()
         try:
@@ -170,9 +162,7 @@ def _compiled(four: list[Any], backend: str, fullgraph: bool, strategy: str,
 
 
 @pytest.mark.parametrize("backend,strategy", [
-    pytest.param(backend, name, marks=[RING_INDUCTOR_XFAIL] if backend == "inductor" and
-                 name in RING_SENDS_TWO_STREAMS else [])
-    for backend in ("aot_eager", "inductor") for name in NAMES])
+    (backend, name) for backend in ("aot_eager", "inductor") for name in NAMES])
 def test_fullgraph_compiled_attention_equals_eager(four: list[Any], backend: str,
                                                    strategy: str) -> None:
     """The strategies' bodies (plans, the ring's point-to-point steps and its autograd
