@@ -41,7 +41,7 @@ from meshcomm.runtime.bind import BoundMesh
 from conftest import in_fresh_interpreter, ranks_fixture
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_cp_training import Block  # noqa: E402 - the block test_cp_training trains
+from test_cp_training import Block, _batch, one_process  # noqa: E402 - its block and data
 
 MESH = "cp=2 cq=2"              # two axes split the sequence: the hybrid needs two
 LAYOUT = "b h (cp cq s) d"
@@ -297,20 +297,7 @@ def test_every_strategy_runs_on_meta_tensors() -> None:
 
 
 # -- HSDP and CP on separate axes (8 ranks) ----------------------------------------------------
-B8, S8, E8 = 4, 10, 16            # 4 rows over rep x dp = 4, 10 tokens over cp = 2
-
-
-def _batch8() -> Tensor:
-    return torch.randn(B8, S8, E8, generator=torch.Generator().manual_seed(1),
-                       dtype=torch.float64)
-
-
-def one_process8() -> dict[str, Any]:
-    model = Block()
-    y = model(_batch8(), lambda q, k, v: mc.nn.attention_reference(q, k, v, causal=True))
-    loss = y.pow(2).mean()
-    loss.backward()
-    return {"loss": loss.item(), **{n: p.grad for n, p in model.named_parameters()}}
+ROWS8 = 4                         # 4 rows over rep x dp = 4, 10 tokens over cp = 2
 
 
 # (name, attention mesh, batch axes, fsdp view mesh, fully_shard kwargs)
@@ -338,7 +325,7 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
             try:
                 model = Block()
                 mc.nn.fully_shard(model, shard_on, **kwargs)
-                x = scatter(_batch8(), bound.mesh, f"({batch} b) (cp s) e")[rank]
+                x = scatter(_batch(ROWS8), bound.mesh, f"({batch} b) (cp s) e")[rank]
 
                 def attend(q: Tensor, k: Tensor, v: Tensor, name: str = name) -> Tensor:
                     return mc.nn.attention(q, k, v, bound, layout, causal=True, strategy=name)
@@ -359,7 +346,7 @@ eight = ranks_fixture(eight_ranks, 8)
 @pytest.mark.parametrize("form", [f[0] for f in HSDP_FORMS])
 def test_hsdp_and_cp_on_separate_axes_train_as_one_process(eight: list[Any],
                                                           form: str) -> None:
-    want = one_process8()
+    want = one_process(ROWS8)
     for name in ONE_AXIS:
         for r in eight:
             got = r[f"{form} {name}"]

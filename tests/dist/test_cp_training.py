@@ -43,14 +43,15 @@ class Block(nn.Module):
         return y.transpose(1, 2).reshape(b, s, E) @ self.wo
 
 
-def _batch() -> torch.Tensor:
-    return torch.randn(B, S, E, generator=torch.Generator().manual_seed(1),
+def _batch(rows: int = B) -> torch.Tensor:
+    return torch.randn(rows, S, E, generator=torch.Generator().manual_seed(1),
                        dtype=torch.float64)
 
 
-def one_process() -> dict[str, Any]:
+def one_process(rows: int = B) -> dict[str, Any]:
+    """The block's loss and gradients on `rows` sequences, in one process."""
     model = Block()
-    y = model(_batch(), lambda q, k, v: mc.nn.attention_reference(q, k, v, causal=True))
+    y = model(_batch(rows), lambda q, k, v: mc.nn.attention_reference(q, k, v, causal=True))
     loss = y.pow(2).mean()
     loss.backward()
     return {"loss": loss.item(), **{n: p.grad for n, p in model.named_parameters()}}
