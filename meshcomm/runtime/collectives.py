@@ -455,7 +455,7 @@ def _route(x: Tensor, g: _Group, to: tuple[int, ...], frm: tuple[int, ...]) -> T
     flat = x.contiguous().reshape(-1)
     bufs = {p: flat.new_empty(flat.numel()) for p in frm if p != g.pos}
     posted, _ = wire.p2p([(flat, g.order[p]) for p in to if p != g.pos],
-                         [(buf, g.order[p]) for p, buf in bufs.items()], g.name)
+                         [(buf, g.order[p]) for p, buf in bufs.items()], g.name, g.wire, flat)
     got = dict(zip(bufs, posted.landed()))
     parts = [flat if p == g.pos else got[p].view(flat.shape) for p in sorted(frm)]
     if not parts:     # receives nothing: zeros, after the sends
@@ -490,9 +490,9 @@ def post_shift(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, shift: i
     For rings that overlap a transfer with compute (ring attention posts the next block
     before attending to this one). Sizes may differ along the ring: each receiver names the
     shape its sender sends; an empty tensor is not sent, and an empty `recv_shape` is not
-    received. One batch of point-to-point messages (`wire.p2p`; every byte recorded; under
-    torch.compile one all_to_all over the group); a shift that is a multiple of the group
-    size copies `x`. Not differentiable, and not
+    received. One batch of point-to-point messages (`wire.p2p`; every byte recorded;
+    traced, one all_to_all over the group); a shift that is a multiple of the group size
+    copies `x`. Not differentiable, and not
     exported by `mc.collectives`: meshcomm's own layers call it inside their autograd
     functions (`mc.nn.attention`'s ring), and always wait what they post.
     """
@@ -515,18 +515,10 @@ def post_shift(x: Tensor, mesh: GroupLike, axes: Axes | None = None, *, shift: i
     numel = 1
     for n in shape:
         numel *= n
-    if torch.compiler.is_compiling():
-        # traced: one all_to_all over the group (every member calls post_shift), whose
-        # buffers the compiler keeps alive and orders as any collective's; a traced batch
-        # of point-to-point ops (funcol.batch_p2p_ops) raced under inductor
-        ins, outs = [0] * g.size, [0] * g.size
-        ins[g.order[dst]], outs[g.order[src]] = x.numel(), numel
-        got, _ = wire.all_to_all(x.contiguous().reshape(-1, 1), g.wire, outs, ins, wait=False)
-        return Shifted(wire.Posted((got,)), got.view(shape))
     buf = x.new_empty(numel)
     sends = [(x.contiguous().reshape(-1), g.order[dst])] if x.numel() else []
     recvs = [(buf, g.order[src])] if numel else []
-    posted, _ = wire.p2p(sends, recvs, g.name)
+    posted, _ = wire.p2p(sends, recvs, g.name, g.wire, x)     # every member shifts
     return Shifted(posted, buf.view(shape))
 
 

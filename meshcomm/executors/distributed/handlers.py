@@ -282,7 +282,7 @@ def _permute(step: Step, x: Tensor, run: Run) -> Out:
     out = flat.new_empty(math.prod(out_shape))
     sends = [(flat, d) for d in dests if d != pos]
     recvs = [(out, source)] if source is not None and source != pos else []
-    posted, call = wire.p2p(sends, recvs, run.group(step).name)
+    posted, call = wire.p2p(sends, recvs, run.group(step).name, run.group(step), flat)
     run.record(step, call, x.element_size())
     if source is None:
         return Later((posted,), lambda *_: posted.tied(torch.zeros_like(x)))

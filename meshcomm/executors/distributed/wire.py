@@ -181,25 +181,33 @@ class Posted(NamedTuple):
 
 
 def p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
-        name: str) -> tuple[Posted, Wire]:
+        name: str, group: Group | None = None, like: Tensor | None = None
+        ) -> tuple[Posted, Wire]:
     """Post sends and receives (tensor, peer's rank in group `name`; `WORLD`: global ranks)
     together, without waiting, and the measured `Wire` ("p2p": the elements sent and
     received). Receives fill the tensors given. Eager, the messages are one
     `batch_isend_irecv` whose works `Posted.landed` waits (PyTorch's functional
     `batch_p2p_ops` leaves one work per batch in its registry even once every output is
-    waited on: a leak per step); traced (or on the meta device), the functional op."""
+    waited on: a leak per step); traced (or on the meta device), the functional op.
+
+    `group`: every member of the group posts its batch in this call (a permute, a ring
+    shift), tensors of `like`'s dtype. Traced, the batch is then one all_to_all over the
+    group, which the compiler orders and keeps the buffers of as any collective's: a
+    traced `batch_p2p_ops` raced under inductor (wrong values about one run in three)."""
     call = Wire("p2p", len(sends) + len(recvs), 0, sum(t.numel() for t, _ in sends),
                 sum(t.numel() for t, _ in recvs))
     for heard in _LISTENERS:
         heard.append((call, (sends or recvs)[0][0].element_size() if sends or recvs else 1))
+    if group is not None and like is not None and torch.compiler.is_compiling():
+        return _p2p_as_all_to_all(sends, recvs, group, like), call
     if not sends and not recvs:
         return Posted(()), call
     first = (sends or recvs)[0][0]
     if not torch.compiler.is_compiling() and not first.is_meta:   # meta: no eager backend
-        group = resolve_group(name) if name != WORLD else None
-        peer = (lambda p: p) if group is None else (lambda p: dist.get_global_rank(group, p))
+        pg = resolve_group(name) if name != WORLD else None
+        peer = (lambda p: p) if pg is None else (lambda p: dist.get_global_rank(pg, p))
         works = post_p2p([(t.contiguous(), peer(p)) for t, p in sends],
-                         [(t, peer(p)) for t, p in recvs], group)
+                         [(t, peer(p)) for t, p in recvs], pg)
         return Posted(tuple(t for t, _ in recvs), tuple(works)), call
     kinds = ["isend"] * len(sends) + ["irecv"] * len(recvs)
     pairs = [*sends, *recvs]
@@ -210,6 +218,33 @@ def p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]]
     received = tuple(torch.view_as_complex(r) if t.is_complex() else r
                      for r, (t, _) in zip(got[len(sends):], recvs))
     return Posted(received, (), tuple(got[:len(sends)])), call
+
+
+def _p2p_as_all_to_all(sends: Sequence[tuple[Tensor, int]],
+                       recvs: Sequence[tuple[Tensor, int]], group: Group,
+                       like: Tensor) -> Posted:
+    """A batch of point-to-point messages within `group` as one all_to_all: each peer's
+    sends in the send buffer (peer order), each peer's receive cut from the output."""
+    real = as_real(like.reshape(-1)[:0])
+    ins, outs = [0] * group.size, [0] * group.size
+    for t, p in sends:
+        ins[p] += as_real(t.contiguous()).numel()
+    for t, p in recvs:
+        outs[p] += as_real(t).numel()
+    order = sorted(range(len(sends)), key=lambda i: sends[i][1])
+    parts = [as_real(sends[i][0].contiguous()).reshape(-1) for i in order]
+    buf = torch.cat(parts) if parts else real
+    y, _ = all_to_all(buf.reshape(-1, 1), group, outs, ins, wait=False)
+    y = y.reshape(-1)
+    start = [sum(outs[:p]) for p in range(group.size)]
+    received = []
+    for t, p in recvs:
+        n = as_real(t).numel()
+        got = y[start[p]:start[p] + n]
+        start[p] += n
+        got = got.view(as_real(t).shape)
+        received.append(torch.view_as_complex(got) if t.is_complex() else got.view(t.shape))
+    return Posted(tuple(received), (), () if received else (y,))
 
 
 def post_p2p(sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]],
