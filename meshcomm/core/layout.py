@@ -299,6 +299,14 @@ class Layout:
         names = {f.name for d in self.dims for f in d.factors}
         return tuple(a for a in mesh.axis_names if a in names)
 
+    def dim_axes(self, dim: int, mesh: Mesh) -> tuple[AxisName, ...]:
+        """The mesh axes splitting dim `dim`, as written (major to minor).
+
+        >>> Layout("b (tp cp s)").dim_axes(1, Mesh("cp=2 tp=2"))
+        ('tp', 'cp')
+        """
+        return tuple(f.name for f in self.dims[dim].factors if f.name in mesh.axis_names)
+
     def replicated_axes(self, mesh: Mesh) -> tuple[AxisName, ...]:
         """Mesh axes named nowhere in the layout, in mesh order."""
         used = set(self.sharded_axes(mesh)) | set(self.partial_axes)

@@ -27,3 +27,16 @@ def block_flat(index: Sequence[Sequence[int]], shape: Sequence[int]) -> torch.Te
         flat = flat.unsqueeze(-1) * size + at
     return flat.reshape(-1)
 
+
+
+def as_positions(pos: Sequence[int]) -> Sequence[int]:
+    """`pos` as a `range` where it is one ascending run (its min, max, slices and equality
+    are then O(1)), else a tuple.
+
+    >>> as_positions([3, 4, 5]), as_positions((2, 0))
+    (range(3, 6), (2, 0))
+    """
+    if isinstance(pos, range) and pos.step == 1:
+        return pos
+    run = range(pos[0], pos[0] + len(pos)) if len(pos) else range(0)
+    return run if tuple(pos) == tuple(run) else tuple(pos)

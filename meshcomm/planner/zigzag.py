@@ -27,6 +27,7 @@ import torch
 from ..core.errors import PlanError
 from ..core.layout import DimPlacement, Layout, Shape, chunk_spans, group_position, zigzag_spans
 from ..core.mesh import AxisName, Mesh
+from ..core.positions import as_positions
 from . import search
 from .blocks import in_mesh_order
 from .values import CostModel, Plan, Step, Transfer
@@ -42,8 +43,8 @@ def zigzag_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     at = src
     # a dim whole in the source and zigzag in the destination: each rank selects its part
     for d in dst.zigzag_dims:
-        if (src.dims[d] != dst.dims[d] and not _axes(src, mesh, d)
-                and not set(_axes(dst, mesh, d)) & set(src.partial_axes)):
+        if (src.dims[d] != dst.dims[d] and not src.dim_axes(d, mesh)
+                and not set(dst.dim_axes(d, mesh)) & set(src.partial_axes)):
             steps.append(_reorder(mesh, shape, at, at.dim_from(d, dst), d, itemsize,
                                   cost_model))
             at = steps[-1].after
@@ -70,16 +71,12 @@ def zigzag_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
                 sum(s.time_s for s in steps), cost_model)
 
 
-def _axes(layout: Layout, mesh: Mesh, dim: int) -> tuple[AxisName, ...]:
-    return tuple(f.name for f in layout.dims[dim].factors if f.name in mesh.axis_names)
-
-
 def _reorder(mesh: Mesh, shape: Shape, before: Layout, after: Layout, dim: int, itemsize: int,
              cost_model: CostModel) -> Step:
     """The step from `before` to `after`, equal but in dim `dim` (zigzag on one side; a
     contiguous split or whole on the other): a send_recv over the dim's axes in which each
     rank receives what it lacks of its new block, or a local select where none lacks any."""
-    axes = in_mesh_order(mesh, {*_axes(before, mesh, dim), *_axes(after, mesh, dim)})
+    axes = in_mesh_order(mesh, {*before.dim_axes(dim, mesh), *after.dim_axes(dim, mesh)})
     was, now = before.placements(mesh, shape)[dim], after.placements(mesh, shape)[dim]
     spots = [dict(zip(axes, c)) for c in itertools.product(*(range(mesh.axis_size(a))
                                                                for a in axes))]
@@ -135,7 +132,7 @@ def _lower_bound(mesh: Mesh, shape: Shape, src: Layout, dst: Layout,
         where = mesh.coords(rank)
         need, both = 1, 1
         for d in range(len(shape)):
-            axes = in_mesh_order(mesh, {*_axes(src, mesh, d), *_axes(dst, mesh, d)})
+            axes = in_mesh_order(mesh, {*src.dim_axes(d, mesh), *dst.dim_axes(d, mesh)})
             key = tuple(where[a] for a in axes)
             if key not in counts[d]:
                 want = dst.indices(mesh, shape, rank)[d]
@@ -166,7 +163,7 @@ def _reorder_transfers(before: Layout, after: Layout, mesh: Mesh, shape: Shape, 
                        axes: tuple[AxisName, ...], rank: int) -> tuple[Transfer, ...]:
     """What `rank` sends (itself included) and receives in a reorder step; in a select, what
     it keeps."""
-    if not _axes(before, mesh, dim):          # a select: every rank keeps its own part
+    if not before.dim_axes(dim, mesh):          # a select: every rank keeps its own part
         return (_cell(before, after, mesh, shape, dim, rank, rank),)
     group = mesh.members(rank, *axes)
     out = [_cell(before, after, mesh, shape, dim, rank, q) for q in group]
@@ -181,15 +178,8 @@ def _cell(before: Layout, after: Layout, mesh: Mesh, shape: Shape, dim: int, src
     at = {i: k for k, i in enumerate(have)}
     pairs = [(at[i], k) for k, i in enumerate(want) if i in at]
     local = before.local_shape(mesh, shape, src)
-    src_ix = tuple(_compact([s for s, _ in pairs]) if d == dim else range(n)
+    src_ix = tuple(as_positions([s for s, _ in pairs]) if d == dim else range(n)
                    for d, n in enumerate(local))
-    dst_ix = tuple(_compact([t for _, t in pairs]) if d == dim else range(n)
+    dst_ix = tuple(as_positions([t for _, t in pairs]) if d == dim else range(n)
                    for d, n in enumerate(local))
     return Transfer(src, dst, src_ix, dst_ix)
-
-
-def _compact(ix: list[int]) -> range | tuple[int, ...]:
-    """`ix` as a range where it is one run."""
-    if ix and ix == list(range(ix[0], ix[0] + len(ix))):
-        return range(ix[0], ix[0] + len(ix))
-    return tuple(ix)

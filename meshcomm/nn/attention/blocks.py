@@ -19,6 +19,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ...core.positions import as_positions
+
 
 @dataclass(frozen=True)
 class Mask:
@@ -117,15 +119,6 @@ class Mask:
 
 
 Seen = tuple[Tensor | None, bool]      # `Mask.seen`: (the mask, or None; aligned causal)
-
-
-def as_positions(pos: Sequence[int]) -> Sequence[int]:
-    """`pos` as a `range` where it is one ascending run (its min, max, slices and equality
-    are then O(1): a call's host work follows its blocks, not its tokens), else a tuple."""
-    if isinstance(pos, range) and pos.step == 1:
-        return pos
-    run = range(pos[0], pos[0] + len(pos)) if len(pos) else range(0)
-    return run if tuple(pos) == tuple(run) else tuple(pos)
 
 
 def _is_run(pos: Sequence[int]) -> bool:

@@ -15,8 +15,9 @@ from torch import Tensor
 from ...core.errors import ShapeError
 from ...core.layout import Layout, Shape
 from ...core.mesh import AxisName, Mesh
+from ...core.positions import as_positions
 from ...runtime.bind import BoundMesh
-from .blocks import Mask, as_positions
+from .blocks import Mask
 
 ROLES = ("b", "h", "s", "d")      # batch, heads, sequence, head dim (the canonical order)
 
@@ -66,7 +67,7 @@ class Call:
 
     def positions(self, layout: Layout, shape: Shape, rank: int) -> Sequence[int]:
         """The global sequence positions `rank` holds under `layout`, in local order (a
-        `range` where they are one run: `blocks.as_positions`)."""
+        `range` where they are one run: `core.positions.as_positions`)."""
         if self.unfolded is None:
             return _positions(layout, self.mesh, shape, rank, self.seq_dim)
         return _relabelled(layout, *self.unfolded, self.mesh, shape[self.seq_dim], rank,
@@ -134,9 +135,9 @@ def resolve(q: Tensor, k: Tensor, v: Tensor, bound: BoundMesh, layout: str | Lay
         if lay.reduce_op is not None:
             raise ShapeError(f'attention({arg}="{lay}"): q, k and v cannot be pending sums;'
                              " fix: reduce them first (mc.reshard)")
-    seq = _split_axes(q_layout, mesh, order[2])
-    if _split_axes(kv, mesh, order[2]) != seq:
-        other = list(_split_axes(kv, mesh, order[2]))
+    seq = q_layout.dim_axes(order[2], mesh)
+    if kv.dim_axes(order[2], mesh) != seq:
+        other = list(kv.dim_axes(order[2], mesh))
         raise ShapeError(f'attention: the sequence is split over {list(seq)} in layout'
                          f' "{q_layout}" but over {other} in kv_layout "{kv}"; fix: split both'
                          " the same way")
@@ -184,11 +185,6 @@ def _order(layout: Layout, mesh: Mesh, names: list[str], arg: str
         raise ShapeError(f'attention({arg}="{layout}"): {layout.ndim} dims; expected batch'
                          " (optional), heads, sequence and head dim")
     return out[0], out[1], out[2], out[3]
-
-
-def _split_axes(layout: Layout, mesh: Mesh, dim: int) -> tuple[AxisName, ...]:
-    """The mesh axes splitting `dim`, as written (major to minor)."""
-    return tuple(f.name for f in layout.dims[dim].factors if f.name in mesh.axis_names)
 
 
 def _global(x: Tensor, layout: Layout, mesh: Mesh, shape: Sequence[int] | None,

@@ -120,12 +120,19 @@ def repeated_kv_shape(call: Call) -> tuple[int, ...]:
     return tuple(call.q_shape[h] if i == h else n for i, n in enumerate(call.kv_shape))
 
 
-def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
-    bound = call.bound
+def repeated_kv(call: Call, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """This rank's k and v with each key/value head repeated to the places of its query
+    heads (GQA), so that heads split over axes always meet their keys."""
     h = call.order[1]
     group = call.q_shape[h] // call.kv_shape[h]
-    if group > 1:         # GQA: each query head's key/value head, repeated to its place
-        k, v = k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
+    if group > 1:
+        return k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
+    return k, v
+
+
+def ulysses(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> Tensor:
+    bound = call.bound
+    k, v = repeated_kv(call, k, v)
     kv_shape = repeated_kv_shape(call)
     q_twin, kv_layout = call.q_twin, call.kv_twin     # a zigzag sequence: moved as its twin
     q_heads, kv_heads = heads_layout(call, q_twin), heads_layout(call, kv_layout)
@@ -182,10 +189,8 @@ def hybrid(call: Call, q: Tensor, k: Tensor, v: Tensor, doc: Tensor | None) -> T
     q, k, v move their sequence's first axes onto the heads (an all_to_all each, key/value
     heads repeated to the query heads first), the ring runs over the axis left
     (`hybrid_call`), and the output moves back."""
-    sub, bound, h = hybrid_call(call), call.bound, call.order[1]
-    group = call.q_shape[h] // call.kv_shape[h]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=h), v.repeat_interleave(group, dim=h)
+    sub, bound = hybrid_call(call), call.bound
+    k, v = repeated_kv(call, k, v)
     q_h = reshard(q, bound, call.q_twin, sub.q_layout, shape=call.q_shape)
     k_h = reshard(k, bound, call.kv_twin, sub.kv_layout, shape=sub.kv_shape)
     v_h = reshard(v, bound, call.kv_twin, sub.kv_layout, shape=sub.kv_shape)
