@@ -18,11 +18,12 @@ from .core.errors import (
                           PlanError,
                           RankFailure,
                           RecipeError,
+                          ScheduleError,
                           ShapeError,
                           StyleError,
 )
 
 __all__ = ["CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
            "InteropError", "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
-           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ShapeError",
+           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ScheduleError", "ShapeError",
            "StyleError"]

@@ -45,6 +45,12 @@ class StyleError(MeshcommError, ValueError):
     that matches no module, or a style on a module it does not fit."""
 
 
+class ScheduleError(MeshcommError, ValueError):
+    """A pipeline schedule that cannot run: an action that does not parse, a stage on two
+    ranks, a microbatch computed twice or never, an order that deadlocks, or stages and
+    hand-offs that do not fit each other."""
+
+
 class LaunchError(MeshcommError, ValueError):
     """A launch that cannot start: a script that does not exist, no processes."""
 
