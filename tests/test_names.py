@@ -25,6 +25,8 @@ NOT_DIM_NAMES = {
     ("display.py", "f'r{r}{mark}'"): "a printed rank label",
     ("display.py", "f'{a}{c}'"): "a printed mesh coordinate, dp0",
     ("display.py", "f'{a}'"): "a printed rank number",
+    ("planner/pipeline/actions.py", "f'{self.stage}{self.kind}{mb}'"):
+        "a pipeline action in PyTorch's notation, 0F1",
     ("nn/checkpoint.py", "f'{prefix}{k}'"): "a state_dict key",
     ("nn/fsdp/param.py", "f'{prefix}{attr}'"): "a parameter's qualified name",
     ("nn/fsdp/param.py", "f'{prefix}{child_name}'"): "a module's qualified name",

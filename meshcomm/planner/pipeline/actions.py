@@ -53,7 +53,8 @@ class Action:
                                 f" {'0' + self.kind if self.kind in STAGE_WIDE else '0F1'}")
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{'' if self.microbatch is None else self.microbatch}"
+        mb = "" if self.microbatch is None else str(self.microbatch)
+        return f"{self.stage}{self.kind}{mb}"
 
     @property
     def is_compute(self) -> bool:

@@ -178,7 +178,7 @@ def _deadlock(schedule: Schedule, rows: Sequence[Sequence[Action]], pos: Sequenc
     for r, row in enumerate(rows):
         if pos[r] < len(row):
             a = row[pos[r]]
-            waits = [f"{k[0]}{k[1]}{k[2]}" for k, _ in _deps(schedule, StageCosts((), ()), a)
+            waits = [str(Action(*k)) for k, _ in _deps(schedule, StageCosts((), ()), a)
                      if k not in end]
             stuck.append(f"rank {r} at {a} waits on {', '.join(waits)}")
     return (f"schedule {schedule.name} deadlocks: {'; '.join(stuck)}. fix: reorder the rows so"
