@@ -266,6 +266,23 @@ class Mesh:
             pos = pos * size + c
         return self._ranks[pos]
 
+    def slice(self, axis: AxisName, index: int) -> Mesh:
+        """The mesh of the other axes where `axis` is `index`, over those ranks in order: a
+        pipeline stage's mesh on a `pp` axis. A mesh of that one axis gives a one-rank mesh
+        of it (size 1).
+
+        >>> Mesh("pp=2 dp=2 tp=2").slice("pp", 1)
+        Mesh(dp=2, tp=2, ranks=[4, 5, 6, 7])
+        >>> Mesh("pp=4").slice("pp", 2)
+        Mesh(pp=1, ranks=[2])
+        """
+        size = self.axis_size(axis)
+        if not (isinstance(index, int) and 0 <= index < size):
+            raise ShapeError(f"Mesh.slice({axis!r}, {index!r}): expected an index in 0..{size - 1}")
+        rest = {a: n for a, n in zip(self._names, self._sizes) if a != axis} or {axis: 1}
+        ranks = [r for r in self._ranks if self.coords(r)[axis] == index]
+        return Mesh(rest, ranks=ranks)
+
     def groups(self, *axes: AxisName) -> tuple[tuple[int, ...], ...]:
         """Rank groups of a collective over `axes` (several = one flat group, first axis major)."""
         return _groups(self, tuple(axes))

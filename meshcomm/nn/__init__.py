@@ -20,22 +20,23 @@ from .fsdp import (
 from .losses import vocab_parallel_cross_entropy, vocab_range
 from .parallel import STYLES, parallelize, tp_style
 from .params import (
-                     ParamSpec,
-                     ShardedModule,
-                     gather_params,
-                     logical_axes,
-                     param_spec,
-                     planning_mesh,
+    ParamSpec,
+    ShardedModule,
+    gather_params,
+    logical_axes,
+    param_spec,
+    planning_mesh,
 )
+from .pipeline import Pipeline, Stage, stage_meshes
 from .tensor_parallel import (
-                     ColumnParallelLinear,
-                     RowParallelLinear,
-                     TPEntry,
-                     VocabParallelEmbedding,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPEntry,
+    VocabParallelEmbedding,
 )
 
 __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
-           "MixedPrecision", "MoE", "ParamSpec",
+           "MixedPrecision", "MoE", "ParamSpec", "Pipeline", "Stage",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "attention", "attention_costs", "attention_explain",
            "attention_reference",
@@ -43,7 +44,7 @@ __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
            "logical_axes", "parallelize", "param_spec", "planning_mesh", "register_hf_attention",
            "save_checkpoint",
-           "set_requires_gradient_sync", "tp_style",
+           "set_requires_gradient_sync", "stage_meshes", "tp_style",
            "vocab_parallel_cross_entropy", "vocab_range"]
 
 

@@ -1,0 +1,426 @@
+"""Run a pipeline schedule over stages on their own meshes: one training step's forwards and
+backwards, hand-offs as planned reshards between the stages' meshes.
+
+Hand-offs. Stage s gives its output in its layout on its mesh; stage s + 1 takes it in its
+own layout on its mesh. The hand-off is one plan between the two meshes (`mc.plan(...,
+dst_mesh=...)`), prepared once when the pipeline is built, and the gradient comes back by the
+reverse plan. Nothing is exchanged to learn shapes: every activation's global shape per
+microbatch is declared (`shapes=`).
+
+Order. A sender issues a hand-off right after the compute that makes it and goes on (the
+message travels while it computes the next action); the sends are waited on at the end of the
+step. Messages between two ranks match in the order they are posted, so a rank posts its
+receives from each peer in the order that peer sends (both read the one schedule), one
+action ahead of the action that needs them: a receive is in flight while the action before
+it computes. A schedule that cannot finish is refused by `simulate` before the first send.
+
+Gradients. `loss_fn(output, target)` gives the last stage's loss of one microbatch on this
+rank. With `loss_reduction="mean"` the step's objective is the mean over microbatches (and
+over the last stage's averaged ranks, as data parallelism means it); with `"sum"`, their sum.
+`fully_shard` averages a stage's gradients over its averaged axes (`Stage.averaged`), which is
+right when the averaged axes that split the stage's activations (the stage's *scale*) see
+that many times the true gradient. So the gradient of an activation crossing from stage
+s + 1 to stage s is multiplied by scale(s) / scale(s + 1) on arrival, and the loss is seeded
+with 1 / microbatches (mean) or scale(last) (sum): every stage's gradients equal those of
+one process over the whole batch, whatever the stages' meshes. Gradients accumulate over the
+microbatches; a stage's `fully_shard` units reduce once per step, in the stage's last
+backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...core.errors import ScheduleError, ShapeError
+from ...core.layout import Layout
+from ...executors.distributed import Handle, Prepared, prepare
+from ...planner.pipeline import Action, Schedule, StageCosts, build, simulate
+from ...planner.plan import plan as make_plan
+from ...planner.values import Plan
+from ..fsdp.param import UNIT_ATTR
+from .stage import Stage, averaged_axes, grad_scale
+
+Key = tuple[str, int, int]      # ("F" | "B", boundary s (stage s <-> s + 1), microbatch)
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """One direction of one boundary, prepared on this rank: `plan`, its engine job, and how
+    many of its steps to issue to post the receive (through the transfer between meshes)."""
+
+    plan: Plan
+    ready: Prepared
+    post_steps: int
+    local: bool          # both stages on this rank: issued and waited on at once
+
+
+class Pipeline:
+    """A model split into `stages`, run by `schedule` over `microbatches` per `step`.
+
+    >>> pipe = Pipeline([Stage(s0, "(dp b) h", "(dp b) h", m0), Stage(s1, "b h", "b h", m1)],
+    ...                 "1f1b", microbatches=4, shapes=(8, 16), loss_fn=mse)  # doctest: +SKIP
+    >>> loss = pipe.step(x, target)         # doctest: +SKIP
+
+    Build it on every rank of the world with the same arguments; each rank runs the stages
+    whose mesh it is in. `schedule`: a name of `meshcomm.nn.pipeline.SCHEDULES` ("gpipe",
+    "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v"), a `Schedule`, or CSV text in
+    PyTorch's notation. `shapes`: the global shape of the activation between stage s and s + 1
+    per microbatch, one tuple for all boundaries or one per boundary. `dtype`: the
+    activations'. See the module docstring for hand-offs and gradients.
+    """
+
+    def __init__(self, stages: Sequence[Stage], schedule: str | Schedule, *, microbatches: int,
+                 shapes: Sequence[int] | Sequence[Sequence[int]],
+                 loss_fn: Callable[[Tensor, Any], Tensor],
+                 dtype: torch.dtype = torch.float32, loss_reduction: str = "mean") -> None:
+        self.stages = tuple(stages)
+        n = len(self.stages)
+        if n < 1 or not all(isinstance(s, Stage) for s in self.stages):
+            raise ScheduleError("Pipeline(stages=...): expected a sequence of mc.nn.Stage, one"
+                                " per stage, the same on every rank")
+        if loss_reduction not in ("mean", "sum"):
+            raise ScheduleError(f"Pipeline(loss_reduction={loss_reduction!r}): expected 'mean'"
+                                " or 'sum'")
+        self.microbatches, self.loss_fn, self.dtype = microbatches, loss_fn, dtype
+        self.reduction = loss_reduction
+        self.schedule = _schedule(schedule, self.stages, microbatches)
+        self.shapes = _shapes(shapes, n)
+        self.rank = self.stages[0].mesh.rank
+        self.me = _my_pipeline_rank(self.stages, self.schedule, self.rank)
+        self.row = self.schedule.compute_only().rows[self.me]
+        self.mine = self.schedule.stages_of(self.me)
+        layouts = [s.layouts() for s in self.stages]
+        for s in self.mine:
+            if self.stages[s].module is None:
+                raise ScheduleError(f"Pipeline: rank {self.rank} runs stage {s} but its Stage"
+                                    " has module=None; fix: pass the stage's module on its"
+                                    " mesh's ranks")
+        axes = [averaged_axes(s) for s in self.stages]
+        self.scale_in = [grad_scale(st, layouts[s][0], axes[s]) for s, st in enumerate(self.stages)]
+        self.scale_out = [grad_scale(st, layouts[s][1], axes[s])
+                          for s, st in enumerate(self.stages)]
+        self.forward_plans: list[Plan] = []
+        self.backward_plans: list[Plan] = []
+        for b in range(n - 1):
+            src, dst = self.stages[b], self.stages[b + 1]
+            shape = self.shapes[b]
+            self.forward_plans.append(_plan(src, dst, shape, layouts[b][1], layouts[b + 1][0],
+                                            dtype))
+            self.backward_plans.append(_plan(dst, src, shape, layouts[b + 1][0], layouts[b][1],
+                                             dtype))
+        self.handoffs: dict[tuple[str, int], HandOff] = {}
+        for b in range(n - 1):
+            if b in self.mine or b + 1 in self.mine:
+                self.handoffs[("F", b)] = _handoff(self.forward_plans[b], self.stages[b],
+                                                   self.stages[b + 1])
+                self.handoffs[("B", b)] = _handoff(self.backward_plans[b], self.stages[b + 1],
+                                                   self.stages[b])
+        self.queues = _receive_queues(self.schedule, self.me)
+        self.last = {s: _last_backward(self.row, s) for s in self.mine}
+        simulate(self.schedule, StageCosts.uniform(n))      # refuses a deadlock, here
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, inputs: Tensor | Sequence[Tensor] | None = None,
+             targets: Any = None) -> Tensor | None:
+        """Run one step: forwards and backwards of every microbatch in schedule order, the
+        gradients left in the stages' parameters (`.grad`), summed over microbatches and
+        reduced by their `fully_shard` units. `inputs` (on stage 0's ranks): this rank's
+        shard of the batch, cut into `microbatches` equal chunks along dim 0, or a list of
+        one shard per microbatch. `targets` (on the last stage's ranks): likewise, handed to
+        `loss_fn` with that microbatch's output. Returns the loss (mean or sum over
+        microbatches of `loss_fn`) on the last stage's ranks, None elsewhere."""
+        m, n = self.microbatches, len(self.stages)
+        xs = _split(inputs, m, "inputs") if 0 in self.mine else None
+        ys = _split(targets, m, "targets") if n - 1 in self.mine else None
+        run = _Step(self, xs, ys)
+        for s in self.mine:
+            _set_sync(self.stages[s], False)
+        try:
+            run.go()
+        finally:
+            for s in self.mine:
+                _set_sync(self.stages[s], True)
+        return run.loss()
+
+    def explain(self) -> str:
+        """The hand-off plans, one block per boundary, forward and backward."""
+        out = []
+        for b, (f, g) in enumerate(zip(self.forward_plans, self.backward_plans)):
+            out.append(f"stage {b} -> {b + 1}:\n{f}\nstage {b + 1} -> {b} (gradient):\n{g}")
+        return "\n\n".join(out)
+
+
+class _Step:
+    """The state of one `Pipeline.step` on this rank."""
+
+    def __init__(self, pipe: Pipeline, xs: list[Tensor] | None, ys: list[Any] | None) -> None:
+        self.p, self.xs, self.ys = pipe, xs, ys
+        self.posted: dict[Key, Handle] = {}
+        self.local: dict[Key, Tensor] = {}            # hand-offs between stages of this rank
+        self.at = {peer: 0 for peer in pipe.queues}
+        self.stash: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
+        self.sends: list[Handle] = []
+        self.losses: list[Tensor] = []
+
+    def go(self) -> None:
+        row = self.p.row
+        for j, a in enumerate(row):
+            if j + 1 < len(row):
+                self.post(row[j + 1])            # the next action's message, in flight now
+            self.run(a)
+        for h in self.sends:
+            h.wait()
+
+    def loss(self) -> Tensor | None:
+        if not self.losses:
+            return None
+        total = torch.stack(self.losses).sum()
+        return total / len(self.losses) if self.p.reduction == "mean" else total
+
+    # messages
+    def need(self, a: Action) -> Key | None:
+        n, mb = len(self.p.stages), a.microbatch
+        assert mb is not None
+        if a.kind == "F" and a.stage > 0:
+            return ("F", a.stage - 1, mb)
+        if a.kind in ("B", "I") and a.stage < n - 1:
+            return ("B", a.stage, mb)
+        return None
+
+    def post(self, a: Action) -> None:
+        key = self.need(a)
+        if key is None or key in self.posted or key in self.local:
+            return
+        sender = self._sender(key)
+        if sender == self.p.me:
+            return                                # made on this rank: in `local`
+        queue, at = self.p.queues[sender], self.at
+        while key not in self.posted:
+            k = queue[at[sender]]
+            h = self.p.handoffs[(k[0], k[1])]
+            self.posted[k] = h.ready.issue([None], steps=h.post_steps)
+            at[sender] += 1
+
+    def _sender(self, key: Key) -> int:
+        kind, b, _ = key
+        return self.p.schedule.stage_rank[b if kind == "F" else b + 1]
+
+    def take(self, key: Key) -> Tensor:
+        if key in self.local:
+            return self.local.pop(key)
+        if key not in self.posted:
+            self.post_key(key)
+        out = self.posted.pop(key).wait()[0]
+        assert out is not None, f"rank {self.p.rank} received nothing for {key}"
+        return out
+
+    def post_key(self, key: Key) -> None:
+        kind, b, mb = key
+        self.post(Action(b + 1 if kind == "F" else b, "F" if kind == "F" else "B", mb))
+
+    def give(self, key: Key, x: Tensor) -> None:
+        h = self.p.handoffs[(key[0], key[1])]
+        if h.local:
+            out = h.ready.issue([x]).wait()[0]
+            assert out is not None
+            self.local[key] = out
+        else:
+            self.sends.append(h.ready.issue([x]))
+
+    # compute
+    def run(self, a: Action) -> None:
+        s, mb = a.stage, a.microbatch
+        assert mb is not None
+        p = self.p
+        stage, last = p.stages[s], s == len(p.stages) - 1
+        module = stage.module
+        assert module is not None
+        if a.kind == "F":
+            if s == 0:
+                assert self.xs is not None
+                x = self.xs[mb]
+            else:
+                x = self.take(("F", s - 1, mb)).detach().requires_grad_()
+            y = module(x)
+            if last:
+                assert self.ys is not None
+                loss = p.loss_fn(y, self.ys[mb])
+                self.losses.append(loss.detach())
+                seed = 1.0 / p.microbatches if p.reduction == "mean" else float(p.scale_in[s])
+                self.stash[(s, mb)] = (x, loss * seed, None)
+            else:
+                self._check_out(s, y)
+                self.stash[(s, mb)] = (x, y, None)
+                self.give(("F", s, mb), y.detach())
+            return
+        x, y, g = self.stash[(s, mb)]
+        if a.kind in ("B", "I") and not last:
+            g = self.take(("B", s, mb))
+            factor = p.scale_out[s] / p.scale_in[s + 1]
+            if factor != 1:
+                g = g * factor
+        if a.kind == "B":
+            _sync_if_last(p, s, a)
+            torch.autograd.backward(y, g)
+            del self.stash[(s, mb)]
+            if s > 0:
+                self.give(("B", s - 1, mb), _grad(x))
+        elif a.kind == "I":
+            if s > 0:
+                torch.autograd.backward(y, g, inputs=[x], retain_graph=True)
+                self.give(("B", s - 1, mb), _grad(x))
+            self.stash[(s, mb)] = (x, y, g)
+        else:   # W
+            _sync_if_last(p, s, a)
+            params = [q for q in module.parameters() if q.requires_grad]
+            if params:
+                torch.autograd.backward(y, g, inputs=params)
+            del self.stash[(s, mb)]
+
+    def _check_out(self, s: int, y: Tensor) -> None:
+        p = self.p
+        plan = p.forward_plans[s]
+        want = Layout.parse(str(plan.src)).local_shape(plan.mesh, plan.shape, p.rank)
+        if tuple(y.shape) != tuple(want) or y.dtype != p.dtype:
+            raise ShapeError(
+                f"pipeline stage {s} on rank {p.rank} gave an output of shape {tuple(y.shape)}"
+                f" and dtype {y.dtype}, but its layout \"{plan.src}\" of the declared shape"
+                f" {plan.shape} puts {tuple(want)} ({p.dtype}) here; fix: Pipeline(shapes=...,"
+                " dtype=...) or the Stage's output layout")
+
+
+def _grad(x: Tensor) -> Tensor:
+    g = x.grad
+    if g is None:
+        raise ScheduleError("pipeline: a stage's input got no gradient (its output does not"
+                            " depend on it); every stage after the first must use its input")
+    x.grad = None
+    return g
+
+
+# -- built once --------------------------------------------------------------------------------
+def _schedule(schedule: str | Schedule, stages: Sequence[Stage], m: int) -> Schedule:
+    if isinstance(schedule, Schedule):
+        out = schedule
+    elif isinstance(schedule, str) and "," in schedule or "\n" in str(schedule):
+        out = Schedule.from_csv(str(schedule))
+    elif isinstance(schedule, str):
+        groups = {tuple(sorted(s.mesh.mesh.ranks)) for s in stages}
+        p = len(groups)
+        kw = {"v": len(stages) // p} if schedule == "interleaved_1f1b" else {}
+        if schedule == "zero_bubble_v":
+            p = len(stages) // 2
+        out = build(schedule, p, m, **kw)
+    else:
+        raise ScheduleError(f"Pipeline(schedule={schedule!r}): expected a schedule name, a"
+                            " Schedule or CSV text")
+    if out.n_stages != len(stages) or out.n_microbatches != m:
+        raise ScheduleError(
+            f"Pipeline: schedule {out.name} has {out.n_stages} stages and {out.n_microbatches}"
+            f" microbatches, but {len(stages)} stages and microbatches={m} were given")
+    return out
+
+
+def _shapes(shapes: Sequence[int] | Sequence[Sequence[int]], n: int) -> list[tuple[int, ...]]:
+    if len(shapes) and all(isinstance(d, int) for d in shapes):
+        return [tuple(int(d) for d in shapes)] * (n - 1)   # type: ignore[arg-type]
+    out = [tuple(s) for s in shapes if not isinstance(s, int)]
+    if len(out) != n - 1:
+        raise ShapeError(f"Pipeline(shapes=...): {len(out)} shapes for {n - 1} boundaries;"
+                         " expected one global shape per microbatch for all, or one per"
+                         " boundary (stage s -> s + 1)")
+    return out
+
+
+def _my_pipeline_rank(stages: Sequence[Stage], schedule: Schedule, rank: int) -> int:
+    ranks_of: dict[int, tuple[int, ...]] = {}
+    for s, stage in enumerate(stages):
+        group = tuple(sorted(stage.mesh.mesh.ranks))
+        r = schedule.stage_rank[s]
+        if ranks_of.setdefault(r, group) != group:
+            raise ScheduleError(
+                f"Pipeline: stages {schedule.stages_of(r)} run on pipeline rank {r} of schedule"
+                f" {schedule.name}, so their meshes must cover the same ranks; stage {s}'s mesh"
+                f" has ranks {list(group)}, another's {list(ranks_of[r])}")
+    owners = [r for r, g in ranks_of.items() if rank in g]
+    seen = [rk for g in ranks_of.values() for rk in g]
+    if len(seen) != len(set(seen)):
+        raise ScheduleError("Pipeline: two pipeline ranks' stage meshes share ranks; each rank"
+                            " of the world runs the stages of one pipeline rank")
+    if not owners:
+        raise ScheduleError(f"Pipeline: rank {rank} is in no stage's mesh; every rank of the"
+                            " world must run a stage")
+    return owners[0]
+
+
+def _plan(src: Stage, dst: Stage, shape: tuple[int, ...], a: Layout, b: Layout,
+          dtype: torch.dtype) -> Plan:
+    if src.mesh.mesh == dst.mesh.mesh:
+        return make_plan(src.mesh.mesh, shape, a, b, dtype=dtype)
+    return make_plan(src.mesh.mesh, shape, a, b, dtype=dtype, dst_mesh=dst.mesh.mesh)
+
+
+def _handoff(plan: Plan, src: Stage, dst: Stage) -> HandOff:
+    local = set(src.mesh.mesh.ranks) == set(dst.mesh.mesh.ranks)
+    if plan.dst_mesh is None or plan.dst_mesh == plan.mesh:
+        return HandOff(plan, prepare([plan], src.mesh), len(plan.steps), True)
+    ready = prepare([plan], src.mesh, dst=dst.mesh)
+    through = next(k for k, st in enumerate(plan.steps) if st.dst_mesh is not None) + 1
+    return HandOff(plan, ready, through, local)
+
+
+def _receive_queues(schedule: Schedule, me: int) -> dict[int, list[Key]]:
+    """Per peer pipeline rank, the messages it sends `me`, in the order it sends them."""
+    out: dict[int, list[Key]] = {}
+    ranks = schedule.stage_rank
+    for peer, row in enumerate(schedule.compute_only().rows):
+        if peer == me:
+            continue
+        for a in row:
+            for send in schedule.sends(a):
+                assert send.microbatch is not None
+                if send.kind == "SEND_F" and ranks[send.stage + 1] == me:
+                    out.setdefault(peer, []).append(("F", send.stage, send.microbatch))
+                elif send.kind == "SEND_B" and ranks[send.stage - 1] == me:
+                    out.setdefault(peer, []).append(("B", send.stage - 1, send.microbatch))
+    return out
+
+
+def _last_backward(row: Sequence[Action], s: int) -> Action:
+    kinds = ("B", "W")
+    return [a for a in row if a.stage == s and a.kind in kinds][-1]
+
+
+def _sync_if_last(p: Pipeline, s: int, a: Action) -> None:
+    if p.last[s] == a:
+        _set_sync(p.stages[s], True)
+
+
+def _set_sync(stage: Stage, requires: bool) -> None:
+    if stage.module is None:
+        return
+    for m in stage.module.modules():
+        unit = getattr(m, UNIT_ATTR, None)
+        if unit is not None:
+            unit.sync = requires
+
+
+def _split(value: Any, m: int, what: str) -> list[Any]:
+    if value is None:
+        raise ScheduleError(f"Pipeline.step: this rank runs a stage that needs {what}=; pass"
+                            " this rank's shard (or a list of one per microbatch)")
+    if isinstance(value, Tensor):
+        if value.shape[0] % m:
+            raise ShapeError(f"Pipeline.step({what}=...): dim 0 of this rank's shard is"
+                             f" {value.shape[0]}, not a multiple of microbatches={m}; fix: pass"
+                             " a list of one shard per microbatch")
+        return list(value.chunk(m))
+    out = list(value)
+    if len(out) != m:
+        raise ShapeError(f"Pipeline.step({what}=...): {len(out)} microbatches, expected {m}")
+    return out

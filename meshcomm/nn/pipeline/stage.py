@@ -1,0 +1,77 @@
+"""A pipeline stage as declared data: its mesh, the layouts of what it takes and gives, and
+(on the ranks that run it) its module. Everything here is checked when the pipeline is built,
+before any communication."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ...core.errors import ScheduleError
+from ...core.layout import Layout
+from ...core.mesh import Mesh
+from ...runtime.bind import BoundMesh
+from ..fsdp.param import UNIT_ATTR
+
+
+@dataclass(frozen=True, eq=False)
+class Stage:
+    """One pipeline stage: `mesh` (a BoundMesh: `mc.init_mesh`) runs `module` on activations
+    in layout `input` and gives its output in layout `output` (both on `mesh`, in the notation
+    of `mc.plan`). `module` is None on ranks outside `mesh`: every rank declares every stage,
+    only a stage's own ranks hold its module.
+
+    `averaged`: the mesh axes over which the stage's gradients are averaged (FSDP's shard
+    axis and HSDP's replicate axes). None (the default) reads them off the module's
+    `fully_shard` units; a stage with none averages over nothing."""
+
+    mesh: BoundMesh
+    input: str | Layout
+    output: str | Layout
+    module: nn.Module | None = None
+    averaged: Sequence[str] | None = None
+
+    def layouts(self) -> tuple[Layout, Layout]:
+        return (Layout.parse(str(self.input)), Layout.parse(str(self.output)))
+
+
+def stage_meshes(mesh: Mesh, axis: str = "pp") -> tuple[Mesh, ...]:
+    """The meshes of the stages on a pipeline axis: `mesh.slice(axis, i)` for each index i
+    (bind each with `mc.init_mesh` on every rank)."""
+    if axis not in mesh.axis_names:
+        raise ScheduleError(f"stage_meshes(axis={axis!r}): {mesh!r} has no such axis; its axes"
+                            f" are {list(mesh.axis_names)}")
+    return tuple(mesh.slice(axis, i) for i in range(mesh.axis_size(axis)))
+
+
+def averaged_axes(stage: Stage) -> tuple[str, ...]:
+    """The axes stage's gradients are averaged over (see `Stage.averaged`)."""
+    if stage.averaged is not None:
+        axes = tuple(stage.averaged)
+    elif stage.module is None:
+        axes = ()
+    else:
+        units = [getattr(m, UNIT_ATTR) for m in stage.module.modules() if hasattr(m, UNIT_ATTR)]
+        found = {(u.axis, *u.replicate) for u in units}
+        if len(found) > 1:
+            raise ScheduleError(
+                f"pipeline stage on {stage.mesh.mesh!r}: its fully_shard units average gradients"
+                f" over different axes {sorted(found)}; fix: pass Stage(..., averaged=(...))")
+        axes = found.pop() if found else ()
+    for a in axes:
+        if a not in stage.mesh.mesh.axis_names:
+            raise ScheduleError(f"Stage(averaged={axes!r}): {a!r} is not an axis of"
+                                f" {stage.mesh.mesh!r}")
+    return axes
+
+
+def grad_scale(stage: Stage, layout: Layout, axes: Sequence[str]) -> int:
+    """How many times the true gradient a stage's averaged gradients need where they enter or
+    leave through `layout`: the size of the averaged axes that split it (module docstring of
+    `meshcomm.nn.pipeline.runner`)."""
+    mesh = stage.mesh.mesh
+    split = set(layout.sharded_axes(mesh))
+    return math.prod(mesh.axis_size(a) for a in axes if a in split)
