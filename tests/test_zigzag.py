@@ -177,6 +177,42 @@ def test_from_a_whole_dim_is_a_local_select_and_alike_dims_plan_as_twins() -> No
     assert p.steps[0].before == mc.Layout("(cp s) (tp d)")        # planned on the twins
 
 
+@pytest.mark.parametrize("n", [16, 13, 3, 0])
+def test_to_a_whole_dim_is_the_twins_gather_then_a_local_select(n: int) -> None:
+    mesh = mc.Mesh("cp=4 tp=2")
+    for src, dst in itertools.product([f for f in FORMS if f.startswith("zigzag")],
+                                      ["s d", "s d | sum(tp)"]):
+        if not _compatible(src, dst):
+            continue
+        p = check_exact(mesh, (n, 6), src, dst)
+        twin = mc.plan(mesh, (n, 6), mc.Layout(src).without_zigzag(), dst, dtype=torch.float64)
+        assert (p.send_bytes, p.recv_bytes) == (twin.send_bytes, twin.recv_bytes), str(p)
+        assert [s.kind for s in p.collectives] == [s.kind for s in twin.collectives]
+        # a select where the gathered order is not the dim's (3 tokens on 4 ranks: it is)
+        in_order = [s for s in p.steps if s.action == "select" and s.before == s.after]
+        assert in_order == (list(p.steps[-1:]) if n > 4 else []), str(p)
+        assert p.lower_bound_bytes == twin.lower_bound_bytes, str(p)   # the twins' bound
+        assert p.bound_ratio == (1.0 if dst == "s d" and not p.src.reduce_op
+                                 else twin.bound_ratio), str(p)
+
+
+def test_zigzag_to_whole_moves_the_bytes_of_a_plain_all_gather() -> None:
+    mesh, shape = mc.Mesh("cp=4"), (2, 16, 8)
+    p = check_exact(mesh, shape, "b zigzag(cp s) h", "b s h", dtype=torch.float32)
+    plain = mc.plan(mesh, shape, "b (cp s) h", "b s h")
+    assert [(s.kind, s.action) for s in p.steps] == [("all_gather", ""), ("local", "select")]
+    assert p.send_bytes == p.recv_bytes == plain.recv_bytes == (768,) * 4   # 3 blocks of 256 B
+    assert p.bound_ratio == 1.0
+    assert p.steps[1].before == p.steps[1].after == mc.Layout("b s h")
+    # one block a rank, kept whole: at 131072 tokens planning lists no index
+    big = mc.plan(mc.Mesh("dp=8 cp=16 tp=8"), (8, 131072, 32, 128),
+                  "(dp b) zigzag(cp s) (tp h) d", "(dp b) s (tp h) d")
+    assert [s.kind for s in big.steps] == ["all_gather", "local"]
+    assert big.recv_bytes == big.lower_bound_bytes
+    (kept,) = big.steps[1].rank_transfers(5)
+    assert kept.src == kept.dst == 5 and kept.dst_index[1] == range(131072)
+
+
 def test_plans_at_1024_ranks_follow_the_group_not_the_world() -> None:
     mesh = mc.Mesh("dp=8 cp=16 tp=8")
     shape = (8, 131072, 32, 128)

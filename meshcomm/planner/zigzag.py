@@ -7,13 +7,19 @@ same local tensors over a permuted global order. So a plan is made of two kinds 
 - a dim that is zigzag alike in the source and the destination is planned as its twin by
   the searched planner (`search.single_plan`): the permutation is the same on both sides,
   so any plan between the twins moves the right values (its steps print the twins);
-- a dim that is zigzag on one side only is *folded* (or unfolded): one send_recv over the
-  dim's axes between the zigzag form and its twin, in which each rank receives from the
-  members of its group the part of its new block it does not hold. Bytes come from the
-  blocks' runs (two per rank at most), counted once per group position, never per element.
+- a dim that is zigzag in the source and whole in the destination is planned as its twin
+  too (the gather brings every rank the whole dim, in the twin's order: the ranks' blocks in
+  group order, each head then tail), then one local select at the end puts it in order:
+  the bytes of a plain gather, and no exchange (the steps between print the twins, so the
+  select prints as from the destination to itself);
+- a dim that is zigzag on one side only otherwise is *folded* (or unfolded): one send_recv
+  over the dim's axes between the zigzag form and its twin, in which each rank receives
+  from the members of its group the part of its new block it does not hold. Bytes come
+  from the blocks' runs (two per rank at most), counted once per group position, never per
+  element. A whole dim becomes zigzag by a local select, first.
 
 `zigzag_plan`: fold the source's lone zigzag dims, plan between the twins, unfold the
-destination's.
+destination's, put the gathered dims in order.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -28,7 +35,7 @@ from ..core.errors import PlanError
 from ..core.layout import DimPlacement, Layout, Shape, chunk_spans, group_position, zigzag_spans
 from ..core.mesh import AxisName, Mesh
 from ..core.positions import as_positions
-from . import search
+from . import bounds, search
 from .blocks import in_mesh_order
 from .values import CostModel, Plan, Step, Transfer
 
@@ -48,7 +55,9 @@ def zigzag_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
             steps.append(_reorder(mesh, shape, at, at.dim_from(d, dst), d, itemsize,
                                   cost_model))
             at = steps[-1].after
-    lone_src = [d for d in at.zigzag_dims if at.dims[d] != dst.dims[d]]
+    # a dim zigzag in the source and whole in the destination: gathered as its twin
+    gathered = tuple(d for d in at.zigzag_dims if not dst.dim_axes(d, mesh))
+    lone_src = [d for d in at.zigzag_dims if at.dims[d] != dst.dims[d] and d not in gathered]
     lone_dst = [d for d in dst.zigzag_dims if dst.dims[d] != at.dims[d]]
     for d in lone_src:
         steps.append(_reorder(mesh, shape, at, at.without_zigzag((d,)), d, itemsize,
@@ -61,6 +70,9 @@ def zigzag_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
         after = dst.without_zigzag(lone_dst[i + 1:])
         steps.append(_reorder(mesh, shape, at, after, d, itemsize, cost_model))
         at = after
+    out_of_order = tuple(d for d in gathered if not _in_group_order(src.placements(mesh, shape)[d]))
+    if out_of_order:
+        steps.append(_put_in_order(mesh, shape, src, dst, out_of_order, itemsize))
     n = mesh.size
 
     def total(field: str) -> tuple[int, ...]:
@@ -106,6 +118,43 @@ def _reorder(mesh: Mesh, shape: Shape, before: Layout, after: Layout, dim: int, 
                 time_s=cost_model.time(axes, busiest), wire="all_to_all", blocks_of=blocks)
 
 
+def _put_in_order(mesh: Mesh, shape: Shape, src: Layout, dst: Layout, dims: tuple[int, ...],
+                  itemsize: int) -> Step:
+    """The local select that puts dims `dims` of `dst` (whole there, zigzag in `src`) from
+    the twin's order, in which the plan gathered them, into their own."""
+    peak = tuple(2 * math.prod(dst.local_shape(mesh, shape, r)) * itemsize for r in mesh.ranks)
+    zeros = (0,) * mesh.size
+    return Step("local", (), dst, dst, action="select", send_bytes=zeros, recv_bytes=zeros,
+                peak_bytes=peak,
+                blocks_of=functools.partial(_in_order_transfers, src, dst, mesh, shape, dims))
+
+
+def _in_group_order(dim: DimPlacement) -> bool:
+    """Whether the zigzag dim's runs, taken in group order, are already the dim in order
+    (a group of one; a dim of one token per rank)."""
+    at = 0
+    for start, n in (run for pair in zigzag_spans(dim) for run in pair if run[1]):
+        if start != at:
+            return False
+        at += n
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _in_order_transfers(src: Layout, dst: Layout, mesh: Mesh, shape: Shape,
+                        dims: tuple[int, ...], rank: int) -> tuple[Transfer, ...]:
+    """What `rank` keeps in the select of `_put_in_order`: its whole local tensor, each dim
+    of `dims` read at the twin-order position of every index (one block, one copy)."""
+    local = dst.local_shape(mesh, shape, rank)
+    read: list[Sequence[int]] = [range(n) for n in local]
+    for d in dims:
+        where = [0] * shape[d]
+        for k, i in enumerate(src.zigzag_order(mesh, shape, d)):
+            where[i] = k
+        read[d] = as_positions(where)
+    return (Transfer(rank, rank, tuple(read), tuple(range(n) for n in local)),)
+
+
 def _runs(dim: DimPlacement, where: dict[AxisName, int]) -> tuple[tuple[int, int], ...]:
     """The (start, length) runs of the dim that coordinates `where` hold."""
     if dim.zigzag:
@@ -120,10 +169,18 @@ def _runs(dim: DimPlacement, where: dict[AxisName, int]) -> tuple[tuple[int, int
 
 def _lower_bound(mesh: Mesh, shape: Shape, src: Layout, dst: Layout,
                  itemsize: int) -> tuple[int, ...]:
-    """Per rank, the bytes of its destination block it does not hold in the source (0 where
-    a pending reduction is involved: nothing is complete). The count factors over dims, each
-    depending on the rank's coordinates on that dim's axes only: counted once per such
-    coordinate, from indices."""
+    """Per rank, the bytes any correct plan must receive. Where every dim that is zigzag on
+    one side only (or zigzag differently) is whole on the other, renaming each zigzag dim's
+    indices into its twin's order maps the problem onto the twins' (whole stays whole), so
+    it is their bound (`bounds`). Else, the bytes of its destination block it does not hold
+    in the source (0 where a pending reduction is involved: nothing is complete); the count
+    factors over dims, each depending on the rank's coordinates on that dim's axes only:
+    counted once per such coordinate, from indices."""
+    if all(not (src if dst.dims[d].zigzag else dst).dim_axes(d, mesh)
+           for d in range(len(shape)) if src.dims[d] != dst.dims[d]
+           and (src.dims[d].zigzag or dst.dims[d].zigzag)):
+        return tuple(n * itemsize for n in bounds.lower_bound_elements(
+            mesh, shape, src.without_zigzag(), dst.without_zigzag()))
     if src.reduce_op or dst.reduce_op:
         return (0,) * mesh.size
     counts: list[dict[tuple[int, ...], tuple[int, int]]] = [{} for _ in shape]

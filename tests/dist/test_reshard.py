@@ -81,6 +81,9 @@ NAMED = [
     ("dp=2 tp=2", (10, 4), "zigzag(tp s) d | sum(dp)", "s d", torch.int64),
     ("dp=2 tp=4", (19, 2), "zigzag(tp s) (dp d)", "(dp s) d", torch.float32),
     ("dp=2 tp=4", (32, 2), "(s tp) d", "zigzag(tp s) d", torch.float32),
+    ("dp=2 tp=2", (13, 3), "zigzag(dp tp s) d", "s d", torch.float64),  # gather, select
+    ("dp=2 tp=2", (16, 6), "zigzag(tp s) (dp d)", "s d", torch.float32),
+    ("dp=2 tp=4", (19, 2), "zigzag(tp s) d", "s (dp d)", torch.float32),
 ]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
          "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce",
