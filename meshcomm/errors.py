@@ -25,5 +25,5 @@ from .core.errors import (
 
 __all__ = ["CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
            "InteropError", "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
-           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ScheduleError", "ShapeError",
-           "StyleError"]
+           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ScheduleError",
+           "ShapeError", "StyleError"]
