@@ -1,4 +1,5 @@
-"""`meshcomm show|plan|demo|launch|dryrun`: parse arguments, call the API, print with `display`.
+"""`meshcomm show|plan|demo|launch|dryrun|pipeline|recipe`: parse arguments, call the API,
+print with `display`.
 
 Each subcommand is one `Command` in `COMMANDS`: a function adding its arguments
 and a small handler returning the exit code. Exit codes: 0 success, 1 a check
@@ -381,6 +382,82 @@ def dryrun(nproc: int, rank: int, script: str, script_args: Sequence[str] = ()) 
     return 1 if code else 0
 
 
+# -- pipeline --------------------------------------------------------------------
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v")
+
+
+def _pipeline_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--schedule", default="1f1b", choices=PIPELINE_SCHEDULES,
+                        help="the schedule to build (default 1f1b)")
+    parser.add_argument("--ranks", type=int, default=4, metavar="P",
+                        help="pipeline ranks (default 4)")
+    parser.add_argument("--microbatches", type=int, default=8, metavar="M",
+                        help="microbatches per step (default 8)")
+    parser.add_argument("--stages-per-rank", type=int, metavar="V",
+                        help="interleaved_1f1b only: stages per rank (default 2)")
+    parser.add_argument("--from-csv", metavar="FILE", help="read the schedule from a CSV file"
+                        " in PyTorch's action notation instead of building one")
+    parser.add_argument("--forward", type=float, default=1.0, metavar="S",
+                        help="seconds of a stage's forward per microbatch (default 1)")
+    parser.add_argument("--backward", type=float, default=2.0, metavar="S",
+                        help="seconds of a stage's full backward per microbatch (default 2)")
+    parser.add_argument("--weight", type=float, metavar="S", help="seconds of the weight"
+                        " gradient (W) within --backward (default: half of it in schedules"
+                        " that split backward, else 0)")
+    parser.add_argument("--send", type=float, default=0.0, metavar="S",
+                        help="seconds of each hand-off between ranks (default 0)")
+    parser.add_argument("--activation-bytes", type=int, default=2**20, metavar="B",
+                        help="bytes a stage holds per microbatch in flight (default 1 MiB:"
+                             " the peak reads as microbatches held)")
+    parser.add_argument("--csv", action="store_true", help="print the schedule as CSV in"
+                        " PyTorch's notation (what torch.distributed.pipelining reads)")
+    parser.add_argument("--comms", action="store_true",
+                        help="with --csv: with the SEND/RECV actions written out")
+    parser.add_argument("--trace", metavar="FILE", help="also write the timeline as a Chrome /"
+                        " Perfetto trace (JSON; open it in ui.perfetto.dev)")
+    parser.add_argument("--width", type=int, help="output width in columns")
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from .core.errors import ScheduleError
+    from .planner.pipeline import Schedule, StageCosts, build, simulate
+
+    if args.from_csv:
+        try:
+            text = Path(args.from_csv).read_text()
+        except OSError as err:
+            raise ScheduleError(f"--from-csv {args.from_csv}: {err.strerror}") from None
+        schedule = Schedule.from_csv(text, name=Path(args.from_csv).name)
+    else:
+        if args.stages_per_rank is not None and args.schedule != "interleaved_1f1b":
+            raise ScheduleError(f"--stages-per-rank goes with --schedule interleaved_1f1b, not"
+                                f" {args.schedule} (zero_bubble_v has 2 by construction)")
+        kw = ({"v": args.stages_per_rank or 2} if args.schedule == "interleaved_1f1b"
+              else {})
+        schedule = build(args.schedule, args.ranks, args.microbatches, **kw)
+    if args.csv:
+        print(schedule.to_csv(comms=args.comms), end="")
+        return 0
+    weight = args.weight
+    if weight is None:
+        weight = args.backward / 2 if schedule.split_backward else 0.0
+    if not 0 <= weight <= args.backward:
+        raise ScheduleError(f"--weight {weight:g}: the weight gradient is part of the"
+                            f" backward, so expected 0 <= weight <= --backward {args.backward:g}")
+    costs = StageCosts.uniform(schedule.n_stages, forward=args.forward,
+                               backward=args.backward, weight=weight, send=args.send,
+                               activation_bytes=args.activation_bytes)
+    timeline = simulate(schedule, costs)
+    from . import display
+
+    display.show_timeline(timeline, width=args.width)
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(timeline.chrome_trace()))
+        print(f"wrote {args.trace} ({len(timeline.events)} events; open it in"
+              " ui.perfetto.dev)")
+    return 0
+
+
 COMMANDS: dict[str, Command] = {
     "show": Command("draw which rank holds which part of a tensor", _show_arguments, _run_show),
     "plan": Command("print the cheapest collectives between two layouts, with their cost",
@@ -392,6 +469,9 @@ COMMANDS: dict[str, Command] = {
     "dryrun": Command("run a script alone as one rank of an N-rank job (fake process group)"
                       " and print its collectives, bytes, peak memory and host time",
                       _dryrun_arguments, _run_dryrun),
+    "pipeline": Command("draw a pipeline schedule's simulated timeline (step time, bubbles,"
+                        " peak activations), or print it as CSV", _pipeline_arguments,
+                        _run_pipeline),
 }
 
 

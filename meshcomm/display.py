@@ -21,12 +21,14 @@ from rich.text import Text
 
 from .core.layout import Layout, Shape, as_layout
 from .core.mesh import AxisName, Mesh
+from .pipeline_display import IDLE, KIND_NAMES, fit
 from .planner import explain
+from .planner.pipeline import Timeline
 from .planner.values import Plan
 
 __all__ = ["BlockGrid", "Console", "ShardRow", "block_grid", "dim_names", "export_svg",
            "format_indices", "make_console", "owner_label", "render_layout", "render_plan",
-           "shard_rows", "show", "show_plan", "status"]
+           "render_timeline", "shard_rows", "show", "show_plan", "show_timeline", "status"]
 
 EMPTY = "∅"
 MAX_BLOCKS = 16
@@ -481,6 +483,59 @@ def show_plan(plan: Plan, *, console: Console | None = None, width: int | None =
     console = console or make_console(width=width)
     console.print(render_plan(plan, width=width or console.width, pictures=pictures),
                   highlight=False)
+
+
+# -- pipeline timelines -----------------------------------------------------------
+_KIND_COLOURS = {"F": (0x4e, 0x79, 0xa7), "B": (0x59, 0xa1, 0x4f), "I": (0x76, 0xb7, 0xb2),
+                 "W": (0xf2, 0x8e, 0x2b)}
+
+
+def _shade(kind: str, shade: int) -> str:
+    """The block colour of `kind` for a rank's stage number `shade`: later stages lighter."""
+    mix = min(shade, 3) * 0.2
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in _KIND_COLOURS[kind])
+
+
+def render_timeline(timeline: Timeline, *, width: int = 100) -> RenderableType:
+    """A pipeline timeline as coloured blocks, one row per rank (`pipeline_display`): the
+    labels carry the meaning, so it reads the same with NO_COLOR or in a pipe."""
+    grid, head = fit(timeline, width)
+    lines = []
+    for row in grid.rows:
+        line = Text()
+        line.append(head(row.rank), style="bold")
+        line.append("│")
+        at = 0
+        for b in row.blocks:
+            line.append(IDLE * (b.col - at), style="dim")
+            line.append(b.text, style=f"black on {_shade(b.kind, b.shade)}")
+            at = b.col + b.width
+        line.append(IDLE * (grid.width - at), style="dim")
+        line.append(f"│ {grid.stats(row)}")
+        lines.append(line)
+    pad = " " * (len(head(0)) + 1)
+    lines.append(Text(pad + grid.axis(), style="dim"))
+    legend = Text(pad)
+    for kind in grid.kinds:
+        legend.append(f" {kind} ", style=f"black on {_shade(kind, 0)}")
+        legend.append(f" {KIND_NAMES[kind]}  ")
+    if any(b.shade for row in grid.rows for b in row.blocks):
+        legend.append("(lighter: a rank's later stages)", style="dim")
+    legend.rstrip()
+    lines += [legend, Text(grid.footer())]
+    return Group(*lines)
+
+
+def show_timeline(timeline: Timeline, *, console: Console | None = None,
+                  width: int | None = None) -> None:
+    """Print a pipeline timeline (`render_timeline`) at the console's width.
+
+    >>> from meshcomm.planner.pipeline import StageCosts, build, simulate
+    >>> show_timeline(simulate(build("1f1b", 4, 8), StageCosts.uniform(4)))  # doctest: +SKIP
+    """
+    console = console or make_console(width=width)
+    console.print(render_timeline(timeline, width=width or console.width), highlight=False,
+                  crop=False)
 
 
 # -- consoles and output ----------------------------------------------------------
