@@ -245,7 +245,7 @@ class _Step:
                 assert self.xs is not None
                 x = self.xs[mb]
             else:
-                x = self.take(("F", s - 1, mb)).detach().requires_grad_()
+                x = _on(self.take(("F", s - 1, mb)), module).detach().requires_grad_()
             y = module(x)
             if last:
                 assert self.ys is not None
@@ -260,7 +260,7 @@ class _Step:
             return
         x, y, g = self.stash[(s, mb)]
         if a.kind in ("B", "I") and not last:
-            g = self.take(("B", s, mb))
+            g = self.take(("B", s, mb)).to(y.device)
             factor = p.scale_out[s] / p.scale_in[s + 1]
             if factor != 1:
                 g = g * factor
@@ -292,6 +292,13 @@ class _Step:
                 f" and dtype {y.dtype}, but its layout \"{plan.src}\" of the declared shape"
                 f" {plan.shape} puts {tuple(want)} ({p.dtype}) here; fix: Pipeline(shapes=...,"
                 " dtype=...) or the Stage's output layout")
+
+
+def _on(x: Tensor, module: torch.nn.Module) -> Tensor:
+    """`x` on the device of `module`'s parameters: a receive lands on its mesh's device, and a
+    dry run's modules and activations are on the meta device (`mc.dryrun`)."""
+    first = next(module.parameters(), None)
+    return x if first is None or first.device == x.device else x.to(first.device)
 
 
 def _grad(x: Tensor) -> Tensor:
