@@ -71,8 +71,13 @@ class Ring:
         """`like` ((2, b, h, s, d): K and V, or dK and dV) at the length of `step`'s block."""
         return (*like.shape[:3], len(self.kpos(step)), like.shape[4])
 
-    def shift(self, x: Tensor, shape: tuple[int, ...]) -> Shifted:
-        return post_shift(x, self.call.bound, self.axes, shift=1, recv_shape=shape)
+    def shift(self, x: Tensor, shape: Sequence[int]) -> Shifted:
+        """Post `x` to the next member and the receive of `shape` from the previous one.
+        Compiled for a second batch size (Dynamo's automatic dynamic shapes), shapes hold
+        SymInts, which `post_shift` refuses: the receive's shape is made ints here, a guard
+        on sizes the call's plan guards on already (`Call`'s shapes are ints)."""
+        return post_shift(x, self.call.bound, self.axes, shift=1,
+                          recv_shape=tuple(int(n) for n in shape))
 
     def exchange(self, parts: Sequence[Tensor | None], expect: Sequence[Part | None]
                  ) -> Callable[[], list[Tensor | None]]:
