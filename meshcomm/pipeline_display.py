@@ -123,13 +123,15 @@ class Grid:
 
 
 def format_seconds(seconds: float) -> str:
-    """Seconds with three significant digits in s, ms or us.
+    """Seconds with three significant digits in s, ms, us or ns.
 
     >>> format_seconds(11.0), format_seconds(0.0123), format_seconds(2.5e-5), format_seconds(0)
     ('11 s', '12.3 ms', '25 us', '0 s')
+    >>> format_seconds(4.1e-12)
+    '0.0041 ns'
     """
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= scale or unit == "us":
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9)):
+        if abs(seconds) >= scale or unit == "ns":
             return f"{seconds / scale:.3g} {unit}" if seconds else "0 s"
     raise AssertionError(f"unreachable for {seconds!r}")
 

@@ -4,6 +4,7 @@ calculations; each case runs in a fresh interpreter (the fake group is process-w
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -140,3 +141,32 @@ def test_the_dry_run_counts_a_rings_point_to_point_messages(split: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "16 x p2p             cp (4)           sent   20.0 KiB  received   20.0 KiB" \
         in proc.stdout
+
+
+@pytest.mark.parametrize("rank, stage", [(5, 0), (9, 1)])
+def test_the_llama_example_runs_a_pipeline_dry(rank: int, stage: int) -> None:
+    """`--pp 2` on dp=4 tp=2 (16 ranks): the tiny model's 2 layers as 2 stages of
+    `mc.nn.Pipeline` under 1F1B, 4 microbatches. Each rank runs its own stage: the rank in
+    stage 0 (rank 5) sends 4 activations of (1, 32, 64) float32 (8 KiB) and stage 1 (rank 9)
+    sends their 4 gradients back; the printout has the hand-off bytes from the plans and the
+    simulated step of both pipeline ranks from the cost model."""
+    proc = subprocess.run([sys.executable, "-m", "meshcomm", "dryrun", "-n", "16", "--rank",
+                           str(rank), "examples/train_llama.py", "--mesh", "dp=4 tp=2",
+                           "--pp", "2", "--schedule", "1f1b", "--microbatches", "4",
+                           "--steps", "1", "--width", "100"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=scaled(300),
+                          env={**os.environ, "NO_COLOR": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert (f"pipeline: 2 layers in 2 stages on Mesh(pp=2, dp=4, tp=2), 1f1b, 4 microbatches"
+            f" of 1 x 32 tokens per dp rank; rank {rank} is pipeline rank {stage}: stage"
+            f" {stage} (layers {stage}-{stage})") in out
+    sent, got = ("8.0 KiB", "0 B") if stage == 0 else ("0 B", "8.0 KiB")
+    assert (f"hand-off stage 0 -> 1 per microbatch, this rank: activations sent {sent},"
+            f" received {got}; gradients sent {got}, received {sent}") in out
+    rows = [line for line in out.splitlines() if line.startswith("rank ")]
+    assert [line.split("│")[0] for line in rows] == ["rank 0 ", "rank 1 "]
+    assert "1f1b: 2 ranks, 2 stages, 4 microbatches" in out and "step " in out
+    assert "dry run: rank %d of 16 (fake process group)" % rank in out
+    assert "4 x p2p             world (16)       sent   32.0 KiB" in out
+    assert "all_gather      dp (4)" in out and "all_reduce      tp (2)" in out
