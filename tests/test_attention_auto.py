@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import meshcomm as mc
-from meshcomm.core.errors import ShapeError
+from meshcomm.core.errors import PlanError, ShapeError
 from meshcomm.nn.attention import Cost, Mask, pick
 from meshcomm.nn.attention.call import Call, resolve
+from meshcomm.nn.attention.timing import CPU_KEY_TILE, causal_pairs, key_tile
 from meshcomm.runtime.bind import BoundMesh
 
 BOUND = BoundMesh(mc.Mesh("cp=4"), "gloo", torch.device("cpu"), 1, {})
@@ -76,19 +77,71 @@ def test_slow_math_lets_the_ring_hide_its_messages() -> None:
 
 
 def test_causal_work_is_counted_as_the_kernel_runs_it() -> None:
-    """Causal over a contiguous split: the ring's and allgather's slowest rank (the last)
-    computes cp - 1 whole blocks and its own causal triangle; Ulysses one causal triangle
-    over the whole sequence for a quarter of the heads: (cp - 1/2) / cp^2 against 1/(2 cp)
-    of the sequence's pairs per head, 0.219 against 0.125 on cp = 4 (up to the triangles'
-    diagonals)."""
+    """Causal over a contiguous split on CPU: the ring's and allgather's slowest rank (the
+    last) computes cp - 1 whole blocks and its own causal triangle of 256, which the fused
+    CPU kernel runs as the whole square (its key tiles are 512 wide); Ulysses one causal
+    triangle over the whole sequence for a quarter of the heads, three quarters of its
+    square (query tiles below 512 run one key tile, the others two): 0.1875 against 0.25
+    of the sequence's pairs per head."""
     costs = _costs(seq=1024, cost_model=FAST_LINK, flops=1e9)
     assert costs["ring"].compute_s == pytest.approx(costs["allgather"].compute_s)
     n, cp = 1024, 4
     block = n // cp
-    last = (cp - 1) * block * block + block * (block + 1) // 2
-    whole = n * (n + 1) // 2 // cp
+    last = (cp - 1) * block * block + block * block
+    whole = 3 * n * n // 4 // cp
     assert costs["ulysses"].compute_s / costs["ring"].compute_s == pytest.approx(whole / last)
     assert pick(_call(seq=1024), torch.float32, None, FAST_LINK, 1e9) == "ulysses"
+
+
+@pytest.mark.parametrize(("n", "tile", "want"), [
+    (4, 1, 10), (1024, 1, 1024 * 1025 // 2),          # a kernel skipping by element: half
+    (100, CPU_KEY_TILE, 100 * 100), (512, CPU_KEY_TILE, 512 * 512),   # one key tile: square
+    (1024, CPU_KEY_TILE, 3 * 1024 * 1024 // 4),        # 256-query tiles: 512, 512, 1024, 1024
+    (2048, CPU_KEY_TILE, 5 * 2048 * 2048 // 8),        # keys 512 .. 2048 by tile: 5/8
+    (600, CPU_KEY_TILE, 512 * 512 + 88 * 600),         # 64-query tiles: 8 of 512, then 600
+])
+def test_a_causal_triangle_counts_the_key_tiles_its_kernel_runs(n: int, tile: int,
+                                                                want: int) -> None:
+    assert causal_pairs(n, tile) == want
+
+
+def test_the_cpu_kernel_has_key_tiles_an_accelerator_does_not() -> None:
+    assert key_tile(torch.device("cpu")) == CPU_KEY_TILE
+    assert key_tile(torch.device("meta")) == 1
+
+
+def test_each_wire_takes_its_own_figures() -> None:
+    """Axes at 1 ms a hop; all_to_all at 1 µs and the ring's point-to-point shifts free:
+    allgather's four collectives pay 3 ms each, Ulysses' eight all_to_alls (q, k, v and
+    the output, each way) 3 µs each, the ring nothing; so the wires' figures decide."""
+    slow = mc.CostModel(latency_s=1e-3, bandwidth=1e30)
+    cm = mc.CostModel(latency_s=1e-3, bandwidth=1e30,
+                      wires={"all_to_all": (1e-6, 1e30), "p2p": (0.0, 1e30)})
+    costs, before = _costs(cost_model=cm, flops=1e30), _costs(cost_model=slow, flops=1e30)
+    assert costs["allgather"].comm_s == pytest.approx(4 * 3 * 1e-3)
+    assert costs["ulysses"].comm_s == pytest.approx(8 * 3 * 1e-6)
+    assert before["ulysses"].comm_s == pytest.approx(8 * 3 * 1e-3)
+    assert costs["ring"].comm_s == pytest.approx(0.0, abs=1e-12)
+    assert before["ring"].comm_s == pytest.approx(8 * 1e-3)      # one latency a message
+    assert pick(_call(), torch.float32, None, slow, 1e30) == "ring"
+    gathers = mc.CostModel(latency_s=1e-3, bandwidth=1e30, wires={
+        "all_gather": (1e-7, 1e30), "reduce_scatter": (1e-7, 1e30)})
+    assert pick(_call(), torch.float32, None, gathers, 1e30) == "allgather"
+
+
+def test_a_cost_model_s_wires_are_canonical_and_checked() -> None:
+    a = mc.CostModel(latency_s=1e-3, wires={"p2p": (1e-4, 2e9), "all_to_all": (1e-5, 1e9)})
+    b = mc.CostModel(latency_s=1e-3, wires=(("all_to_all", 1e-5, 1e9), ("p2p", 1e-4, 2e9)))
+    assert a == b and hash(a) == hash(b) and a != mc.CostModel(latency_s=1e-3)
+    assert a.wires == (("all_to_all", 1e-5, 1e9), ("p2p", 1e-4, 2e9))
+    assert a.time(("cp",), 2000, "p2p") == pytest.approx(1e-4 + 1e-6)
+    assert a.time(("cp",), 0, "all_gather") == a.time(("cp",), 0) == pytest.approx(1e-3)
+    assert mc.CostModel(wires={"p2p": (1e-4, 2e9)}).models_time
+    with pytest.raises(PlanError, match=re.escape("CostModel(wires=...) names unknown wires"
+                                                  " ['shift']; wires are all_gather,")):
+        mc.CostModel(wires={"shift": (1e-4, 1e9)})
+    with pytest.raises(PlanError, match=re.escape("needs bandwidth > 0 and latency >= 0")):
+        mc.CostModel(wires={"p2p": (1e-4, 0.0)})
 
 
 def test_the_ring_time_is_its_steps_overlapped() -> None:
@@ -166,8 +219,10 @@ def test_a_rate_must_be_positive() -> None:
 def test_a_collective_pays_a_latency_per_step_of_its_ring() -> None:
     """At 1 ms a message and no bandwidth cost, allgather's four collectives over cp=4 (K
     and V gathered, dK and dV reduce-scattered) each take 3 steps: 12 ms; the ring's
-    point-to-point batches one each (2 cp = 8 of them, its comm before overlap)."""
+    point-to-point batches one each (2 cp = 8 of them, its comm before overlap: a backward
+    step's K/V block and dK/dV buffer are one message)."""
     latency = mc.CostModel(latency_s=1e-3, bandwidth=1e30)
     costs = _costs(cost_model=latency, flops=1e30)
     assert costs["allgather"].comm_s == pytest.approx(4 * 3 * 1e-3)
     assert costs["ring"].calls == 8
+    assert costs["ring"].comm_s == pytest.approx(8 * 1e-3)

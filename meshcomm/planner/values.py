@@ -63,6 +63,17 @@ def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]
 
 _DEFAULT_LAT = _pairs(0.0)
 _DEFAULT_BW = _pairs(100e9)
+# The collectives a `CostModel(wires=...)` may time apart: every step's wire and "p2p", a
+# batch of point-to-point messages every member of a group posts together (a ring's shift).
+WIRE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send/recv", "p2p")
+
+
+def _wires(value: Any) -> tuple[tuple[str, float, float], ...]:
+    """`wires` canonical: (wire, latency_s, bandwidth) triples sorted by wire, from a mapping
+    {wire: (latency_s, bandwidth)} or such triples."""
+    if isinstance(value, Mapping):
+        value = tuple((w, *figures) for w, figures in value.items())
+    return tuple(sorted((str(w), float(lat), float(bw)) for w, lat, bw in value))
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,7 @@ class CostModel:
     backend: str = "nccl"
     native: Any = STEP_KINDS
     trees: bool = True
+    wires: Any = ()
     _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
@@ -106,8 +118,16 @@ class CostModel:
             raise PlanError(f"CostModel(native=...) names unknown step kinds {sorted(unknown)};"
                             f" kinds are {', '.join(STEP_KINDS)}")
         object.__setattr__(self, "native", tuple(k for k in STEP_KINDS if k in set(self.native)))
+        object.__setattr__(self, "wires", _wires(self.wires))
+        unknown = {w for w, _, _ in self.wires} - set(WIRE_NAMES)
+        if unknown:
+            raise PlanError(f"CostModel(wires=...) names unknown wires {sorted(unknown)};"
+                            f" wires are {', '.join(WIRE_NAMES)}")
+        if any(bw <= 0 or lat < 0 for _, lat, bw in self.wires):
+            raise PlanError(f"CostModel(wires=...) needs bandwidth > 0 and latency >= 0 for"
+                            f" every wire, got {self.wires}")
         object.__setattr__(self, "_hash", hash((self.latency_s, self.bandwidth, self.backend,
-                                                self.native, self.trees)))
+                                                self.native, self.trees, self.wires)))
         object.__setattr__(self, "_lat", self.latency_s)
         object.__setattr__(self, "_bw", self.bandwidth)
 
@@ -127,14 +147,24 @@ class CostModel:
         >>> CostModel().models_time, CostModel(latency_s=5e-6).models_time
         (False, True)
         """
-        return (self._lat, self._bw) != (_DEFAULT_LAT, _DEFAULT_BW)
+        return (self._lat, self._bw) != (_DEFAULT_LAT, _DEFAULT_BW) or bool(self.wires)
 
     def bandwidth_of(self, axis: AxisName) -> float:
         """Bytes per second of `axis`."""
         return self._get(self._bw, axis, 100e9)
 
-    def time(self, axes: tuple[AxisName, ...], max_bytes: int) -> float:
-        """Modelled seconds of one collective over `axes` whose busiest rank moves `max_bytes`."""
+    def time(self, axes: tuple[AxisName, ...], max_bytes: int, wire: str | None = None
+             ) -> float:
+        """Modelled seconds of one collective over `axes` whose busiest rank moves
+        `max_bytes`: `wire`'s own figures where `wires` names it, else the axes'.
+
+        >>> cm = CostModel(latency_s=1e-3, bandwidth=1e9, wires={"p2p": (1e-4, 1e9)})
+        >>> round(cm.time(("cp",), 0) * 1e6), round(cm.time(("cp",), 0, wire="p2p") * 1e6)
+        (1000, 100)
+        """
+        for name, lat, bw in self.wires:
+            if name == wire:
+                return float(lat + max_bytes / bw)
         latency = max(self._get(self._lat, a, 0.0) for a in axes)
         bandwidth = min(self._get(self._bw, a, 100e9) for a in axes)
         return latency + max_bytes / bandwidth

@@ -42,6 +42,7 @@ from .timing import (
     DEFAULT_FLOPS,
     check_rate,
     chunked_seconds,
+    key_tile,
     pairs,
     per_pair,
     plan_time,
@@ -248,11 +249,12 @@ def costs(call: Call, dtype: torch.dtype, cost_model: CostModel = DEFAULT_COST_M
     kpos = call.seq_order(call.kv_layout, call.kv_shape)   # the gathered keys' order
     full = whole_seq(call, kv_layout)
     kv_full = math.prod(full.local_shape(mesh, call.kv_shape, rank))
+    tile = key_tile(call.bound.device)
     sent, calls, comm = _sent(call, call.kv_shape, kv_layout, full, dtype, cost_model,
                               full.pending("sum", call.seq_axes))
     compute = max(chunked_seconds(call.mask, call.positions(call.q_layout, call.q_shape, r),
                                   kpos, per_pair(q_layout.local_shape(mesh, call.q_shape, r),
-                                                 call.order, d), flops) for r in group)
+                                                 call.order, d), flops, tile) for r in group)
     out = [Cost("allgather", 2 * sent, 2 * kv_full * item, 2 * calls,
                 *serial(2 * comm, compute))]
     kv_shape = repeated_kv_shape(call)
@@ -265,7 +267,7 @@ def costs(call: Call, dtype: torch.dtype, cost_model: CostModel = DEFAULT_COST_M
     widest = max(per_pair(q_heads.local_shape(mesh, call.q_shape, r), call.order, d)
                  for r in group)
     compute = chunked_seconds(call.mask, call.seq_order(call.q_layout, call.q_shape), kpos,
-                              widest, flops)
+                              widest, flops, tile)
     out.append(Cost("ulysses", 2 * sq + 2 * sk, (2 * q_local + 2 * k_local) * item,
                     2 * cq + 2 * ck, *serial(2 * tq + 2 * tk, compute)))
     out.append(Cost("ring", *traffic(call, dtype), *_ring_time(call, dtype, cost_model, flops)))
@@ -294,8 +296,9 @@ def _ring_time(call: Call, dtype: torch.dtype, cost_model: CostModel,
                flops: float) -> tuple[float, float, float]:
     """The ring's (time, comm, compute): at step t member j computes its queries against
     the block of member j - t; the hops carry the largest block (every block is on the
-    move at every step)."""
+    move at every step), each a point-to-point batch (the "p2p" wire)."""
     ring, mesh, d = Ring.of(call), call.mesh, call.q_shape[call.order[3]]
+    tile = key_tile(call.bound.device)
     qpos = [call.positions(call.q_layout, call.q_shape, r) for r in ring.ranks]
     kpos = [call.positions(call.kv_layout, call.kv_shape, r) for r in ring.ranks]
     width = [per_pair(call.q_twin.local_shape(mesh, call.q_shape, r), call.order, d)
@@ -303,12 +306,12 @@ def _ring_time(call: Call, dtype: torch.dtype, cost_model: CostModel,
     work = []
     for t in range(ring.size):
         held = [kpos[(j - t) % ring.size] for j in range(ring.size)]
-        work.append(max(pairs(call.mask, qpos[j], held[j], len(held[j])) * width[j]
+        work.append(max(pairs(call.mask, qpos[j], held[j], len(held[j]), tile) * width[j]
                         for j in range(ring.size)))
     block = max(math.prod(call.kv_twin.local_shape(mesh, call.kv_shape, r)) for r in ring.ranks)
     item = torch.empty((), dtype=dtype).element_size()
     grad_item = torch.empty((), dtype=compute_dtype(dtype)).element_size()
-    kv_s = cost_model.time(ring.axes, 2 * block * item) if ring.axes else 0.0
-    dkv_s = cost_model.time(ring.axes, 2 * block * grad_item) if ring.axes else 0.0
-    latency = cost_model.time(ring.axes, 0) if ring.axes else 0.0
+    kv_s = cost_model.time(ring.axes, 2 * block * item, "p2p") if ring.axes else 0.0
+    dkv_s = cost_model.time(ring.axes, 2 * block * grad_item, "p2p") if ring.axes else 0.0
+    latency = cost_model.time(ring.axes, 0, "p2p") if ring.axes else 0.0
     return ring_time(work, kv_s, dkv_s, latency, flops)
