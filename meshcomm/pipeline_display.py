@@ -50,12 +50,13 @@ class Block:
 
 def label(action: Action, width: int, several: bool) -> str:
     """The longest label of `action` that fits `width` columns: `4F3` (when a rank runs
-    several stages, with a space after it to keep it apart from the next block), `F3`,
-    `F`, or nothing."""
+    several stages), `F3`, `F`, or nothing. Where a rank runs several stages a label keeps
+    a space after it: the next block's label may start with a digit (`F3` then `2B1` would
+    read `F32B1`)."""
     full = str(action)
     short = full[len(str(action.stage)):]             # PyTorch's notation less the stage
-    for text, room in ((full, width - 1) if several else (short, width),
-                       (short, width), (action.kind, width)):
+    room = width - 1 if several else width
+    for text in ((full, short, action.kind) if several else (short, action.kind)):
         if len(text) <= room:
             return text
     return ""

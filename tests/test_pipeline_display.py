@@ -95,8 +95,9 @@ def test_colour_is_decoration_only() -> None:
 
 def test_labels_shrink_to_fit() -> None:
     a = Action(4, "F", 3)
-    assert [label(a, w, several=True) for w in (5, 4, 3, 2, 1, 0)] == ["4F3", "4F3", "F3", "F3",
-                                                                       "F", ""]
+    # several stages a rank: a space after every label (the next may start with a digit)
+    assert [label(a, w, several=True) for w in (5, 4, 3, 2, 1, 0)] == ["4F3", "4F3", "F3", "F",
+                                                                       "", ""]
     assert [label(a, w, several=False) for w in (2, 1)] == ["F3", "F"]
     assert Block(a, 0, 4, "F3", 0).text == "F3  "
 
