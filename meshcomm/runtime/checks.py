@@ -144,6 +144,15 @@ def _agree_on_mesh(bound: BoundMesh, mine: Fingerprint, what: str) -> None:
     agree(Group(bound.group_name(axes), len(ranks), ranks.index(bound.rank)), ranks, mine, what)
 
 
+def agree_world(fields: Fields, detail: str, device: torch.device, what: str) -> None:
+    """`agree` over every rank of the job (a pipeline's stages span several meshes)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = Group(dist.group.WORLD.group_name, world, rank)   # type: ignore[union-attr]
+    agree(group, tuple(range(world)), encode(fields, detail, device), what)
+
+
 def agree_many(jobs: Sequence[tuple[Tensor, BoundMesh, Plan]]) -> None:
     """`agree_reshard` for `reshard_many`: one check per bound mesh, over its items."""
     by_mesh: dict[int, tuple[BoundMesh, list[Plan]]] = {}

@@ -42,6 +42,7 @@ from ...executors.distributed import Handle, Prepared, prepare
 from ...planner.pipeline import Action, Schedule, StageCosts, build, simulate
 from ...planner.plan import plan as make_plan
 from ...planner.values import Plan
+from ...runtime.checks import agree_world, checking
 from ..fsdp.param import UNIT_ATTR
 from .stage import Stage, averaged_axes, grad_scale
 
@@ -71,13 +72,18 @@ class Pipeline:
     "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v"), a `Schedule`, or CSV text in
     PyTorch's notation. `shapes`: the global shape of the activation between stage s and s + 1
     per microbatch, one tuple for all boundaries or one per boundary. `dtype`: the
-    activations'. See the module docstring for hand-offs and gradients.
+    activations'. `check` (default: the first stage mesh's check mode): every rank of the
+    world compares the pipeline it built (schedule, stages, shapes) before the first send,
+    and all raise `CollectiveMismatchError` naming the ranks that differ (one small
+    all_reduce over the world, here, at build time). See the module docstring for
+    hand-offs and gradients.
     """
 
     def __init__(self, stages: Sequence[Stage], schedule: str | Schedule, *, microbatches: int,
                  shapes: Sequence[int] | Sequence[Sequence[int]],
                  loss_fn: Callable[[Tensor, Any], Tensor],
-                 dtype: torch.dtype = torch.float32, loss_reduction: str = "mean") -> None:
+                 dtype: torch.dtype = torch.float32, loss_reduction: str = "mean",
+                 check: bool | None = None) -> None:
         self.stages = tuple(stages)
         n = len(self.stages)
         if n < 1 or not all(isinstance(s, Stage) for s in self.stages):
@@ -100,7 +106,11 @@ class Pipeline:
                 raise ScheduleError(f"Pipeline: rank {self.rank} runs stage {s} but its Stage"
                                     " has module=None; fix: pass the stage's module on its"
                                     " mesh's ranks")
-        axes = [averaged_axes(s) for s in self.stages]
+        # the parameters a split backward's W differentiates, read now: inside a step,
+        # fully_shard's modules hold their gathered tensors where the parameters were
+        self.params = {s: [q for q in self.stages[s].module.parameters()    # type: ignore
+                           if q.requires_grad] for s in self.mine}
+        axes = [averaged_axes(st, s) for s, st in enumerate(self.stages)]
         self.scale_in = [grad_scale(st, layouts[s][0], axes[s]) for s, st in enumerate(self.stages)]
         self.scale_out = [grad_scale(st, layouts[s][1], axes[s])
                           for s, st in enumerate(self.stages)]
@@ -123,6 +133,20 @@ class Pipeline:
         self.queues = _receive_queues(self.schedule, self.me)
         self.last = {s: _last_backward(self.row, s) for s in self.mine}
         simulate(self.schedule, StageCosts.uniform(n))      # refuses a deadlock, here
+        if checking(self.stages[0].mesh, check):
+            self._agree(layouts)
+
+    def _agree(self, layouts: Sequence[tuple[Layout, Layout]]) -> None:
+        sched = self.schedule
+        fields = (("call", "Pipeline"), ("schedule", sched.name),
+                  ("stages", str(len(self.stages))), ("microbatches", str(self.microbatches)),
+                  ("dtype", str(self.dtype).replace("torch.", "")),
+                  ("loss_reduction", self.reduction))
+        detail = sched.to_csv() + "".join(
+            f"{s.mesh.mesh!r} {a} -> {b};" for s, (a, b) in zip(self.stages, layouts)) + str(
+            self.shapes)
+        agree_world(fields, detail, self.stages[0].mesh.device,
+                    f"Pipeline of {len(self.stages)} stages")
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, inputs: Tensor | Sequence[Tensor] | None = None,
@@ -130,10 +154,16 @@ class Pipeline:
         """Run one step: forwards and backwards of every microbatch in schedule order, the
         gradients left in the stages' parameters (`.grad`), summed over microbatches and
         reduced by their `fully_shard` units. `inputs` (on stage 0's ranks): this rank's
-        shard of the batch, cut into `microbatches` equal chunks along dim 0, or a list of
-        one shard per microbatch. `targets` (on the last stage's ranks): likewise, handed to
-        `loss_fn` with that microbatch's output. Returns the loss (mean or sum over
-        microbatches of `loss_fn`) on the last stage's ranks, None elsewhere."""
+        shard of the batch (dim 0 is the batch), or a list of one shard per microbatch.
+        `targets` (on the last stage's ranks): likewise, handed to `loss_fn` with that
+        microbatch's output. Returns the loss (mean or sum over microbatches of `loss_fn`)
+        on the last stage's ranks, None elsewhere.
+
+        Microbatch i is rows i, i + m, i + 2m, ... of the batch (m = `microbatches`), taken
+        from each rank's shard as `x[i::m]`: the same rows whatever the layout, as long as
+        every rank holds a block of the batch ("(dp b)", or all of it) whose length m
+        divides. So inputs on stage 0 split over `dp=2` and targets whole on a last stage
+        split over `tp` pair up row for row."""
         m, n = self.microbatches, len(self.stages)
         xs = _split(inputs, m, "inputs") if 0 in self.mine else None
         ys = _split(targets, m, "targets") if n - 1 in self.mine else None
@@ -277,7 +307,7 @@ class _Step:
             self.stash[(s, mb)] = (x, y, g)
         else:   # W
             _sync_if_last(p, s, a)
-            params = [q for q in module.parameters() if q.requires_grad]
+            params = p.params[s]
             if params:
                 torch.autograd.backward(y, g, inputs=params)
             del self.stash[(s, mb)]
@@ -426,7 +456,7 @@ def _split(value: Any, m: int, what: str) -> list[Any]:
             raise ShapeError(f"Pipeline.step({what}=...): dim 0 of this rank's shard is"
                              f" {value.shape[0]}, not a multiple of microbatches={m}; fix: pass"
                              " a list of one shard per microbatch")
-        return list(value.chunk(m))
+        return [value[i::m] for i in range(m)]
     out = list(value)
     if len(out) != m:
         raise ShapeError(f"Pipeline.step({what}=...): {len(out)} microbatches, expected {m}")

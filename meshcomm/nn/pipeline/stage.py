@@ -25,14 +25,15 @@ class Stage:
     only a stage's own ranks hold its module.
 
     `averaged`: the mesh axes over which the stage's gradients are averaged (FSDP's shard
-    axis and HSDP's replicate axes). None (the default) reads them off the module's
-    `fully_shard` units; a stage with none averages over nothing."""
+    axis and HSDP's replicate axes: `("dp",)` for `fully_shard(module, mesh, axis="dp")`).
+    Declare it on every rank: the neighbouring stages scale the gradients they hand over by
+    it. A module whose `fully_shard` units average over other axes is refused."""
 
     mesh: BoundMesh
     input: str | Layout
     output: str | Layout
     module: nn.Module | None = None
-    averaged: Sequence[str] | None = None
+    averaged: Sequence[str] = ()
 
     def layouts(self) -> tuple[Layout, Layout]:
         return (Layout.parse(str(self.input)), Layout.parse(str(self.output)))
@@ -47,20 +48,19 @@ def stage_meshes(mesh: Mesh, axis: str = "pp") -> tuple[Mesh, ...]:
     return tuple(mesh.slice(axis, i) for i in range(mesh.axis_size(axis)))
 
 
-def averaged_axes(stage: Stage) -> tuple[str, ...]:
-    """The axes stage's gradients are averaged over (see `Stage.averaged`)."""
-    if stage.averaged is not None:
-        axes = tuple(stage.averaged)
-    elif stage.module is None:
-        axes = ()
-    else:
+def averaged_axes(stage: Stage, index: int) -> tuple[str, ...]:
+    """The axes stage `index`'s gradients are averaged over (`Stage.averaged`), checked
+    against its module's `fully_shard` units where this rank holds it."""
+    axes = tuple(stage.averaged) if not isinstance(stage.averaged, str) else (stage.averaged,)
+    if stage.module is not None:
         units = [getattr(m, UNIT_ATTR) for m in stage.module.modules() if hasattr(m, UNIT_ATTR)]
-        found = {(u.axis, *u.replicate) for u in units}
-        if len(found) > 1:
-            raise ScheduleError(
-                f"pipeline stage on {stage.mesh.mesh!r}: its fully_shard units average gradients"
-                f" over different axes {sorted(found)}; fix: pass Stage(..., averaged=(...))")
-        axes = found.pop() if found else ()
+        for found in sorted({(u.axis, *u.replicate) for u in units}):
+            if set(found) != set(axes):
+                raise ScheduleError(
+                    f"pipeline stage {index} on {stage.mesh.mesh!r}: its fully_shard units"
+                    f" average gradients over {found}, but the Stage declares averaged={axes};"
+                    f" fix: Stage(..., averaged={found}) on every rank (the other stages scale"
+                    " the gradients they hand over by it)")
     for a in axes:
         if a not in stage.mesh.mesh.axis_names:
             raise ScheduleError(f"Stage(averaged={axes!r}): {a!r} is not an axis of"

@@ -1,0 +1,324 @@
+"""Pipeline parallelism on gloo against one process (float64, losses and parameters after 3
+SGD steps), every schedule:
+
+- four processes, one rank per stage: gpipe, 1f1b and zero_bubble over 4 stages,
+  interleaved_1f1b and zero_bubble_v over 8 (two stages a rank), and a schedule read from
+  PyTorch's own ScheduleInterleaved1F1B as CSV;
+- eight processes, stages on meshes of other shapes and layouts: stage 0 on "dp=2 tp=2"
+  (columns of its weight over tp, FSDP over dp: "(dp b) i" -> "(dp b) (tp h)"), stage 1 on
+  "tp=4" (rows over tp, all-reduced: "b (tp h)" -> "b o"); each hand-off moves exactly its
+  plan's bytes, which equal the lower bound;
+- four processes, a data-parallel last stage ("dp=2" with FSDP, "(dp b) h") behind two
+  single-rank stages, with gradient accumulation over two steps, and loss_reduction="sum";
+- bad input: a wrong output shape raises before its hand-off; a schedule whose ranks differ
+  is refused in check mode before the first send.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import outcome, ranks_fixture
+from torch import nn
+
+import meshcomm as mc
+from meshcomm.executors.distributed import wire
+from meshcomm.nn.pipeline import Pipeline, Stage
+
+B, H, M, STEPS, LR = 8, 8, 4, 3, 0.2
+F64 = torch.float64
+SINGLE = [("gpipe", 4), ("1f1b", 4), ("zero_bubble", 4), ("interleaved_1f1b", 8),
+          ("zero_bubble_v", 8)]
+
+
+def data(n: int, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": [torch.randn(H, H, generator=g, dtype=F64) / H ** 0.5 for _ in range(n)],
+            "x": torch.randn(STEPS, B, H, generator=g, dtype=F64),
+            "t": torch.randn(STEPS, B, H, generator=g, dtype=F64)}
+
+
+def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((y - t) ** 2).mean()
+
+
+def sse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return ((y - t) ** 2).sum()
+
+
+class Block(nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w)
+
+
+def reference(n: int, loss_fn: Any = mse, accumulate: int = 1) -> dict[str, Any]:
+    d = data(n)
+    blocks = [Block(w) for w in d["w"]]
+    losses = []
+    for step, (x, t) in enumerate(zip(d["x"], d["t"])):
+        y = x
+        for b in blocks:
+            y = b(y)
+        loss = loss_fn(y, t)
+        loss.backward()
+        losses.append(loss.item())
+        if (step + 1) % accumulate == 0:
+            with torch.no_grad():
+                for b in blocks:
+                    b.w -= LR * b.w.grad
+                    b.w.grad = None
+    return {"losses": losses, "w": [b.w.detach() for b in blocks]}
+
+
+def sgd(params: list[nn.Parameter]) -> None:
+    with torch.no_grad():
+        for p in params:
+            p -= LR * p.grad
+            p.grad = None
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+# -- four processes, one rank per stage ------------------------------------------------------
+def _single(rank: int, world: int, schedule: Any, n: int) -> dict[str, Any]:
+    v_shape = schedule == "zero_bubble_v"
+    where = [min(s, 2 * world - 1 - s) if v_shape else s % world for s in range(n)]
+    meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[r])) for r in where]
+    d = data(n)
+    stages = [Stage(meshes[s], "b h", "b h", Block(d["w"][s]) if meshes[s].in_mesh else None)
+              for s in range(n)]
+    pipe = Pipeline(stages, schedule, microbatches=M, shapes=(B // M, H), dtype=F64,
+                    loss_fn=mse)
+    losses = []
+    for x, t in zip(d["x"], d["t"]):
+        loss = pipe.step(x if 0 in pipe.mine else None, t if n - 1 in pipe.mine else None)
+        if loss is not None:
+            losses.append(loss.item())
+        sgd([stages[s].module.w for s in pipe.mine])   # type: ignore[union-attr]
+    return {"losses": losses, "w": {s: stages[s].module.w.detach()   # type: ignore[union-attr]
+                                    for s in pipe.mine}}
+
+
+def _torch_interleaved_csv(p: int, v: int, m: int) -> str:
+    from torch.distributed.pipelining import schedules as ts
+
+    class Mock:
+        def __init__(self, index: int) -> None:
+            self.stage_index, self.num_stages, self.group_rank, self.group_size = (
+                index, p * v, 0, p)
+            self.submod, self.is_first, self.is_last = nn.Linear(1, 1), index == 0, False
+            self.has_backward, self.dw_builder, self.scale_grads = True, None, True
+
+    order = ts.ScheduleInterleaved1F1B([Mock(c * p) for c in range(v)], m).pipeline_order
+    return "".join(",".join("" if a is None else str(a) for a in order[r]) + "\n"
+                   for r in range(p))
+
+
+def four_single(rank: int, world: int) -> dict[str, Any]:
+    out = {name: _single(rank, world, name, n) for name, n in SINGLE}
+    out["torch_csv"] = _single(rank, world, _torch_interleaved_csv(world, 2, M), 8)
+    return out
+
+
+four = ranks_fixture(four_single, 4)
+
+
+@pytest.mark.parametrize("name,n", SINGLE + [("torch_csv", 8)])
+def test_every_schedule_trains_as_one_process(four, name, n):
+    ref = reference(n)
+    got = [r[name] for r in four]
+    losses = [v for r in got for v in r["losses"]]
+    assert losses == pytest.approx(ref["losses"], rel=1e-12)
+    w = {s: t for r in got for s, t in r["w"].items()}
+    assert sorted(w) == list(range(n))
+    for s in range(n):
+        torch.testing.assert_close(w[s], ref["w"][s], rtol=1e-12, atol=1e-12)
+
+
+# -- eight processes, stages of other mesh shapes ---------------------------------------------
+class ColumnTanh(nn.Module):
+    """tanh(x @ w[:, my tp columns]): "(dp b) i" -> "(dp b) (tp h)"."""
+
+    def __init__(self, w: torch.Tensor, bound: mc.BoundMesh) -> None:
+        super().__init__()
+        tp, k = bound.coords["tp"], H // bound.mesh.axis_size("tp")
+        self.w = nn.Parameter(w[:, tp * k:(tp + 1) * k].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w)
+
+
+class RowSum(nn.Module):
+    """tanh(x @ w[my tp rows], all-reduced over tp): "b (tp h)" -> "b o"."""
+
+    def __init__(self, w: torch.Tensor, bound: mc.BoundMesh) -> None:
+        super().__init__()
+        self.bound = bound
+        tp, k = bound.coords["tp"], H // bound.mesh.axis_size("tp")
+        self.w = nn.Parameter(w[tp * k:(tp + 1) * k].clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(mc.reshard(x @ self.w, self.bound, "b o | sum(tp)", "b o"))
+
+
+def _two_meshes(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    s0 = mc.init_mesh(mc.Mesh("dp=2 tp=2"))
+    s1 = mc.init_mesh(mc.Mesh("tp=4", ranks=[4, 5, 6, 7]))
+    d = data(2)
+    m0 = m1 = None
+    if s0.in_mesh:
+        m0 = mc.nn.fully_shard(ColumnTanh(d["w"][0], s0), s0, axis="dp")
+    else:
+        m1 = RowSum(d["w"][1], s1)
+    pipe = Pipeline([Stage(s0, "(dp b) i", "(dp b) (tp h)", m0, averaged=("dp",)),
+                     Stage(s1, "b (tp h)", "b o", m1)],
+                    schedule, microbatches=M, shapes=(B // M, H), dtype=F64, loss_fn=mse)
+    losses, p2p = [], []
+    for x, t in zip(d["x"], d["t"]):
+        with wire.recording() as heard:
+            loss = pipe.step(mc.distribute(x, s0, "(dp b) i").local if s0.in_mesh else None,
+                             t if s1.in_mesh else None)
+        p2p.append(sum(w.sent * size for w, size in heard if w.kind == "p2p"))
+        if loss is not None:
+            losses.append(loss.item())
+        sgd([(m0 or m1).w])                               # type: ignore[union-attr]
+    if s0.in_mesh:
+        w = full(m0.w)                                    # type: ignore[union-attr]
+    else:
+        w = m1.w.detach()                                 # type: ignore[union-attr]
+    f, b = pipe.forward_plans[0], pipe.backward_plans[0]
+    at = f.ranks.index(rank)
+    planned = M * (f.steps[-1].send_bytes[at] if s0.in_mesh else 0) + M * (
+        b.steps[-1].send_bytes[b.ranks.index(rank)] if s1.in_mesh else 0)
+    return {"losses": losses, "w": w, "sent": p2p, "planned": planned,
+            "bound": (f.bound_ratio, b.bound_ratio), "stage": 0 if s0.in_mesh else 1}
+
+
+def eight_meshes(rank: int, world: int) -> dict[str, Any]:
+    return {name: _two_meshes(rank, world, name) for name in ("gpipe", "1f1b", "zero_bubble")}
+
+
+eight = ranks_fixture(eight_meshes, 8)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero_bubble"])
+def test_stages_on_meshes_of_other_shapes_train_as_one_process(eight, name):
+    ref = reference(2)
+    got = [r[name] for r in eight]
+    for r in got[4:]:
+        assert r["losses"] == pytest.approx(ref["losses"], rel=1e-12)
+    w0 = torch.cat([got[0]["w"], got[1]["w"]], dim=1)   # tp = 0, 1 of dp row 0
+    torch.testing.assert_close(w0, ref["w"][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[2]["w"], got[0]["w"])  # dp row 1 holds the same columns
+    w1 = torch.cat([r["w"] for r in got[4:]], dim=0)
+    torch.testing.assert_close(w1, ref["w"][1], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero_bubble"])
+def test_hand_offs_move_their_plans_bytes_at_the_bound(eight, name):
+    for r in (r[name] for r in eight):
+        assert r["bound"] == (1.0, 1.0)
+        assert r["sent"] == [r["planned"]] * STEPS
+        assert r["planned"] > 0
+
+
+# -- four processes, a data-parallel last stage, accumulation ---------------------------------
+def _dp_last(rank: int, world: int, schedule: str, loss_fn: Any, accumulate: int,
+             reduction: str) -> dict[str, Any]:
+    meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[0])), mc.init_mesh(mc.Mesh("x=1", ranks=[1])),
+              mc.init_mesh(mc.Mesh("dp=2", ranks=[2, 3]))]
+    d = data(3)
+    mods = [Block(d["w"][s]) if meshes[s].in_mesh else None for s in range(3)]
+    if mods[2] is not None:
+        mc.nn.fully_shard(mods[2], meshes[2])
+    stages = [Stage(meshes[0], "b h", "b h", mods[0]), Stage(meshes[1], "b h", "b h", mods[1]),
+              Stage(meshes[2], "(dp b) h", "(dp b) h", mods[2], averaged=("dp",))]
+    pipe = Pipeline(stages, schedule, microbatches=2, shapes=(B // 2, H), dtype=F64,
+                    loss_fn=loss_fn, loss_reduction=reduction)
+    losses = []
+    for step, (x, t) in enumerate(zip(d["x"], d["t"])):
+        loss = pipe.step(x if 0 in pipe.mine else None,
+                         mc.distribute(t, meshes[2], "(dp b) h").local if 2 in pipe.mine
+                         else None)
+        if loss is not None:
+            losses.append(loss.item())
+        if (step + 1) % accumulate == 0:
+            sgd([mods[s].w for s in pipe.mine])           # type: ignore[union-attr]
+    return {"losses": losses, "w": {s: full(mods[s].w) for s in pipe.mine}}  # type: ignore
+
+
+DP_CASES = [("1f1b", "mean", 1), ("zero_bubble", "mean", 1), ("gpipe", "mean", 2),
+            ("1f1b", "sum", 1)]
+
+
+def four_dp_last(rank: int, world: int) -> dict[str, Any]:
+    return {case: _dp_last(rank, world, case[0], mse if case[1] == "mean" else sse, case[2],
+                           case[1]) for case in DP_CASES}
+
+
+four_dp = ranks_fixture(four_dp_last, 4)
+
+
+@pytest.mark.parametrize("case", DP_CASES, ids=lambda c: f"{c[0]}-{c[1]}-accumulate{c[2]}")
+def test_a_data_parallel_last_stage_trains_as_one_process(four_dp, case):
+    name, reduction, accumulate = case
+    ref = reference(3, mse if reduction == "mean" else sse, accumulate)
+    got = [r[case] for r in four_dp]
+    # the last stage's ranks each report the loss of their half of the batch
+    halves = [(a + b) / (2 if reduction == "mean" else 1)
+              for a, b in zip(got[2]["losses"], got[3]["losses"])]
+    assert halves == pytest.approx(ref["losses"], rel=1e-12)
+    w = {s: t for r in got for s, t in r["w"].items()}
+    for s in range(3):
+        torch.testing.assert_close(w[s], ref["w"][s], rtol=1e-11, atol=1e-12)
+
+
+# -- bad input --------------------------------------------------------------------------------
+class Wrong(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :-1]
+
+
+def _shape(rank: int, world: int) -> str:
+    """Two stages on this one rank (a V of one rank): the first gives the wrong shape."""
+    mesh = mc.init_mesh(mc.Mesh("x=1"))
+    x = torch.zeros(4, H, dtype=F64)
+    stages = [Stage(mesh, "b h", "b h", Wrong()),
+              Stage(mesh, "b h", "b h", Block(torch.eye(H, dtype=F64)))]
+    pipe = Pipeline(stages, "zero_bubble_v", microbatches=2, shapes=(2, H), dtype=F64,
+                    loss_fn=mse)
+    return outcome(lambda: pipe.step(x, x))
+
+
+def test_a_wrong_output_shape_is_named_before_its_hand_off():
+    from conftest import run_scaled
+
+    got = run_scaled(_shape, 1, timeout_s=60)[0]
+    assert got.startswith("ShapeError: pipeline stage 0 on rank 0 gave an output of shape"
+                          " (2, 7) and dtype torch.float64, but its layout \"b h\" of the"
+                          " declared shape (2, 8) puts (2, 8)"), got
+    assert "fix: Pipeline(shapes=..., dtype=...)" in got
+
+
+def _mismatch(rank: int, world: int) -> str:
+    meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[r])) for r in range(world)]
+    stages = [Stage(meshes[s], "b h", "b h", Block(torch.eye(H, dtype=F64))
+                    if s == rank else None) for s in range(world)]
+    return outcome(lambda: Pipeline(stages, "gpipe" if rank == 1 else "1f1b", microbatches=2,
+                                    shapes=(2, H), dtype=F64, loss_fn=mse, check=True))
+
+
+def test_ranks_with_different_schedules_are_refused_before_the_first_send():
+    from conftest import run_scaled
+
+    for got in run_scaled(_mismatch, 2, timeout_s=120):
+        assert got.startswith("CollectiveMismatchError: Pipeline of 2 stages"), got
+        assert "1f1b" in got and "gpipe" in got
