@@ -27,7 +27,7 @@ from .params import (
     param_spec,
     planning_mesh,
 )
-from .pipeline import Pipeline, Stage, stage_meshes
+from .pipeline import Pipeline, Stage, Tie, stage_meshes
 from .tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -36,7 +36,7 @@ from .tensor_parallel import (
 )
 
 __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
-           "MixedPrecision", "MoE", "ParamSpec", "Pipeline", "Stage",
+           "MixedPrecision", "MoE", "ParamSpec", "Pipeline", "Stage", "Tie",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "attention", "attention_costs", "attention_explain",
            "attention_reference",

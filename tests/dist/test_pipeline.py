@@ -322,3 +322,130 @@ def test_ranks_with_different_schedules_are_refused_before_the_first_send():
     for got in run_scaled(_mismatch, 2, timeout_s=120):
         assert got.startswith("CollectiveMismatchError: Pipeline of 2 stages"), got
         assert "1f1b" in got and "gpipe" in got
+
+
+# -- tied first and last weights, clipping over every stage ----------------------------------
+V, CLIP = 10, 0.5
+
+
+class Embed(nn.Module):
+    def __init__(self, e: torch.Tensor) -> None:
+        super().__init__()
+        self.e = nn.Parameter(e.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.e                                  # (b, V) -> (b, H)
+
+
+class Head(nn.Module):
+    def __init__(self, w: torch.Tensor, e: torch.Tensor) -> None:
+        super().__init__()
+        self.w, self.e = nn.Parameter(w.clone()), nn.Parameter(e.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.w) @ self.e.T            # (b, H) -> (b, V)
+
+
+def tie_data() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(3)
+    return {"e": torch.randn(V, H, generator=g, dtype=F64) / V ** 0.5,
+            "w": [torch.randn(H, H, generator=g, dtype=F64) / H ** 0.5 for _ in range(3)],
+            "x": torch.randn(STEPS, B, V, generator=g, dtype=F64),
+            "t": torch.randn(STEPS, B, V, generator=g, dtype=F64)}
+
+
+def tie_reference(blocks: int) -> dict[str, Any]:
+    d = tie_data()
+    e = nn.Parameter(d["e"].clone())
+    ws = [nn.Parameter(w.clone()) for w in d["w"][:blocks + 1]]
+    losses, norms = [], []
+    for x, t in zip(d["x"], d["t"]):
+        y = x @ e
+        for w in ws[:-1]:
+            y = torch.tanh(y @ w)
+        loss = mse(torch.tanh(y @ ws[-1]) @ e.T, t)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_([e, *ws], CLIP)))
+        sgd([e, *ws])
+        losses.append(loss.item())
+    return {"losses": losses, "norms": norms, "e": e.detach(), "w": [w.detach() for w in ws]}
+
+
+def _tied(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    d = tie_data()
+    if schedule == "zero_bubble_v":        # 4 stages on ranks 0 1 1 0: the tie is local
+        meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[r])) for r in (0, 1, 1, 0)]
+        last_layout, averaged = "v h", ()
+    else:                                   # 3 stages: ranks 0, 1 and dp=2 (FSDP) on 2-3
+        meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[0])),
+                  mc.init_mesh(mc.Mesh("x=1", ranks=[1])),
+                  mc.init_mesh(mc.Mesh("dp=2", ranks=[2, 3]))]
+        last_layout, averaged = "(dp v) h", ("dp",)
+    n = len(meshes)
+    mods: list[nn.Module | None] = [None] * n
+    if meshes[0].in_mesh:
+        mods[0] = Embed(d["e"])
+    for s in range(1, n - 1):
+        if meshes[s].in_mesh:
+            mods[s] = Block(d["w"][s - 1])
+    if meshes[-1].in_mesh:
+        mods[-1] = Head(d["w"][n - 2], d["e"])
+        if averaged:
+            mc.nn.fully_shard(mods[-1], meshes[-1])
+    io = ["b h"] * n
+    stages = [Stage(meshes[s], "b v" if s == 0 else io[s], io[s], mods[s]) for s in range(n - 1)]
+    stages.append(Stage(meshes[-1], "(dp b) h" if averaged else "b h",
+                        "(dp b) v" if averaged else "b v", mods[-1], averaged=averaged))
+    tie = mc.nn.Tie((0, n - 1), ("e", "e"), ("v h", last_layout), (V, H))
+    pipe = Pipeline(stages, schedule, microbatches=2, shapes=(B // 2, H), dtype=F64,
+                    loss_fn=mse, ties=[tie])
+    losses, norms = [], []
+    for x, t in zip(d["x"], d["t"]):
+        target = None
+        if n - 1 in pipe.mine:
+            target = mc.distribute(t, meshes[-1], "(dp b) v").local if averaged else t
+        loss = pipe.step(x if 0 in pipe.mine else None, target)
+        norms.append(float(pipe.clip_grad_norm_(CLIP)))
+        if loss is not None:
+            losses.append(loss.item())
+        sgd([q for s in pipe.mine for q in mods[s].parameters()])  # type: ignore[union-attr]
+    return {"losses": losses, "norms": norms,
+            "params": {s: {k: full(q) for k, q in mods[s].named_parameters()}  # type: ignore
+                       for s in pipe.mine}}
+
+
+def four_tied(rank: int, world: int) -> dict[str, Any]:
+    return _tied(rank, world, "1f1b")
+
+
+def two_tied(rank: int, world: int) -> dict[str, Any]:
+    return _tied(rank, world, "zero_bubble_v")
+
+
+tied = ranks_fixture(four_tied, 4)
+tied_v = ranks_fixture(two_tied, 2)
+
+
+def test_a_tied_fsdp_head_and_plain_embedding_train_as_one_process_with_clipping(tied):
+    ref = tie_reference(1)
+    got = tied
+    halves = [(a + b) / 2 for a, b in zip(got[2]["losses"], got[3]["losses"])]
+    assert halves == pytest.approx(ref["losses"], rel=1e-12)
+    for r in got:                                   # the same norm on every rank
+        assert r["norms"] == pytest.approx(ref["norms"], rel=1e-12)
+    assert ref["norms"][0] > CLIP                   # clipping did happen
+    torch.testing.assert_close(got[0]["params"][0]["e"], ref["e"], rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(got[2]["params"][2]["e"], ref["e"], rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(got[1]["params"][1]["w"], ref["w"][0], rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(got[3]["params"][2]["w"], ref["w"][1], rtol=1e-11, atol=1e-12)
+
+
+def test_a_tie_between_stages_of_one_rank_sums_locally(tied_v):
+    ref = tie_reference(2)
+    got = tied_v
+    assert got[0]["losses"] == pytest.approx(ref["losses"], rel=1e-12)
+    assert got[1]["norms"] == pytest.approx(ref["norms"], rel=1e-12)
+    for s in (0, 3):
+        torch.testing.assert_close(got[0]["params"][s]["e"], ref["e"], rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(got[1]["params"][1]["w"], ref["w"][0], rtol=1e-11, atol=1e-12)
+    torch.testing.assert_close(got[0]["params"][3]["w"], ref["w"][2], rtol=1e-11, atol=1e-12)

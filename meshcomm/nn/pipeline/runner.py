@@ -44,6 +44,7 @@ from ...planner.plan import plan as make_plan
 from ...planner.values import Plan
 from ...runtime.checks import agree_world, checking
 from ..fsdp.param import UNIT_ATTR
+from .grads import Tie, TiedGrads, clip_grad_norm_
 from .stage import Stage, averaged_axes, grad_scale
 
 Key = tuple[str, int, int]      # ("F" | "B", boundary s (stage s <-> s + 1), microbatch)
@@ -72,7 +73,8 @@ class Pipeline:
     "1f1b", "interleaved_1f1b", "zero_bubble", "zero_bubble_v"), a `Schedule`, or CSV text in
     PyTorch's notation. `shapes`: the global shape of the activation between stage s and s + 1
     per microbatch, one tuple for all boundaries or one per boundary. `dtype`: the
-    activations'. `check` (default: the first stage mesh's check mode): every rank of the
+    activations'. `ties`: weights two stages share (`Tie`): after each step both copies'
+    gradients are their sum. `check` (default: the first stage mesh's check mode): every rank of the
     world compares the pipeline it built (schedule, stages, shapes) before the first send,
     and all raise `CollectiveMismatchError` naming the ranks that differ (one small
     all_reduce over the world, here, at build time). See the module docstring for
@@ -83,7 +85,7 @@ class Pipeline:
                  shapes: Sequence[int] | Sequence[Sequence[int]],
                  loss_fn: Callable[[Tensor, Any], Tensor],
                  dtype: torch.dtype = torch.float32, loss_reduction: str = "mean",
-                 check: bool | None = None) -> None:
+                 ties: Sequence[Tie] = (), check: bool | None = None) -> None:
         self.stages = tuple(stages)
         n = len(self.stages)
         if n < 1 or not all(isinstance(s, Stage) for s in self.stages):
@@ -133,6 +135,7 @@ class Pipeline:
         self.queues = _receive_queues(self.schedule, self.me)
         self.last = {s: _last_backward(self.row, s) for s in self.mine}
         simulate(self.schedule, StageCosts.uniform(n))      # refuses a deadlock, here
+        self.ties = TiedGrads(self, ties) if ties else None
         if checking(self.stages[0].mesh, check):
             self._agree(layouts)
 
@@ -175,7 +178,16 @@ class Pipeline:
         finally:
             for s in self.mine:
                 _set_sync(self.stages[s], True)
+        if self.ties is not None:
+            self.ties.sum()
         return run.loss()
+
+    def clip_grad_norm_(self, max_norm: float,
+                        param_layouts: dict[tuple[int, str], tuple[str, Sequence[int]]]
+                        | None = None) -> Tensor:
+        """Clip every stage's gradients to a total 2-norm of `max_norm`; the norm before
+        clipping, the same on every rank (`meshcomm.nn.pipeline.grads.clip_grad_norm_`)."""
+        return clip_grad_norm_(self, max_norm, param_layouts)
 
     def explain(self) -> str:
         """The hand-off plans, one block per boundary, forward and backward."""
