@@ -72,9 +72,29 @@ def _reshard_cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: s
     `meshcomm.executors.distributed.autograd`)."""
     for name, b in (("mesh", bound), ("dst_mesh", dst_bound)):
         require_bound(b, "reshard(..., dst_mesh=...)", name)
-    rank = bound.rank
     if not bound.in_mesh and not dst_bound.in_mesh:
         return None
+    if torch.compiler.is_compiling():
+        if trace is not None or requires_grad or (x is not None and x.requires_grad
+                                                   and torch.is_grad_enabled()):
+            raise ShapeError(
+                "reshard(..., dst_mesh=...) under torch.compile runs forward only: it takes no"
+                " trace=, requires_grad= or input that requires grad. fix: pass x.detach(),"
+                " or call it outside the compiled function")
+        static = (plain_bound(bound), plain_bound(dst_bound), str(src), str(dst),
+                  () if shape is None else (tuple(int(s) for s in shape),),
+                  () if dtype is None else (dtype,), plain_cost_model(cost_model))
+        y = _reshard_cross_traced(() if x is None else (x,), static)
+        return y if dst_bound.in_mesh else None
+    return _cross(x, bound, src, dst, dst_bound, shape, dtype, cost_model, trace, requires_grad)
+
+
+def _cross(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | Layout,
+           dst_bound: BoundMesh, shape: Sequence[int] | None, dtype: torch.dtype | None,
+           cost_model: CostModel | None, trace: ByteTrace | None,
+           requires_grad: bool) -> Tensor | None:
+    """`_reshard_cross` on this rank, planned and run (eager, or inside the traced call)."""
+    rank = bound.rank
     if bound.in_mesh:
         p = _plan_for(x, bound, src, dst, shape, dtype, cost_model, dst_bound.mesh)
     elif shape is None or dtype is None:
@@ -108,7 +128,8 @@ def plain_bound(bound: BoundMesh) -> tuple[Any, ...]:
     `torch._dynamo.nonstrict_trace` takes where it refuses a BoundMesh; `rebind` reverses."""
     mesh = bound.mesh
     names = tuple((axes, bound.group_name(axes)) for k in range(1, len(mesh.axis_names) + 1)
-                  for axes in itertools.combinations(mesh.axis_names, k))
+                  for axes in itertools.combinations(mesh.axis_names, k)) \
+        if bound.in_mesh else ()                 # a rank outside the mesh has no groups
     return (mesh.axis_names, mesh.shape, mesh.ranks, bound.backend, str(bound.device),
             bound.rank, names)
 
@@ -160,14 +181,28 @@ def _reshard_opaque(x: Tensor, static: tuple[Any, ...]) -> Tensor:
     return reshard_autograd(x, bound, p, reverse=backward_plan)
 
 
-# What `reshard` calls under torch.compile: `_reshard_opaque` marked nonstrict_trace, marked
-# when torch._dynamo loads (importing it here would double `import meshcomm`'s time).
+def _reshard_cross_opaque(xs: tuple[Tensor, ...], static: tuple[Any, ...]) -> Tensor:
+    """A reshard between meshes (forward only); `xs`: the input, or () outside the source
+    mesh. An empty tensor outside the destination mesh (a result must be a tensor)."""
+    fields, dst_fields, src, dst, shape, dtype, cost = concrete(static)
+    dst_bound = rebind(dst_fields)
+    y = _cross(xs[0] if xs else None, rebind(fields), src, dst, dst_bound,
+               shape[0] if shape else None, dtype[0] if dtype else None, cost_model_of(cost),
+               None, False)
+    return y if y is not None else xs[0].new_empty(0)
+
+
+# What `reshard` calls under torch.compile: `_reshard_opaque` and `_reshard_cross_opaque`
+# marked nonstrict_trace, marked when torch._dynamo loads (importing it here would double
+# `import meshcomm`'s time).
 _reshard_traced = _reshard_opaque
+_reshard_cross_traced = _reshard_cross_opaque
 
 
 def _mark_for_dynamo() -> None:
-    global _reshard_traced
+    global _reshard_traced, _reshard_cross_traced
     _reshard_traced = torch._dynamo.nonstrict_trace(_reshard_opaque)
+    _reshard_cross_traced = torch._dynamo.nonstrict_trace(_reshard_cross_opaque)
 
 
 when_dynamo_loads(_mark_for_dynamo)

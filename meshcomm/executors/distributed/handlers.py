@@ -537,14 +537,45 @@ def transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
     out = flat.new_empty(sum(wanted))
     sends = torch.split(flat, send_splits)
     recvs = torch.split(out, wanted)
-    to = [(sends[j], peer) for j, peer in enumerate(ranks) if j != me and send_splits[j]]
-    back = [(recvs[j], peer) for j, peer in enumerate(ranks) if j != me and wanted[j]]
-    posted, call = wire.p2p(to, back, wire.WORLD)   # peers are global ranks
-    recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
+    # Traced, the batch is one all_to_all over the group of exactly the plan's ranks
+    # (every one of them posts here; peers are group positions), as a permute's: a traced
+    # batch_p2p_ops raced under inductor (wrong values on some ranks in some runs). Eager,
+    # one batch_isend_irecv, peers global ranks.
+    union = _union_group(ranks) if torch.compiler.is_compiling() else None
+    peer = (lambda j: j) if union is not None else (lambda j: ranks[j])
+    to = [(sends[j], peer(j)) for j in range(len(ranks)) if j != me and send_splits[j]]
+    back = [(recvs[j], peer(j)) for j in range(len(ranks)) if j != me and wanted[j]]
+    posted, call = wire.p2p(to, back, wire.WORLD if union is None else union.name, union,
+                            flat)
+    if union is None:
+        recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
     if trace is not None:
         trace.add(step.kind, step.axes, call.sent * flat.element_size(),
                   call.received * flat.element_size())
+
+    def landed(*got: Tensor) -> Tensor:
+        """The flat receive buffer: filled in place (eager), or the pieces in rank order,
+        this rank's own among them (traced: the all_to_all's output)."""
+        if union is None:
+            return out
+        arrived = iter(got)
+        return posted.tied(torch.cat([sends[me] if j == me else next(arrived)
+                                      for j in range(len(ranks)) if j == me or wanted[j]]))
     if not dst.in_mesh:
-        return Later((posted,), lambda *_: out)
+        return Later((posted,), landed)
     shape = step.after.local_shape(dst.mesh, plan.shape, rank)
-    return Later((posted,), lambda *_: unpack(mine, ranks, rank, out, shape, step.op))
+    return Later((posted,), lambda *got: unpack(mine, ranks, rank, landed(*got), shape,
+                                                step.op))
+
+
+def _union_group(ranks: tuple[int, ...]) -> wire.Group:
+    """The process group of exactly `ranks` (both meshes' ranks, ascending), which a traced
+    transfer runs over: the world where the meshes cover it."""
+    group = wire.ranks_group(ranks)
+    if group is None:
+        raise MeshMismatchError(
+            f"reshard(..., dst_mesh=...) under torch.compile runs its transfer as one"
+            f" all_to_all over the ranks of both meshes, {list(ranks)}, and no process group"
+            " of exactly those ranks exists. fix: torch.distributed.new_group("
+            f"{list(ranks)}) on every rank before compiling, or meshes that cover the world")
+    return group

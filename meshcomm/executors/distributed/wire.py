@@ -149,6 +149,21 @@ def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
 WORLD = ""    # the default group's name for funcol: peers are global ranks
 
 
+def ranks_group(ranks: Sequence[int]) -> Group | None:
+    """This rank's `Group` over the global `ranks` (ascending, this rank among them): an
+    existing process group of exactly those ranks in that order and of the default group's
+    backend (the world, a bound mesh's group), or None. Never creates one: it runs while
+    torch.compile traces, on those ranks only."""
+    from torch.distributed import distributed_c10d as c10d
+
+    want = {r: i for i, r in enumerate(ranks)}
+    backend = dist.get_backend()
+    for pg, members in c10d._world.pg_group_ranks.items():
+        if members == want and dist.get_backend(pg) == backend:
+            return Group(pg.group_name, len(ranks), want[dist.get_rank()])
+    return None
+
+
 class Posted(NamedTuple):
     """A batch of point-to-point messages in flight (`p2p`): the receive buffers, and what
     to wait on before reading them (eager: the batch's works; traced: the functional op's
