@@ -449,3 +449,70 @@ def test_a_tie_between_stages_of_one_rank_sums_locally(tied_v):
         torch.testing.assert_close(got[0]["params"][s]["e"], ref["e"], rtol=1e-11, atol=1e-12)
     torch.testing.assert_close(got[1]["params"][1]["w"], ref["w"][0], rtol=1e-11, atol=1e-12)
     torch.testing.assert_close(got[0]["params"][3]["w"], ref["w"][2], rtol=1e-11, atol=1e-12)
+
+
+# -- eight processes: two stages a rank, on meshes of other shapes over the same ranks --------
+BIG = 16
+
+
+def _two_per_rank(rank: int, world: int, schedule: str) -> dict[str, Any]:
+    """Four stages on two groups of four ranks, each stage FSDP over its own dp axis: the
+    stages of one group sit on meshes of other shapes over the same ranks."""
+    a1, a2 = mc.Mesh("dp=4"), mc.Mesh("dp=2 tp=2")                     # ranks 0-3
+    b1, b2 = mc.Mesh("dp=2 x=2", ranks=[4, 5, 6, 7]), mc.Mesh("dp=4", ranks=[4, 5, 6, 7])
+    order = (a1, b1, a2, b2) if schedule == "interleaved_1f1b" else (a1, b1, b2, a2)  # a V
+    meshes = [mc.init_mesh(m) for m in order]
+    g = torch.Generator().manual_seed(5)
+    ws = [torch.randn(H, H, generator=g, dtype=F64) / H ** 0.5 for _ in range(4)]
+    xs = torch.randn(STEPS, BIG, H, generator=g, dtype=F64)
+    ts = torch.randn(STEPS, BIG, H, generator=g, dtype=F64)
+    mods: list[nn.Module | None] = []
+    for s, b in enumerate(meshes):
+        mods.append(mc.nn.fully_shard(Block(ws[s]), b, axis="dp") if b.in_mesh else None)
+    stages = [Stage(b, "(dp b) h", "(dp b) h", mods[s], averaged=("dp",))
+              for s, b in enumerate(meshes)]
+    pipe = Pipeline(stages, schedule, microbatches=4, shapes=(BIG // 4, H), dtype=F64,
+                    loss_fn=mse)
+    losses = []
+    for x, t in zip(xs, ts):
+        loss = pipe.step(mc.distribute(x, meshes[0], "(dp b) h").local if 0 in pipe.mine
+                         else None,
+                         mc.distribute(t, meshes[3], "(dp b) h").local if 3 in pipe.mine
+                         else None)
+        if loss is not None:
+            losses.append(loss.item())
+        sgd([mods[s].w for s in pipe.mine])                  # type: ignore[union-attr]
+    ref = [Block(w) for w in ws]
+    ref_losses = []
+    for x, t in zip(xs, ts):
+        y = x
+        for blk in ref:
+            y = blk(y)
+        loss = mse(y, t)
+        loss.backward()
+        ref_losses.append(loss.item())
+        sgd([blk.w for blk in ref])
+    return {"losses": losses, "ref_losses": ref_losses,
+            "w": {s: full(mods[s].w) for s in pipe.mine},   # type: ignore[union-attr]
+            "ref_w": [blk.w.detach() for blk in ref]}
+
+
+def eight_two_per_rank(rank: int, world: int) -> dict[str, Any]:
+    return {name: _two_per_rank(rank, world, name)
+            for name in ("interleaved_1f1b", "zero_bubble_v")}
+
+
+eight_v = ranks_fixture(eight_two_per_rank, 8)
+
+
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "zero_bubble_v"])
+def test_two_stages_a_rank_on_meshes_of_other_shapes_train_as_one_process(eight_v, name):
+    got = [r[name] for r in eight_v]
+    last = [r for r in got if r["losses"]]
+    assert len(last) == 4                               # the last stage's dp=4 ranks
+    mean = [sum(v) / 4 for v in zip(*(r["losses"] for r in last))]
+    assert mean == pytest.approx(got[0]["ref_losses"], rel=1e-12)
+    w = {s: t for r in got for s, t in r["w"].items()}
+    assert sorted(w) == [0, 1, 2, 3]
+    for s in range(4):
+        torch.testing.assert_close(w[s], got[0]["ref_w"][s], rtol=1e-11, atol=1e-12)
