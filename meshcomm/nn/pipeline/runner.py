@@ -29,6 +29,7 @@ backward.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,6 +134,9 @@ class Pipeline:
                 self.handoffs[("B", b)] = _handoff(self.backward_plans[b], self.stages[b + 1],
                                                    self.stages[b])
         self.queues = _receive_queues(self.schedule, self.me)
+        # one rank per stage: the peer that sends a message is the one that took ours
+        single = all(len(st.mesh.mesh.ranks) == 1 for st in self.stages)
+        self.releases = _releases(self.schedule, self.me) if single else {}
         self.last = {s: _last_backward(self.row, s) for s in self.mine}
         simulate(self.schedule, StageCosts.uniform(n))      # refuses a deadlock, here
         self.ties = TiedGrads(self, ties) if ties else None
@@ -206,7 +210,7 @@ class _Step:
         self.local: dict[Key, Tensor] = {}            # hand-offs between stages of this rank
         self.at = {peer: 0 for peer in pipe.queues}
         self.stash: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
-        self.sends: list[Handle] = []
+        self.sends: dict[Key, Handle] = {}
         self.losses: list[Tensor] = []
 
     def go(self) -> None:
@@ -215,7 +219,7 @@ class _Step:
             if j + 1 < len(row):
                 self.post(row[j + 1])            # the next action's message, in flight now
             self.run(a)
-        for h in self.sends:
+        for h in self.sends.values():
             h.wait()
 
     def loss(self) -> Tensor | None:
@@ -259,6 +263,8 @@ class _Step:
             self.post_key(key)
         out = self.posted.pop(key).wait()[0]
         assert out is not None, f"rank {self.p.rank} received nothing for {key}"
+        for done in self.p.releases.get(key, ()):     # landed already: frees its buffers
+            self.sends.pop(done).wait()
         return out
 
     def post_key(self, key: Key) -> None:
@@ -272,7 +278,7 @@ class _Step:
             assert out is not None
             self.local[key] = out
         else:
-            self.sends.append(h.ready.issue([x]))
+            self.sends[key] = h.ready.issue([x])
 
     # compute
     def run(self, a: Action) -> None:
@@ -438,6 +444,33 @@ def _receive_queues(schedule: Schedule, me: int) -> dict[int, list[Key]]:
                 elif send.kind == "SEND_B" and ranks[send.stage - 1] == me:
                     out.setdefault(peer, []).append(("B", send.stage - 1, send.microbatch))
     return out
+
+
+def _releases(schedule: Schedule, me: int) -> dict[Key, list[Key]]:
+    """Per message `me` receives, the messages `me` sent that peer which have surely landed
+    once it arrives: the peer sent it after the action that used them. Waiting on those then
+    returns at once and frees their send buffers long before the end of the step (a send
+    completes only once its receiver posts the receive)."""
+    out: dict[Key, list[Key]] = {}
+    rows = schedule.compute_only().rows
+    for peer, incoming in _receive_queues(schedule, me).items():
+        at = {(a.stage, a.kind, a.microbatch): i for i, a in enumerate(rows[peer])}
+        sent = [_position(at, k[1] if k[0] == "F" else k[1] + 1, k[0], k[2]) for k in incoming]
+        for mine in _receive_queues(schedule, peer).get(me, []):
+            kind, b, mb = mine
+            used = _position(at, b + 1 if kind == "F" else b, kind, mb)
+            i = bisect.bisect_right(sent, used)     # `incoming` is in the peer's order
+            if i < len(incoming):
+                out.setdefault(incoming[i], []).append(mine)
+    return out
+
+
+def _position(at: dict[tuple[int, str, int | None], int], stage: int, kind: str,
+              mb: int) -> int:
+    """Where a row runs stage's forward ("F") or input-gradient backward ("B", or "I")."""
+    if kind == "F":
+        return at[(stage, "F", mb)]
+    return at[(stage, "B", mb)] if (stage, "B", mb) in at else at[(stage, "I", mb)]
 
 
 def _last_backward(row: Sequence[Action], s: int) -> Action:
