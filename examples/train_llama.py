@@ -196,7 +196,7 @@ def pipeline_dry_run(args: argparse.Namespace) -> int:
     bounds = [mc.init_mesh(m) for m in stage_meshes(mesh, "pp")]
     rank_of = ((lambda s: min(s, n - 1 - s)) if args.schedule == "zero_bubble_v"
                else (lambda s: s % args.pp))
-    cut = [s * margs.n_layers // n for s in range(n + 1)]     # stage s: layers cut[s]..
+    cut = layer_cut(margs, seq, mesh.axis_size("tp"), n)      # stage s: layers cut[s]..
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(margs, max_seq_len=max(seq, margs.max_seq_len)))
     stages = []
@@ -211,7 +211,8 @@ def pipeline_dry_run(args: argparse.Namespace) -> int:
                 mc.nn.fully_shard(block, bound, axis="dp")
             mc.nn.fully_shard(module, bound, axis="dp")
         stages.append(Stage(bound, "(dp b) s" if s == 0 else "(dp b) s h",
-                            "(dp b) s (tp v)" if s == n - 1 else "(dp b) s h", module))
+                            "(dp b) s (tp v)" if s == n - 1 else "(dp b) s h", module,
+                            averaged=("dp",)))
     last = bounds[rank_of(n - 1)]
     dp = mesh.axis_size("dp")
     pipe = Pipeline(stages, args.schedule, microbatches=args.microbatches,
@@ -252,6 +253,26 @@ def pipeline_dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def layer_flops(margs: ModelArgs, seq: int, tp: int) -> tuple[float, float]:
+    """Forward FLOPs per token a rank of one layer (2 x the weights it holds, plus causal
+    attention, 2 x seq x dim / tp), and of the output layer."""
+    h, kv, f = margs.dim, margs.n_kv_heads * margs.head_dim, margs.ffn_hidden_dim
+    return (2 * (2 * h * h + 2 * h * kv + 3 * h * f) / tp + 2 * seq * h / tp,
+            2 * h * margs.vocab_size / tp)
+
+
+def layer_cut(margs: ModelArgs, seq: int, tp: int, n: int) -> list[int]:
+    """Where each of `n` stages starts, by `mc.nn.pipeline.balance` of the layers' FLOPs with
+    the output layer's counted in the last layer (the embedding lookup costs no FLOPs), and
+    the end: the last stage takes fewer layers."""
+    from meshcomm.nn.pipeline import balance
+
+    layer, output = layer_flops(margs, seq, tp)
+    weights = [layer] * margs.n_layers
+    weights[-1] += output
+    return list(balance(weights, n)) + [margs.n_layers]
+
+
 def stage_costs(margs: ModelArgs, cut: list[int], tokens: int, tp: int,
                 pipe: mc.nn.Pipeline, args: argparse.Namespace) -> StageCosts:
     """Seconds and activation bytes per stage and microbatch of `tokens` tokens a rank, from
@@ -262,14 +283,13 @@ def stage_costs(margs: ModelArgs, cut: list[int], tokens: int, tp: int,
     its plan's largest per-rank bytes over `--link-bandwidth`."""
     h, kv, f, vocab = margs.dim, margs.n_kv_heads * margs.head_dim, margs.ffn_hidden_dim, \
         margs.vocab_size
-    seq = tokens // args.batch
-    layer_flops = 2 * (2 * h * h + 2 * h * kv + 3 * h * f) / tp + 2 * seq * h / tp
+    per_layer, output = layer_flops(margs, tokens // args.batch, tp)
     layer_bytes = 4 * (4 * h + (2 * h + 2 * kv + 4 * f) / tp)
     n = len(cut) - 1
     fwd, act = [], []
     for s in range(n):
         layers = cut[s + 1] - cut[s]
-        flops = layers * layer_flops + (2 * h * vocab / tp if s == n - 1 else 0)
+        flops = layers * per_layer + (output if s == n - 1 else 0)
         held = layers * layer_bytes + (4 * 2 * vocab / tp if s == n - 1 else 0)
         fwd.append(tokens * flops / args.flops)
         act.append(int(tokens * held))

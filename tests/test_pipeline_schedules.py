@@ -240,3 +240,42 @@ def test_the_chrome_trace_has_one_track_per_rank_and_every_action(tmp_path):
     assert len(spans) == 3 * 4 * 2
     assert {e["tid"] for e in spans} == {0, 1, 2}
     assert max(e["ts"] + e["dur"] for e in spans) == pytest.approx(t.step_time * 1e6)
+
+
+# -- balancing stages -------------------------------------------------------------------------
+def _best(weights, stages):
+    import itertools
+
+    from meshcomm.planner.pipeline.balance import stage_sums
+    n = len(weights)
+    return min(max(stage_sums(weights, (0, *cuts)))
+               for cuts in itertools.combinations(range(1, n), stages - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0, 7.0, 40.0]), min_size=1, max_size=9),
+       st.data())
+def test_balance_finds_the_least_largest_stage(weights, data):
+    from meshcomm.nn.pipeline import balance, stage_sums
+    stages = data.draw(st.integers(1, len(weights)))
+    starts = balance(weights, stages)
+    assert len(starts) == stages and starts[0] == 0
+    assert all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < len(weights)
+    assert max(stage_sums(weights, starts)) == pytest.approx(_best(weights, stages))
+
+
+def test_balance_gives_a_heavy_output_layer_a_lighter_stage():
+    from meshcomm.nn.pipeline import balance, stage_sums
+    weights = [1.0] * 80
+    weights[-1] += 12.0                      # the output projection in the last layer
+    starts = balance(weights, 8)
+    assert max(stage_sums(weights, starts)) == pytest.approx(13.0)   # that layer alone
+    assert starts[-1] == 79
+    big = balance([float(i % 7) for i in range(10_000)], 64)       # 10,000 layers
+    assert len(big) == 64
+
+
+def test_balance_refuses_more_stages_than_layers():
+    from meshcomm.nn.pipeline import balance
+    with pytest.raises(ScheduleError, match="expected 1..3"):
+        balance([1, 2, 3], 4)
