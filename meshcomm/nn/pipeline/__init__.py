@@ -20,10 +20,12 @@ from ...planner.pipeline import (
     zero_bubble,
     zero_bubble_v,
 )
+from ...planner.pipeline.balance import balance, stage_sums
 from .grads import Tie
 from .runner import Pipeline
 from .stage import Stage, stage_meshes
 
-__all__ = ["SCHEDULES", "Action", "Event", "Pipeline", "Schedule", "Stage", "StageCosts", "Tie",
-           "Timeline", "build", "gpipe", "interleaved_1f1b", "one_f_one_b", "simulate",
-           "stage_meshes", "zero_bubble", "zero_bubble_v"]
+__all__ = ["SCHEDULES", "Action", "Event", "Pipeline", "Schedule", "Stage", "StageCosts",
+           "Tie", "Timeline", "balance", "build", "gpipe", "interleaved_1f1b",
+           "one_f_one_b", "simulate", "stage_meshes", "stage_sums",
+           "zero_bubble", "zero_bubble_v"]
