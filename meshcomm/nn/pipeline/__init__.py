@@ -21,11 +21,12 @@ from ...planner.pipeline import (
     zero_bubble_v,
 )
 from ...planner.pipeline.balance import balance, stage_sums
+from .checkpoint import StageParam, load_state_dict, state_dict
 from .grads import Tie
 from .runner import Pipeline
 from .stage import Stage, stage_meshes
 
 __all__ = ["SCHEDULES", "Action", "Event", "Pipeline", "Schedule", "Stage", "StageCosts",
-           "Tie", "Timeline", "balance", "build", "gpipe", "interleaved_1f1b",
-           "one_f_one_b", "simulate", "stage_meshes", "stage_sums",
-           "zero_bubble", "zero_bubble_v"]
+           "StageParam", "Tie", "Timeline", "balance", "build", "gpipe", "interleaved_1f1b",
+           "load_state_dict", "one_f_one_b", "simulate", "stage_meshes", "stage_sums",
+           "state_dict", "zero_bubble", "zero_bubble_v"]
