@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -26,8 +26,7 @@ from ...core.layout import Layout
 from ...executors.distributed import Prepared, prepare
 from ...planner.plan import plan as make_plan
 
-if TYPE_CHECKING:
-    from .runner import Pipeline
+Pipeline = Any     # a meshcomm.nn.pipeline.Pipeline (runner.py imports this module)
 
 
 @dataclass(frozen=True)
@@ -100,7 +99,7 @@ def _prepare(p: Any, src: Any, dst: Any) -> Prepared:
 
 
 def _param(pipe: Pipeline, s: int, name: str) -> nn.Parameter:
-    module = pipe.stages[s].module
+    module: nn.Module | None = pipe.stages[s].module
     assert module is not None
     params = dict(module.named_parameters(remove_duplicate=False))
     if name not in params:
