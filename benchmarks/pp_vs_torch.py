@@ -28,7 +28,9 @@ stage (`mc.init_mesh(mc.Mesh("x=1", ranks=[r]))`), layouts "b h" both sides.
   it, the same for both). tracemalloc does not see tensors and peak RSS does not move once
   the allocator holds the pages. Gloo's own buffers are not in it.
 - Simulator: `StageCosts` from per-stage forward and backward times of one microbatch and a
-  hand-off time (one microbatch's activation, every rank sending to the next at once),
+  hand-off time (one microbatch's activation, every rank sending to the next at once,
+  through the pipeline's own prepared hand-offs; a bare gloo exchange gives a second
+  prediction, `predicted_s_gloo_hop`),
   sampled after every timed pair of steps (so under the same load) with every rank timing
   its own stages at once; `simulate(pipe.schedule, costs).step_time` against the measured
   median step time.
@@ -262,15 +264,17 @@ def timed(sides: dict[str, Side], sample: Callable[[], torch.Tensor], warmup: in
     return {n: times[i].tolist() for i, n in enumerate(names)}, torch.stack(samples)
 
 
-def cost_sample(rank: int, n: int, modules: dict[int, nn.Module],
-                cfg: dict[str, Any]) -> torch.Tensor:
+def cost_sample(rank: int, n: int, modules: dict[int, nn.Module], cfg: dict[str, Any],
+                pipe: Pipeline) -> torch.Tensor:
     """One sample of the stage costs, every rank at once (as in a step): per stage, the
     seconds of one microbatch's forward and backward as the step runs them (stage 0's input
     needs no gradient, the last stage's forward includes the loss), and one hand-off: every
-    rank sends one microbatch's activation to the next and receives one from the previous.
-    Returns [forward of each stage, backward of each stage, hand-off]."""
+    rank sends one microbatch's activation to the next and receives one from the previous,
+    through meshcomm's prepared hand-offs (`pipe`: its executor's host work on both sides
+    included) and as one bare gloo exchange. Returns [forward of each stage, backward of each
+    stage, meshcomm hand-off, gloo hand-off]."""
     mbs, h, m = cfg["batch"] // cfg["microbatches"], cfg["hidden"], cfg["microbatches"]
-    out = torch.zeros(2 * n + 1, dtype=torch.float64)
+    out = torch.zeros(2 * n + 2, dtype=torch.float64)
     target = torch.randn(mbs, h)
     gc.collect()
     dist.barrier()
@@ -295,16 +299,39 @@ def cost_sample(rank: int, n: int, modules: dict[int, nn.Module],
         w.wait()
     hop[0] = time.perf_counter() - t0
     dist.all_reduce(hop, op=dist.ReduceOp.MAX)
-    out[2 * n] = hop[0]
+    out[2 * n + 1] = hop[0]
+    out[2 * n] = handoff_s(pipe, rank, n, torch.randn(mbs, h))
     return out
 
 
-def stage_costs(samples: torch.Tensor, n: int, cfg: dict[str, Any]) -> StageCosts:
-    """`StageCosts` of the median of each figure over the samples (`cost_sample`)."""
+def handoff_s(pipe: Pipeline, rank: int, n: int, x: torch.Tensor) -> float:
+    """Seconds of one forward hand-off through the pipeline's prepared plans, the slowest
+    rank's: rank r sends its first stage's output (boundary r) and receives the boundary
+    into it (r - 1, or for rank 0 of an interleaved pipeline, the last rank's boundary into
+    its second stage), every rank at once."""
+    into = (rank - 1) % WORLD
+    recv = pipe.handoffs.get(("F", into)) if into < n - 1 and into + 1 in pipe.mine else None
+    send = pipe.handoffs.get(("F", rank)) if rank < n - 1 else None
+    dist.barrier()
+    t0 = time.perf_counter()
+    got = recv.ready.issue([None], steps=recv.post_steps) if recv is not None else None
+    sent = send.ready.issue([x]) if send is not None else None
+    for handle in (got, sent):
+        if handle is not None:
+            handle.wait()
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def stage_costs(samples: torch.Tensor, n: int, cfg: dict[str, Any], hop: int = 0
+                ) -> StageCosts:
+    """`StageCosts` of the median of each figure over the samples (`cost_sample`), hand-offs
+    as meshcomm's (`hop=0`) or bare gloo's (`hop=1`)."""
     med = samples.median(dim=0).values.tolist()
     act = cfg["batch"] // cfg["microbatches"] * cfg["hidden"] * 4
-    return StageCosts(tuple(med[:n]), tuple(med[n:2 * n]), (), (med[2 * n],) * (n - 1),
-                      (med[2 * n],) * (n - 1), (act,) * n)
+    send = (med[2 * n + hop],) * (n - 1)
+    return StageCosts(tuple(med[:n]), tuple(med[n:2 * n]), (), send, send, (act,) * n)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -343,18 +370,21 @@ def run_schedule(rank: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
         held[k] = held_bytes(side.obj, param_ptrs(list(side.modules.values())))
         peaks[k] = step_peak(side.step)
         side.zero()
-    times, samples = timed(sides, lambda: cost_sample(rank, n, mc_mods, cfg), cfg["warmup"],
-                           cfg["repeat"])
-    costs = stage_costs(samples, n, cfg)
     pipe = sides["meshcomm"].obj
     assert isinstance(pipe, Pipeline)
+    times, samples = timed(sides, lambda: cost_sample(rank, n, mc_mods, cfg, pipe),
+                           cfg["warmup"], cfg["repeat"])
+    costs = stage_costs(samples, n, cfg)
     timeline = simulate(pipe.schedule, costs)
+    gloo_costs = stage_costs(samples, n, cfg, hop=1)
     return {"schedule": name, "stages": n, "loss": loss_value, "loss_abs_diff": loss_diff,
             "grad_max_rel_diff": grad_diff, "times": times,
             "sent": {"meshcomm_wire": mc_wire, "meshcomm_p2p": mc_p2p, "torch_p2p": torch_p2p},
             "held_bytes": held, "step_peak_bytes": peaks,
             "costs": {"forward_s": list(costs.forward), "backward_s": list(costs.backward),
-                      "hop_s": costs.send_forward[0] if costs.send_forward else 0.0},
+                      "hop_s": costs.send_forward[0] if costs.send_forward else 0.0,
+                      "gloo_hop_s": gloo_costs.send_forward[0] if n > 1 else 0.0},
+            "predicted_s_gloo_hop": simulate(pipe.schedule, gloo_costs).step_time,
             "predicted_s": timeline.step_time, "predicted_bubble": timeline.bubble_fraction,
             "predicted_peak_bytes": list(timeline.peak_bytes)}
 
@@ -404,6 +434,8 @@ def merge(by_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "predicted_bubble": first["predicted_bubble"],
             "predicted_peak_bytes": first["predicted_peak_bytes"],
             "sim_error": pred / med["meshcomm"] - 1,
+            "predicted_s_gloo_hop": first["predicted_s_gloo_hop"],
+            "sim_error_gloo_hop": first["predicted_s_gloo_hop"] / med["meshcomm"] - 1,
             "sim_error_vs_torch": pred / med["torch"] - 1,
         })
     return rows

@@ -34,7 +34,8 @@ def test_quick_run_agrees_with_torch_and_reports_every_figure(tmp_path: Path) ->
         assert sent["meshcomm_wire"] == sent["meshcomm_p2p"] == sent["torch_p2p"], (name, sent)
         assert all(b > 0 for b in sent["meshcomm_wire"]), (name, sent)
         assert r["step_s"]["meshcomm"] > 0 and r["step_s"]["torch"] > 0
-        assert r["predicted_s"] > 0 and len(r["costs"]["forward_s"]) == r["stages"]
+        assert r["predicted_s"] > 0 and r["predicted_s_gloo_hop"] > 0
+        assert len(r["costs"]["forward_s"]) == r["stages"] and r["costs"]["hop_s"] > 0
         assert all(p > 0 for side in r["peak_bytes_by_rank"].values() for p in side)
     assert report["summary"]["losses_agree"] is True
     assert set(report["summary"]["time_ratio"]) == set(rows)
