@@ -19,8 +19,10 @@ class Gatherer(Protocol):
     """What the regather needs of a unit (unit.py's `Unit`)."""
 
     prefetch: bool
-    reshard_after_forward: bool
     schedule: Schedule[Any]
+
+    @property
+    def reshards(self) -> bool: ...
 
     def gather(self) -> list[Tensor]: ...
 
@@ -74,7 +76,7 @@ class Regather:
             unit = self.unit
             self.gathered = unit.gather()
             after = unit.schedule.next_backward(unit)
-            if unit.prefetch and after is not None and after.reshard_after_forward:
+            if unit.prefetch and after is not None and after.reshards:
                 after.prefetch_gather()
         return self.gathered
 

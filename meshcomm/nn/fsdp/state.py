@@ -85,9 +85,9 @@ def pre_forward(module: nn.Module, args: Any, kwargs: Any) -> Any:
     else:
         used = gathered
     unit.regather.remember(used, unit.moved)
-    unit.kept = None if unit.reshard_after_forward else used
+    unit.kept = None if unit.reshards else used
     place(unit, used)
-    if unit.reshard_after_forward and torch.is_grad_enabled():
+    if unit.reshards and torch.is_grad_enabled():
         unit.hooks = torch.autograd.graph.saved_tensors_hooks(unit.regather.pack,
                                                                unit.regather.unpack)
         unit.hooks.__enter__()
@@ -118,7 +118,9 @@ def pre_backward(unit: Unit) -> None:
     `forward` itself, without the module's hooks (Hugging Face's gradient checkpointing),
     computes with whole parameters. They are leaves: the recompute only remakes saved
     values, and the gradients flow through the graph of the first forward."""
-    if unit.reshard_after_forward:
+    if unit.held is not None:
+        values = unit.held
+    elif unit.reshards:
         values = unit.regather.parameters()
     elif unit.kept is not None:
         values = unit.kept

@@ -34,6 +34,8 @@ class Unit:
         self.sync = True                 # False: accumulate unsharded gradients, no reduce
         self.unsharded_grads: list[Tensor] | None = None
         self.kept: list[Tensor] | None = None   # gathered, kept to backward (no reshard)
+        self.holding = False             # `hold()`: one gather serves every use until release
+        self.held: list[Tensor] | None = None   # the gathered parameters while holding
         self.regather = Regather(self)   # the saved-tensor hooks (regather.py)
         self.hooks: Any = None
         self.schedule = schedule         # shared by every unit of one model (see fully_shard)
@@ -72,15 +74,39 @@ class Unit:
         return issued.wait()  # type: ignore[return-value]
 
     def gather(self) -> list[Tensor]:
-        """The gathered parameters: the gather issued ahead (prefetched), else one now."""
+        """The gathered parameters: the gather issued ahead (prefetched), else one now;
+        while holding, the ones held (gathered at the first use after `hold()`)."""
+        if self.held is not None:
+            return self.held
         pending = self.schedule.take(self)
-        return self.finish_gather(pending if isinstance(pending, Handle)
-                                  else self.issue_gather())
+        gathered = self.finish_gather(pending if isinstance(pending, Handle)
+                                      else self.issue_gather())
+        if self.holding:
+            self.held = gathered
+        return gathered
 
     def prefetch_gather(self) -> None:
-        """Issue the gather now (once), for `gather` to finish when the unit runs."""
-        if self.params:
+        """Issue the gather now (once), for `gather` to finish when the unit runs (nothing
+        while the unit holds its gathered parameters)."""
+        if self.params and self.held is None:
             self.schedule.issue_ahead(self, self.issue_gather)
+
+    def hold(self) -> None:
+        """From now on the unit gathers once and keeps what it gathered: every later forward
+        uses it, backward uses the tensors autograd saved (no gather again), until
+        `release()`. A pipeline stage with `gather="step"` holds its units for one step."""
+        self.holding = True
+
+    def release(self) -> None:
+        """Stop holding and free the held gathered parameters (the next use gathers)."""
+        self.holding, self.held, self.kept = False, None, None
+        self.regather.release()
+
+    @property
+    def reshards(self) -> bool:
+        """Whether forward frees the gathered parameters for backward to gather again:
+        `reshard_after_forward`, unless the unit holds them."""
+        return self.reshard_after_forward and not self.holding
 
     # -- reduce ------------------------------------------------------------------------
     def accumulate(self, grads: Sequence[Tensor | None]) -> list[Tensor]:

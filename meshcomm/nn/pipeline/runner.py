@@ -24,7 +24,8 @@ s + 1 to stage s is multiplied by scale(s) / scale(s + 1) on arrival, and the lo
 with 1 / microbatches (mean) or scale(last) (sum): every stage's gradients equal those of
 one process over the whole batch, whatever the stages' meshes. Gradients accumulate over the
 microbatches; a stage's `fully_shard` units reduce once per step, in the stage's last
-backward.
+backward. With `Stage(gather="step")` they also gather once per step: held from their first
+use to the end of the step (`Unit.hold`, `Unit.release`).
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class Pipeline:
         fields = (("call", "Pipeline"), ("schedule", sched.name),
                   ("stages", str(len(self.stages))), ("microbatches", str(self.microbatches)),
                   ("dtype", str(self.dtype).replace("torch.", "")),
-                  ("loss_reduction", self.reduction))
+                  ("loss_reduction", self.reduction),
+                  ("gather", ",".join(s.gather for s in self.stages)))
         detail = sched.to_csv() + "".join(
             f"{s.mesh.mesh!r} {a} -> {b};" for s, (a, b) in zip(self.stages, layouts)) + str(
             self.shapes)
@@ -177,11 +179,13 @@ class Pipeline:
         run = _Step(self, xs, ys)
         for s in self.mine:
             _set_sync(self.stages[s], False)
+            _set_hold(self.stages[s], True)
         try:
             run.go()
         finally:
             for s in self.mine:
                 _set_sync(self.stages[s], True)
+                _set_hold(self.stages[s], False)
         if self.ties is not None:
             self.ties.sum()
         return run.loss()
@@ -490,6 +494,19 @@ def _set_sync(stage: Stage, requires: bool) -> None:
         unit = getattr(m, UNIT_ATTR, None)
         if unit is not None:
             unit.sync = requires
+
+
+def _set_hold(stage: Stage, on: bool) -> None:
+    """gather="step": the stage's units keep their gathered parameters from their first use
+    in the step until it ends (`Unit.hold`), then free them (`Unit.release`)."""
+    if stage.module is None or stage.gather != "step":
+        return
+    for m in stage.module.modules():
+        unit = getattr(m, UNIT_ATTR, None)
+        if unit is not None and on:
+            unit.hold()
+        elif unit is not None:
+            unit.release()
 
 
 def _split(value: Any, m: int, what: str) -> list[Any]:

@@ -16,6 +16,8 @@ from ...core.mesh import Mesh
 from ...runtime.bind import BoundMesh
 from ..fsdp.param import UNIT_ATTR
 
+GATHER = ("microbatch", "step")     # Stage.gather: per microbatch's use, or once per step
+
 
 @dataclass(frozen=True, eq=False)
 class Stage:
@@ -27,13 +29,25 @@ class Stage:
     `averaged`: the mesh axes over which the stage's gradients are averaged (FSDP's shard
     axis and HSDP's replicate axes: `("dp",)` for `fully_shard(module, mesh, axis="dp")`).
     Declare it on every rank: the neighbouring stages scale the gradients they hand over by
-    it. A module whose `fully_shard` units average over other axes is refused."""
+    it. A module whose `fully_shard` units average over other axes is refused.
+
+    `gather`: when the module's `fully_shard` units gather their parameters. "microbatch"
+    (default): around every microbatch's forward (and again in its backward with
+    `reshard_after_forward`). "step": once, at each unit's first use in the step, kept
+    gathered until the step ends (more memory, fewer all_gathers). Declare it on every rank
+    of the stage."""
 
     mesh: BoundMesh
     input: str | Layout
     output: str | Layout
     module: nn.Module | None = None
     averaged: Sequence[str] = ()
+    gather: str = "microbatch"
+
+    def __post_init__(self) -> None:
+        if self.gather not in GATHER:
+            raise ScheduleError(f"Stage(gather={self.gather!r}): expected one of {GATHER}"
+                                " (when its fully_shard units gather their parameters)")
 
     def layouts(self) -> tuple[Layout, Layout]:
         return (Layout.parse(str(self.input)), Layout.parse(str(self.output)))
