@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...core.errors import ScheduleError, ShapeError
+from ...core.errors import CollectiveError, ScheduleError, ShapeError
 from ...core.layout import Layout
 from ...executors.distributed import Handle, Prepared, prepare
 from ...planner.pipeline import Action, Schedule, StageCosts, build, simulate
@@ -223,8 +223,8 @@ class _Step:
             if j + 1 < len(row):
                 self.post(row[j + 1])            # the next action's message, in flight now
             self.run(a)
-        for h in self.sends.values():
-            h.wait()
+        for key, h in self.sends.items():
+            self.wait(key, h, sent=True)
 
     def loss(self) -> Tensor | None:
         if not self.losses:
@@ -265,11 +265,25 @@ class _Step:
             return self.local.pop(key)
         if key not in self.posted:
             self.post_key(key)
-        out = self.posted.pop(key).wait()[0]
+        out = self.wait(key, self.posted.pop(key), sent=False)[0]
         assert out is not None, f"rank {self.p.rank} received nothing for {key}"
         for done in self.p.releases.get(key, ()):     # landed already: frees its buffers
-            self.sends.pop(done).wait()
+            self.wait(done, self.sends.pop(done), sent=True)
         return out
+
+    def wait(self, key: Key, h: Handle, *, sent: bool) -> list[Tensor | None]:
+        """`h.wait()`; a failed hand-off names its stages, microbatch and peer."""
+        try:
+            return h.wait()
+        except CollectiveError as err:        # CollectiveTimeout: the same type again
+            kind, b, mb = key
+            src, dst = (b, b + 1) if kind == "F" else (b + 1, b)
+            what = "activation" if kind == "F" else "gradient"
+            peer = self.p.stages[dst if sent else src].mesh.mesh
+            raise type(err)(
+                f"pipeline step, rank {self.p.rank}: {'sending' if sent else 'receiving'} the"
+                f" {what} of microbatch {mb} from stage {src} to stage {dst}"
+                f" ({'to' if sent else 'from'} {peer!r}) failed: {err}") from err
 
     def post_key(self, key: Key) -> None:
         kind, b, mb = key
