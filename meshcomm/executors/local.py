@@ -145,11 +145,23 @@ def pack(transfers: Iterable[Transfer], mesh: Order, rank: int,
     parts = []
     for t in sorted(transfers, key=lambda t: where[t.dst] if t.src == rank else -1):
         if t.src == rank:
-            parts.append(x[grid(t.src_index, x.device)].reshape(-1) if t.src_index
-                         else x.reshape(-1))
+            parts.append(block(x, t.src_index).reshape(-1))
             splits[where[t.dst]] += t.numel
+    if len(parts) == 1:
+        return parts[0], splits      # one block: no copy where it is the whole tensor
     flat = torch.cat(parts) if parts else x.new_empty(0)
     return flat, splits
+
+
+def block(x: Tensor, index: Index) -> Tensor:
+    """The cartesian block of `x` at per-dim positions `index` (`x` itself when empty):
+    a view where every dim's positions are one run, else a copy (advanced indexing)."""
+    if not index:
+        return x
+    runs = [run_slice(ix) for ix in index]
+    if all(r is not None for r in runs):
+        return x[tuple(runs)]
+    return x[grid(index, x.device)]
 
 
 def recv_splits(transfers: Iterable[Transfer], mesh: Order, rank: int) -> list[int]:
@@ -172,16 +184,32 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
         flat.new_empty(out_shape), fill_op)
     offset = 0
     where = _positions(mesh)
-    for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1):
-        if t.dst == rank:
-            block = flat[offset:offset + t.numel]
-            if t.dst_index:
-                out[grid(t.dst_index, flat.device)] = block.reshape(
-                    [len(ix) for ix in t.dst_index])
+    mine = [t for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1)
+            if t.dst == rank]
+    if len(mine) == 1 and flat.numel() == math.prod(out_shape) and _whole(
+            mine[0].dst_index, out_shape):
+        return flat.reshape(out_shape)        # the one block is the output: no copy
+    for t in mine:
+        part = flat[offset:offset + t.numel]
+        if t.dst_index:
+            runs = [run_slice(ix) for ix in t.dst_index]
+            shape = [len(ix) for ix in t.dst_index]
+            if all(r is not None for r in runs):
+                out[tuple(runs)] = part.reshape(shape)
             else:
-                out = block.reshape(out_shape).clone()
-            offset += t.numel
+                out[grid(t.dst_index, flat.device)] = part.reshape(shape)
+        else:
+            out = part.reshape(out_shape).clone()
+        offset += t.numel
     return out
+
+
+def _whole(index: Index, shape: Sequence[int]) -> bool:
+    """Whether per-dim positions `index` cover all of `shape` in order."""
+    if not index:
+        return True
+    return len(index) == len(shape) and all(
+        run_slice(ix) == slice(0, n) for ix, n in zip(index, shape))
 
 
 # -- a send_recv step on one mesh, as flat index tensors ---------------------------------
