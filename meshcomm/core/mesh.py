@@ -156,8 +156,9 @@ class Mesh:
 
     # -- value behaviour -------------------------------------------------
     def __eq__(self, other: object) -> bool:
-        return (
+        return other is self or (
             isinstance(other, Mesh)
+            and self._hash == other._hash
             and self._names == other._names
             and self._sizes == other._sizes
             and self._ranks == other._ranks
@@ -165,6 +166,10 @@ class Mesh:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __contains__(self, rank: object) -> bool:
+        """Whether global rank `rank` is in the mesh (one dict lookup)."""
+        return rank in self._where
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._sizes))

@@ -204,6 +204,29 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
     return out
 
 
+def assemble(parts: Sequence[tuple[Transfer, Tensor]], out_shape: tuple[int, ...],
+             fill_op: str | None, like: Tensor) -> Tensor:
+    """An output of `out_shape` from received (or kept) blocks: each flat tensor written at
+    its transfer's `dst_index`. One block that is the whole output is the output (no copy).
+    With `fill_op`, elements no block writes hold that reduction's identity."""
+    if len(parts) == 1 and parts[0][1].numel() == math.prod(out_shape) and _whole(
+            parts[0][0].dst_index, out_shape):
+        return parts[0][1].reshape(out_shape)
+    out = like.new_empty(out_shape) if fill_op is None else identity_like(
+        like.new_empty(out_shape), fill_op)
+    for t, part in parts:
+        if not t.dst_index:
+            out = part.reshape(out_shape).clone()
+            continue
+        runs = [run_slice(ix) for ix in t.dst_index]
+        shape = [len(ix) for ix in t.dst_index]
+        if all(r is not None for r in runs):
+            out[tuple(runs)] = part.reshape(shape)
+        else:
+            out[grid(t.dst_index, like.device)] = part.reshape(shape)
+    return out
+
+
 def _whole(index: Index, shape: Sequence[int]) -> bool:
     """Whether per-dim positions `index` cover all of `shape` in order."""
     if not index:

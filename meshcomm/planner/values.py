@@ -8,6 +8,7 @@ fields only). Executors import this module and nothing else of the planner.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -279,7 +280,7 @@ class Plan:
         """The global ranks that the byte tuples describe, in order."""
         if self.dst_mesh is None:
             return self.mesh.ranks
-        return tuple(sorted(set(self.mesh.ranks) | set(self.dst_mesh.ranks)))
+        return _union(self.mesh, self.dst_mesh)
 
     @property
     def collectives(self) -> tuple[Step, ...]:
@@ -371,3 +372,9 @@ def grad_scale(plan: Plan) -> float:
             return 1
         return mesh.group_size(layout.partial_axes)
     return share(plan.dst, plan.dst_mesh or plan.mesh) / share(plan.src, plan.mesh)
+
+
+@functools.lru_cache(maxsize=256)
+def _union(a: Mesh, b: Mesh) -> tuple[int, ...]:
+    """Both meshes' ranks, ascending (a plan between meshes reads it on every call)."""
+    return tuple(sorted(set(a.ranks) | set(b.ranks)))

@@ -348,7 +348,7 @@ def _issue_cross(job: Job, x: Out | None, trace: ByteTrace | None, start: int,
     transfer on both."""
     plan, src, dst = job.plan, job.bound, job.dst
     assert dst is not None, "a plan between meshes has a destination"
-    if src.rank not in plan.ranks:
+    if src.rank not in plan.mesh and src.rank not in dst.mesh:
         return None
     bounds = {plan.mesh: src, dst.mesh: dst}
     out: Out | None = x

@@ -34,8 +34,10 @@ from ...core.errors import (
 )
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, divide, op_reduce
-from ...planner.values import Plan, Step
+from ...planner.values import Plan, Step, Transfer
 from ..local import (
+    assemble,
+    block,
     exchange,
     local_move,
     pack,
@@ -505,9 +507,9 @@ def check_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups) -> N
         raise MeshMismatchError(f"the source and destination meshes were bound on different"
                                 f" processes (ranks {src.rank} and {dst.rank})")
     rank = src.rank
-    if rank not in plan.ranks:
+    if rank not in plan.mesh and rank not in plan.dst_mesh:
         return                                  # in neither mesh: it does nothing
-    if rank not in plan.mesh.ranks:
+    if rank not in plan.mesh:
         if local is not None:
             raise ShapeError(
                 f"rank {rank} is not in the source mesh {plan.mesh!r}, so it has no input,"
@@ -528,36 +530,100 @@ def transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
              trace: ByteTrace | None) -> Later:
     """The send_recv between meshes, posted: one batch of point-to-point messages, one per
     pair (on a rank outside the destination mesh, its result is an empty tensor)."""
+    if torch.compiler.is_compiling():
+        return _transfer_traced(step, x, plan, dst, trace)
+    rank = dst.rank
+    held = x if x is not None else torch.empty(0, dtype=plan.dtype, device=dst.device)
+    route = _route(step, rank)      # this rank's peers and blocks, worked out once
+    sends = [(_message(held, ts), peer) for peer, ts in route.sends]
+    backs = [(held.new_empty(n), peer) for peer, n, _ in route.recvs]
+    posted, call = wire.p2p(sends, backs, wire.WORLD)   # peers are global ranks
+    if trace is not None:
+        size = held.element_size()
+        trace.add(step.kind, step.axes, call.sent * size, call.received * size)
+    if not dst.in_mesh:
+        return Later((posted,), lambda *_: held.new_empty(0))
+    shape = step.after.local_shape(dst.mesh, plan.shape, rank)
+    own = [(t, block(held, t.src_index).reshape(-1)) for t in route.own]
+
+    def land(*_: Tensor) -> Tensor:
+        parts = list(own)
+        for (buf, _peer), (_from, _n, ts) in zip(backs, route.recvs):
+            at = 0
+            for t in ts:
+                parts.append((t, buf[at:at + t.numel]))
+                at += t.numel
+        return assemble(parts, shape, step.op, held)
+    return Later((posted,), land)
+
+
+class Route(NamedTuple):
+    """One rank's part of a transfer between meshes: to each peer, the blocks it sends (in
+    the order they travel); from each peer, the elements and blocks it receives; the blocks
+    it keeps (source and destination both itself)."""
+
+    sends: tuple[tuple[int, tuple[Transfer, ...]], ...]
+    recvs: tuple[tuple[int, int, tuple[Transfer, ...]], ...]
+    own: tuple[Transfer, ...]
+
+
+_ROUTES: dict[int, tuple[Step, int, Route]] = {}
+
+
+def _route(step: Step, rank: int) -> Route:
+    """`rank`'s Route of `step`, cached by the step's identity (a prepared plan's steps live
+    as long as the plan): each call after the first costs one dict lookup, whatever the
+    number of ranks."""
+    hit = _ROUTES.get(id(step))
+    if hit is not None and hit[0] is step and hit[1] == rank:
+        return hit[2]
+    sends: dict[int, list[Transfer]] = {}
+    recvs: dict[int, list[Transfer]] = {}
+    own = []
+    for t in rank_transfers(step, rank):
+        if t.src == rank and t.dst == rank:
+            own.append(t)
+        elif t.src == rank:
+            sends.setdefault(t.dst, []).append(t)
+        elif t.dst == rank:
+            recvs.setdefault(t.src, []).append(t)
+    route = Route(tuple((p, tuple(ts)) for p, ts in sorted(sends.items())),
+                  tuple((p, sum(t.numel for t in ts), tuple(ts))
+                        for p, ts in sorted(recvs.items())), tuple(own))
+    if len(_ROUTES) >= 1024:
+        _ROUTES.clear()
+    _ROUTES[id(step)] = (step, rank, route)
+    return route
+
+
+def _message(x: Tensor, blocks: Sequence[Transfer]) -> Tensor:
+    """The flat message of `blocks` of `x`, in order (no copy for one whole block)."""
+    parts = [block(x, t.src_index).reshape(-1) for t in blocks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _transfer_traced(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
+                     trace: ByteTrace | None) -> Later:
+    """`transfer` under torch.compile: one all_to_all over the group of exactly the plan's
+    ranks (every one of them posts here; peers are group positions), as a permute's: a
+    traced batch_p2p_ops raced under inductor (wrong values on some ranks in some runs)."""
     ranks, rank = plan.ranks, dst.rank
     me = ranks.index(rank)
     held = x if x is not None else torch.empty(0, dtype=plan.dtype, device=dst.device)
-    mine = rank_transfers(step, rank)     # this rank's blocks only
+    mine = rank_transfers(step, rank)
     flat, send_splits = pack(mine, ranks, rank, held)
     wanted = recv_splits(mine, ranks, rank)
-    out = flat.new_empty(sum(wanted))
     sends = torch.split(flat, send_splits)
-    recvs = torch.split(out, wanted)
-    # Traced, the batch is one all_to_all over the group of exactly the plan's ranks
-    # (every one of them posts here; peers are group positions), as a permute's: a traced
-    # batch_p2p_ops raced under inductor (wrong values on some ranks in some runs). Eager,
-    # one batch_isend_irecv, peers global ranks.
-    union = _union_group(ranks) if torch.compiler.is_compiling() else None
-    peer = (lambda j: j) if union is not None else (lambda j: ranks[j])
-    to = [(sends[j], peer(j)) for j in range(len(ranks)) if j != me and send_splits[j]]
-    back = [(recvs[j], peer(j)) for j in range(len(ranks)) if j != me and wanted[j]]
-    posted, call = wire.p2p(to, back, wire.WORLD if union is None else union.name, union,
-                            flat)
-    if union is None:
-        recvs[me].copy_(sends[me])    # what this rank keeps, while the messages travel
+    union = _union_group(ranks)
+    to = [(sends[j], j) for j in range(len(ranks)) if j != me and send_splits[j]]
+    back = [(flat.new_empty(wanted[j]), j) for j in range(len(ranks)) if j != me and wanted[j]]
+    posted, call = wire.p2p(to, back, union.name, union, flat)
     if trace is not None:
         trace.add(step.kind, step.axes, call.sent * flat.element_size(),
                   call.received * flat.element_size())
 
     def landed(*got: Tensor) -> Tensor:
-        """The flat receive buffer: filled in place (eager), or the pieces in rank order,
-        this rank's own among them (traced: the all_to_all's output)."""
-        if union is None:
-            return out
+        """The pieces in rank order, this rank's own among them (the all_to_all's output)."""
         arrived = iter(got)
         return posted.tied(torch.cat([sends[me] if j == me else next(arrived)
                                       for j in range(len(ranks)) if j == me or wanted[j]]))
