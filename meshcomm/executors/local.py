@@ -180,36 +180,22 @@ def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
 
     With `fill_op`, elements no transfer writes hold that reduction's identity (a rank
     that only contributes part of a pending reduction)."""
-    out = flat.new_empty(out_shape) if fill_op is None else identity_like(
-        flat.new_empty(out_shape), fill_op)
-    offset = 0
     where = _positions(mesh)
-    mine = [t for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1)
-            if t.dst == rank]
-    if len(mine) == 1 and flat.numel() == math.prod(out_shape) and _whole(
-            mine[0].dst_index, out_shape):
-        return flat.reshape(out_shape)        # the one block is the output: no copy
-    for t in mine:
-        part = flat[offset:offset + t.numel]
-        if t.dst_index:
-            runs = [run_slice(ix) for ix in t.dst_index]
-            shape = [len(ix) for ix in t.dst_index]
-            if all(r is not None for r in runs):
-                out[tuple(runs)] = part.reshape(shape)
-            else:
-                out[grid(t.dst_index, flat.device)] = part.reshape(shape)
-        else:
-            out = part.reshape(out_shape).clone()
-        offset += t.numel
-    return out
+    parts, offset = [], 0
+    for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1):
+        if t.dst == rank:
+            parts.append((t, flat[offset:offset + t.numel]))
+            offset += t.numel
+    return assemble(parts, out_shape, fill_op, flat)
 
 
 def assemble(parts: Sequence[tuple[Transfer, Tensor]], out_shape: tuple[int, ...],
-             fill_op: str | None, like: Tensor) -> Tensor:
+             fill_op: str | None, like: Tensor, fresh: bool = False) -> Tensor:
     """An output of `out_shape` from received (or kept) blocks: each flat tensor written at
-    its transfer's `dst_index`. One block that is the whole output is the output (no copy).
-    With `fill_op`, elements no block writes hold that reduction's identity."""
-    if len(parts) == 1 and parts[0][1].numel() == math.prod(out_shape) and _whole(
+    its transfer's `dst_index`. With `fresh` (the one part is a buffer nobody else holds),
+    one block that is the whole output is the output, not a copy. With `fill_op`, elements
+    no block writes hold that reduction's identity."""
+    if fresh and len(parts) == 1 and parts[0][1].numel() == math.prod(out_shape) and _whole(
             parts[0][0].dst_index, out_shape):
         return parts[0][1].reshape(out_shape)
     out = like.new_empty(out_shape) if fill_op is None else identity_like(

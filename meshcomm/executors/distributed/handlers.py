@@ -553,7 +553,7 @@ def transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
             for t in ts:
                 parts.append((t, buf[at:at + t.numel]))
                 at += t.numel
-        return assemble(parts, shape, step.op, held)
+        return assemble(parts, shape, step.op, held, fresh=not own)   # received: ours alone
     return Later((posted,), land)
 
 
