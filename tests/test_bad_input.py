@@ -205,7 +205,7 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
      "CostModel needs bandwidth > 0 and latency >= 0, got CostModel(latency_s=(('*',"
      " 0.0),), bandwidth=(('*', 0.0),), backend='nccl', native=('local', 'all_gather',"
      " 'reduce_scatter', 'all_reduce', 'all_to_all', 'collective_permute', 'send_recv'),"
-     " trees=True)"),
+     " trees=True, wires=())"),
     ("other", "reshard_many item", lambda: mc.reshard_many([(X, B)]), ShapeError,
      'reshard_many: items[0] is neither (Sharded, dst) nor (x_local, mesh, src, dst,'
      ' shape)'),
