@@ -196,12 +196,12 @@ class Side:
 
 
 def mine_of(rank: int, n: int) -> list[int]:
-    return [s for s in range(n) if s % WORLD == rank]
+    return [s for s in range(n) if s % dist.get_world_size() == rank]
 
 
 def meshcomm_side(rank: int, name: str, n: int, cfg: dict[str, Any],
                   modules: dict[int, nn.Module], x: torch.Tensor, t: torch.Tensor) -> Side:
-    meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[s % WORLD])) for s in range(n)]
+    meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[s % dist.get_world_size()])) for s in range(n)]
     stages = [Stage(meshes[s], "b h", "b h", modules.get(s)) for s in range(n)]
     pipe = Pipeline(stages, name, microbatches=cfg["microbatches"],
                     shapes=(cfg["batch"] // cfg["microbatches"], cfg["hidden"]),
@@ -293,8 +293,8 @@ def cost_sample(rank: int, n: int, modules: dict[int, nn.Module], cfg: dict[str,
     hop = torch.zeros(1, dtype=torch.float64)
     dist.barrier()
     t0 = time.perf_counter()
-    ops = [dist.P2POp(dist.isend, send, (rank + 1) % WORLD),
-           dist.P2POp(dist.irecv, recv, (rank - 1) % WORLD)]
+    ops = [dist.P2POp(dist.isend, send, (rank + 1) % dist.get_world_size()),
+           dist.P2POp(dist.irecv, recv, (rank - 1) % dist.get_world_size())]
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     hop[0] = time.perf_counter() - t0
@@ -309,7 +309,7 @@ def handoff_s(pipe: Pipeline, rank: int, n: int, x: torch.Tensor) -> float:
     rank's: rank r sends its first stage's output (boundary r) and receives the boundary
     into it (r - 1, or for rank 0 of an interleaved pipeline, the last rank's boundary into
     its second stage), every rank at once."""
-    into = (rank - 1) % WORLD
+    into = (rank - 1) % dist.get_world_size()
     recv = pipe.handoffs.get(("F", into)) if into < n - 1 and into + 1 in pipe.mine else None
     send = pipe.handoffs.get(("F", rank)) if rank < n - 1 else None
     dist.barrier()
@@ -340,7 +340,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def run_schedule(rank: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     v = 2 if name == "interleaved_1f1b" else 1
-    n = WORLD * v
+    n = dist.get_world_size() * v
     mine = mine_of(rank, n)
     x, t = batch(cfg)
     mc_mods = {s: stage_module(s, n, cfg) for s in mine}
@@ -463,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small model, few repeats")
     parser.add_argument("--json", type=Path, default=None, help=f"default {DEFAULT_JSON}")
     parser.add_argument("--timeout", type=float, default=1800.0, help="s, for the whole run")
+    parser.add_argument("--world", type=int, default=WORLD,
+                        help=f"processes, one stage each (default {WORLD}; 2 gives each its"
+                             " own core on a 2-core machine)")
     args = parser.parse_args(argv)
     if args.quick:
         cfg = {"hidden": 128, "batch": 32, "microbatches": 4, "blocks": 8, "warmup": 1,
@@ -472,11 +475,11 @@ def main(argv: list[str] | None = None) -> int:
                "repeat": 21}
     cfg["schedules"] = list(SCHEDULES)
     load_start = os.getloadavg()
-    rows = merge(run_ranks(worker, WORLD, cfg, timeout_s=args.timeout))
+    rows = merge(run_ranks(worker, args.world, cfg, timeout_s=args.timeout))
     report = {
         "meta": {"torch": torch.__version__, "python": platform.python_version(),
                  "machine": platform.machine(), "cpus": os.cpu_count(), "quick": args.quick,
-                 "dtype": "float32", "world": WORLD, "threads_per_rank": 1, **{
+                 "dtype": "float32", "world": args.world, "threads_per_rank": 1, **{
                      k: v for k, v in cfg.items() if k != "schedules"},
                  "model": f"{cfg['blocks']} x (Linear({cfg['hidden']}, {cfg['hidden']}) + GELU),"
                           " mse loss",
