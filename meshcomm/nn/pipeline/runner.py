@@ -139,6 +139,10 @@ class Pipeline:
         single = all(len(st.mesh.mesh.ranks) == 1 for st in self.stages)
         self.releases = _releases(self.schedule, self.me) if single else {}
         self.last = {s: _last_backward(self.row, s) for s in self.mine}
+        # what each stage of this rank must give: its output layout's local shape here
+        self.out_shapes = {s: tuple(self.forward_plans[s].src.local_shape(
+            self.forward_plans[s].mesh, self.forward_plans[s].shape, self.rank))
+            for s in self.mine if s < n - 1}
         simulate(self.schedule, StageCosts.uniform(n))      # refuses a deadlock, here
         self.ties = TiedGrads(self, ties) if ties else None
         if checking(self.stages[0].mesh, check):
@@ -350,9 +354,8 @@ class _Step:
 
     def _check_out(self, s: int, y: Tensor) -> None:
         p = self.p
-        plan = p.forward_plans[s]
-        want = Layout.parse(str(plan.src)).local_shape(plan.mesh, plan.shape, p.rank)
-        if tuple(y.shape) != tuple(want) or y.dtype != p.dtype:
+        plan, want = p.forward_plans[s], p.out_shapes[s]
+        if tuple(y.shape) != want or y.dtype != p.dtype:
             raise ShapeError(
                 f"pipeline stage {s} on rank {p.rank} gave an output of shape {tuple(y.shape)}"
                 f" and dtype {y.dtype}, but its layout \"{plan.src}\" of the declared shape"
@@ -380,7 +383,7 @@ def _grad(x: Tensor) -> Tensor:
 def _schedule(schedule: str | Schedule, stages: Sequence[Stage], m: int) -> Schedule:
     if isinstance(schedule, Schedule):
         out = schedule
-    elif isinstance(schedule, str) and "," in schedule or "\n" in str(schedule):
+    elif isinstance(schedule, str) and ("," in schedule or "\n" in schedule):
         out = Schedule.from_csv(str(schedule))
     elif isinstance(schedule, str):
         groups = {tuple(sorted(s.mesh.mesh.ranks)) for s in stages}
