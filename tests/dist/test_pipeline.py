@@ -84,7 +84,7 @@ def sgd(params: list[nn.Parameter]) -> None:
 
 
 def full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
 
 
 # -- four processes, one rank per stage ------------------------------------------------------

@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 import torch
 from conftest import outcome, run_scaled
+from test_pipeline import Block, RowSum, full, mse, sgd
 from torch import nn
 
 import meshcomm as mc
 from meshcomm.nn.pipeline import Pipeline, Stage, StageParam, load_state_dict, state_dict
 
-B, H, M, LR, LAYERS = 8, 8, 4, 0.2, 4
+B, H, M, LAYERS = 8, 8, 4, 4    # B, H as test_pipeline's (its Block, RowSum, sgd)
 F64 = torch.float64
 NAN = torch.full((H, H), float("nan"), dtype=F64)
 
@@ -39,10 +40,6 @@ def data() -> dict[str, Any]:
     return {"w": [torch.randn(H, H, generator=g, dtype=F64) / H ** 0.5 for _ in range(LAYERS)],
             "x": torch.randn(3, B, H, generator=g, dtype=F64),
             "t": torch.randn(3, B, H, generator=g, dtype=F64)}
-
-
-def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((y - t) ** 2).mean()
 
 
 def reference() -> dict[str, Any]:
@@ -58,39 +55,6 @@ def reference() -> dict[str, Any]:
         sgd(ws)
         losses.append(loss.item())
     return {"losses": losses, "w": [w.detach() for w in ws]}
-
-
-def sgd(params: Any) -> None:
-    with torch.no_grad():
-        for p in params:
-            p -= LR * p.grad
-            p.grad = None
-
-
-def full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-
-
-class Block(nn.Module):
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__()
-        self.w = nn.Parameter(w.clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x @ self.w)
-
-
-class RowSum(nn.Module):
-    """tanh(x @ w[my tp rows], all-reduced over tp): "b (tp h)" -> "b o"."""
-
-    def __init__(self, w: torch.Tensor, bound: mc.BoundMesh) -> None:
-        super().__init__()
-        self.bound = bound
-        tp, k = bound.coords["tp"], H // bound.mesh.axis_size("tp")
-        self.w = nn.Parameter(w[tp * k:(tp + 1) * k].clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(mc.reshard(x @ self.w, self.bound, "b o | sum(tp)", "b o"))
 
 
 def pipeline(stages: list[Stage]) -> Pipeline:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ranks_fixture
+from test_pipeline import Block, full, mse, sgd
 from torch import nn
 
 import meshcomm as mc
@@ -28,7 +29,7 @@ from meshcomm.executors.distributed import wire
 from meshcomm.nn.fsdp.param import UNIT_ATTR
 from meshcomm.nn.pipeline import Pipeline, Stage
 
-B, H, M, STEPS, LR = 8, 8, 4, 3, 0.2
+B, H, M, STEPS = 8, 8, 4, 3   # B, H as test_pipeline's (its Block, RowSum, sgd)
 UNITS, BLOCKS = 3, 5                      # stage 1 holds blocks 1-3, one unit each
 F64 = torch.float64
 SCHEDULES = ("1f1b", "zero_bubble")
@@ -41,30 +42,6 @@ def data() -> dict[str, Any]:
     return {"w": [torch.randn(H, H, generator=g, dtype=F64) / H ** 0.5 for _ in range(BLOCKS)],
             "x": torch.randn(STEPS, B, H, generator=g, dtype=F64),
             "t": torch.randn(STEPS, B, H, generator=g, dtype=F64)}
-
-
-def mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    return ((y - t) ** 2).mean()
-
-
-class Block(nn.Module):
-    def __init__(self, w: torch.Tensor) -> None:
-        super().__init__()
-        self.w = nn.Parameter(w.clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(x @ self.w)
-
-
-def sgd(params: list[nn.Parameter]) -> None:
-    with torch.no_grad():
-        for p in params:
-            p -= LR * p.grad
-            p.grad = None
-
-
-def full(p: torch.Tensor) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
 def reference() -> dict[str, Any]:
