@@ -33,7 +33,11 @@ stage (`mc.init_mesh(mc.Mesh("x=1", ranks=[r]))`), layouts "b h" both sides.
   prediction, `predicted_s_gloo_hop`),
   sampled after every timed pair of steps (so under the same load) with every rank timing
   its own stages at once; `simulate(pipe.schedule, costs).step_time` against the measured
-  median step time.
+  median step time. A second prediction ("in-run") takes each stage's forward and backward
+  time from the pipeline itself: the median length of that stage's actions in the last
+  timed step, recorded by `Pipeline(record=True)` (compute as it ran, beside the other
+  ranks); that step's recorded timeline gives the measured bubble fraction beside the
+  simulated one.
 - Exactness: the first step's loss and every stage's gradients, meshcomm against torch.
 """
 
@@ -61,7 +65,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import meshcomm as mc
 from meshcomm.executors.distributed import wire
-from meshcomm.nn.pipeline import Pipeline, Stage, StageCosts, simulate
+from meshcomm.nn.pipeline import Action, Event, Pipeline, Stage, StageCosts, simulate, timeline
 from meshcomm.runtime.launch import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -205,7 +209,7 @@ def meshcomm_side(rank: int, name: str, n: int, cfg: dict[str, Any],
     stages = [Stage(meshes[s], "b h", "b h", modules.get(s)) for s in range(n)]
     pipe = Pipeline(stages, name, microbatches=cfg["microbatches"],
                     shapes=(cfg["batch"] // cfg["microbatches"], cfg["hidden"]),
-                    loss_fn=mse, dtype=torch.float32)
+                    loss_fn=mse, dtype=torch.float32, record=True)
     first, last = 0 in pipe.mine, n - 1 in pipe.mine
 
     def step() -> torch.Tensor | None:
@@ -334,6 +338,36 @@ def stage_costs(samples: torch.Tensor, n: int, cfg: dict[str, Any], hop: int = 0
     return StageCosts(tuple(med[:n]), tuple(med[n:2 * n]), (), send, send, (act,) * n)
 
 
+KINDS = "FBIW"
+
+
+def recorded(pipe: Pipeline) -> list[list[float]]:
+    """Every rank's events of the pipeline's last step, as rows [rank, stage, kind, microbatch,
+    start, end] (machine-wide `perf_counter` seconds: the ranks share one clock here)."""
+    rows = max(len(r) for r in pipe.schedule.compute_only().rows)
+    mine = torch.full((rows, 6), -1.0, dtype=torch.float64)
+    for i, e in enumerate(pipe.events):
+        mine[i] = torch.tensor([e.rank, e.action.stage, KINDS.index(e.action.kind),
+                                e.action.microbatch, pipe.started + e.start,
+                                pipe.started + e.end], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [row for t in every for row in t.tolist() if row[0] >= 0]
+
+
+def in_run_costs(pipe: Pipeline, events: list[list[float]], like: StageCosts) -> StageCosts:
+    """`like` with each stage's forward and backward replaced by the median length of that
+    stage's actions in the recorded step (compute as it ran in the pipeline, under whatever
+    else the machine ran at the time)."""
+    n = pipe.schedule.n_stages
+    took: dict[tuple[int, int], list[float]] = {}
+    for _, s, k, _, t0, t1 in events:
+        took.setdefault((int(s), int(k)), []).append(t1 - t0)
+    med = {key: statistics.median(v) for key, v in took.items()}
+    return StageCosts(tuple(med[(s, 0)] for s in range(n)), tuple(med[(s, 1)] for s in range(n)),
+                      (), like.send_forward, like.send_backward, like.activation_bytes)
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
@@ -375,7 +409,12 @@ def run_schedule(rank: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     times, samples = timed(sides, lambda: cost_sample(rank, n, mc_mods, cfg, pipe),
                            cfg["warmup"], cfg["repeat"])
     costs = stage_costs(samples, n, cfg)
-    timeline = simulate(pipe.schedule, costs)
+    predicted = simulate(pipe.schedule, costs)
+    events = recorded(pipe)          # the last timed step's, as it ran
+    measured = timeline(
+        pipe.schedule, [Event(int(r), Action(int(s), KINDS[int(k)], int(mb)), t0, t1)
+                        for r, s, k, mb, t0, t1 in events])
+    in_run = simulate(pipe.schedule, in_run_costs(pipe, events, costs))
     gloo_costs = stage_costs(samples, n, cfg, hop=1)
     return {"schedule": name, "stages": n, "loss": loss_value, "loss_abs_diff": loss_diff,
             "grad_max_rel_diff": grad_diff, "times": times,
@@ -385,8 +424,14 @@ def run_schedule(rank: int, name: str, cfg: dict[str, Any]) -> dict[str, Any]:
                       "hop_s": costs.send_forward[0] if costs.send_forward else 0.0,
                       "gloo_hop_s": gloo_costs.send_forward[0] if n > 1 else 0.0},
             "predicted_s_gloo_hop": simulate(pipe.schedule, gloo_costs).step_time,
-            "predicted_s": timeline.step_time, "predicted_bubble": timeline.bubble_fraction,
-            "predicted_peak_bytes": list(timeline.peak_bytes)}
+            "predicted_s": predicted.step_time, "predicted_bubble": predicted.bubble_fraction,
+            "predicted_peak_bytes": list(predicted.peak_bytes),
+            "recorded_step_s": measured.step_time, "recorded_busy_s": list(measured.busy),
+            "recorded_bubble": measured.bubble_fraction,
+            "predicted_s_in_run": in_run.step_time, "predicted_bubble_in_run":
+                in_run.bubble_fraction,
+            "costs_in_run": {"forward_s": list(in_run_costs(pipe, events, costs).forward),
+                             "backward_s": list(in_run_costs(pipe, events, costs).backward)}}
 
 
 def progress(rank: int, text: str) -> None:
@@ -437,6 +482,13 @@ def merge(by_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
             "predicted_s_gloo_hop": first["predicted_s_gloo_hop"],
             "sim_error_gloo_hop": first["predicted_s_gloo_hop"] / med["meshcomm"] - 1,
             "sim_error_vs_torch": pred / med["torch"] - 1,
+            "recorded_step_s": first["recorded_step_s"],
+            "recorded_busy_s": first["recorded_busy_s"],
+            "recorded_bubble": first["recorded_bubble"],
+            "costs_in_run": first["costs_in_run"],
+            "predicted_s_in_run": first["predicted_s_in_run"],
+            "predicted_bubble_in_run": first["predicted_bubble_in_run"],
+            "sim_error_in_run": first["predicted_s_in_run"] / med["meshcomm"] - 1,
         })
     return rows
 
@@ -444,7 +496,8 @@ def merge(by_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 def render(rows: list[dict[str, Any]]) -> str:
     kib = 1024
     lines = ["schedule          mc ms  torch ms  time   sent KiB mc/torch  bytes  peak KiB"
-             " mc/torch  peak   sim ms  sim err  loss diff  grad diff"]
+             " mc/torch  peak   sim ms  sim err  in-run err  bubble sim/rec  loss diff"
+             "  grad diff"]
     for r in rows:
         s, p = r["sent_bytes_by_rank"], r["peak_bytes_by_rank"]
         lines.append(
@@ -453,7 +506,9 @@ def render(rows: list[dict[str, Any]]) -> str:
             f"  {max(s['meshcomm_wire']) / kib:8.0f}/{max(s['torch_p2p']) / kib:<8.0f}"
             f"  {r['bytes_ratio']:4.2f}x  {max(p['meshcomm']) / kib:7.0f}/"
             f"{max(p['torch']) / kib:<7.0f}  {r['peak_ratio']:4.2f}x  "
-            f"{r['predicted_s'] * 1e3:6.1f}  {r['sim_error']:+6.1%}  {r['loss_abs_diff']:.1e}"
+            f"{r['predicted_s'] * 1e3:6.1f}  {r['sim_error']:+6.1%}  "
+            f"{r['sim_error_in_run']:+9.1%}  {r['predicted_bubble_in_run']:5.1%}/"
+            f"{r['recorded_bubble']:<5.1%}  {r['loss_abs_diff']:.1e}"
             f"    {r['grad_max_rel_diff']:.1e}")
     return "\n".join(lines)
 

@@ -96,15 +96,18 @@ def _single(rank: int, world: int, schedule: Any, n: int) -> dict[str, Any]:
     stages = [Stage(meshes[s], "b h", "b h", Block(d["w"][s]) if meshes[s].in_mesh else None)
               for s in range(n)]
     pipe = Pipeline(stages, schedule, microbatches=M, shapes=(B // M, H), dtype=F64,
-                    loss_fn=mse)
+                    loss_fn=mse, record=True)
     losses = []
     for x, t in zip(d["x"], d["t"]):
         loss = pipe.step(x if 0 in pipe.mine else None, t if n - 1 in pipe.mine else None)
         if loss is not None:
             losses.append(loss.item())
         sgd([stages[s].module.w for s in pipe.mine])   # type: ignore[union-attr]
+    events = [(e.rank, str(e.action), pipe.started + e.start, pipe.started + e.end)
+              for e in pipe.events]                    # the last step's, clock of the machine
     return {"losses": losses, "w": {s: stages[s].module.w.detach()   # type: ignore[union-attr]
-                                    for s in pipe.mine}}
+                                    for s in pipe.mine},
+            "events": events, "schedule": pipe.schedule.to_csv()}
 
 
 def _torch_interleaved_csv(p: int, v: int, m: int) -> str:
@@ -141,6 +144,38 @@ def test_every_schedule_trains_as_one_process(four, name, n):
     assert sorted(w) == list(range(n))
     for s in range(n):
         torch.testing.assert_close(w[s], ref["w"][s], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,n", SINGLE)
+def test_a_recorded_step_is_each_ranks_row_in_causal_order(four, name, n):
+    """record=True: every rank's events are its row's compute actions in order, one after the
+    other; a stage's forward starts after the previous stage's forward of that microbatch
+    began (its input had to be made first), a backward after the next stage's; the
+    measured Timeline of all ranks' events spans them all."""
+    from meshcomm.nn.pipeline import Action, Event, Schedule, timeline
+
+    schedule = Schedule.from_csv(four[0][name]["schedule"])
+    events = [Event(r, Action.parse(a), t0, t1) for got in four
+              for r, a, t0, t1 in got[name]["events"]]
+    start = {}
+    for r, row in enumerate(schedule.compute_only().rows):
+        mine = [e for e in events if e.rank == r]
+        assert [e.action for e in mine] == list(row)
+        for e, after in zip(mine, mine[1:]):
+            assert e.start <= e.end <= after.start
+        start.update({(e.action.stage, e.action.kind, e.action.microbatch): e.start
+                      for e in mine})
+    back = "I" if schedule.split_backward else "B"
+    for (s, kind, mb), t in start.items():
+        if kind == "F" and s > 0:
+            assert t >= start[(s - 1, "F", mb)]
+        if kind == back and s < n - 1:
+            assert t >= start[(s + 1, back, mb)]
+    measured = timeline(schedule, events)
+    assert measured.step_time == pytest.approx(max(e.end for e in events)
+                                               - min(e.start for e in events))
+    assert all(0 < b <= measured.step_time for b in measured.busy)
+    assert 0 <= measured.bubble_fraction < 1
 
 
 # -- eight processes, stages of other mesh shapes ---------------------------------------------

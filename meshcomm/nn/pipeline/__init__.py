@@ -17,6 +17,7 @@ from ...planner.pipeline import (
     interleaved_1f1b,
     one_f_one_b,
     simulate,
+    timeline,
     zero_bubble,
     zero_bubble_v,
 )
@@ -29,4 +30,4 @@ from .stage import Stage, stage_meshes
 __all__ = ["SCHEDULES", "Action", "Event", "Pipeline", "Schedule", "Stage", "StageCosts",
            "StageParam", "Tie", "Timeline", "balance", "build", "gpipe", "interleaved_1f1b",
            "load_state_dict", "one_f_one_b", "simulate", "stage_meshes", "stage_sums",
-           "state_dict", "zero_bubble", "zero_bubble_v"]
+           "state_dict", "timeline", "zero_bubble", "zero_bubble_v"]

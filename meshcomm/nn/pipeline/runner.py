@@ -31,6 +31,7 @@ use to the end of the step (`Unit.hold`, `Unit.release`).
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from torch import Tensor
 from ...core.errors import CollectiveError, ScheduleError, ShapeError
 from ...core.layout import Layout
 from ...executors.distributed import Handle, Prepared, prepare
-from ...planner.pipeline import Action, Schedule, StageCosts, build, simulate
+from ...planner.pipeline import Action, Event, Schedule, StageCosts, build, simulate
 from ...planner.plan import plan as make_plan
 from ...planner.values import Plan
 from ...runtime.checks import agree_world, checking
@@ -79,16 +80,25 @@ class Pipeline:
     gradients are their sum. `check` (default: the first stage mesh's check mode): every rank of the
     world compares the pipeline it built (schedule, stages, shapes) before the first send,
     and all raise `CollectiveMismatchError` naming the ranks that differ (one small
-    all_reduce over the world, here, at build time). See the module docstring for
-    hand-offs and gradients.
+    all_reduce over the world, here, at build time). `record`: each step keeps this rank's
+    compute as it ran, `events` (one `Event` per action: from its input's arrival to the
+    issue of its output, host seconds since the step began at `started`, a
+    `time.perf_counter()` reading; nothing is synchronised, so on a GPU these are launch
+    times); `meshcomm.nn.pipeline.timeline(schedule, events)` of every rank's events is the
+    measured `Timeline`, to set beside `simulate`'s. See the module docstring for hand-offs
+    and gradients.
     """
 
     def __init__(self, stages: Sequence[Stage], schedule: str | Schedule, *, microbatches: int,
                  shapes: Sequence[int] | Sequence[Sequence[int]],
                  loss_fn: Callable[[Tensor, Any], Tensor],
                  dtype: torch.dtype = torch.float32, loss_reduction: str = "mean",
-                 ties: Sequence[Tie] = (), check: bool | None = None) -> None:
+                 ties: Sequence[Tie] = (), check: bool | None = None,
+                 record: bool = False) -> None:
         self.stages = tuple(stages)
+        self.record = record
+        self.events: tuple[Event, ...] = ()
+        self.started = 0.0
         n = len(self.stages)
         if n < 1 or not all(isinstance(s, Stage) for s in self.stages):
             raise ScheduleError("Pipeline(stages=...): expected a sequence of mc.nn.Stage, one"
@@ -181,11 +191,14 @@ class Pipeline:
         xs = _split(inputs, m, "inputs") if 0 in self.mine else None
         ys = _split(targets, m, "targets") if n - 1 in self.mine else None
         run = _Step(self, xs, ys)
+        self.events = ()
         for s in self.mine:
             _set_sync(self.stages[s], False)
             _set_hold(self.stages[s], True)
         try:
             run.go()
+            self.events = tuple(run.events)
+            self.started = run.t0
         finally:
             for s in self.mine:
                 _set_sync(self.stages[s], True)
@@ -220,6 +233,8 @@ class _Step:
         self.stash: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor | None]] = {}
         self.sends: dict[Key, Handle] = {}
         self.losses: list[Tensor] = []
+        self.events: list[Event] = []
+        self.t0 = time.perf_counter()
 
     def go(self) -> None:
         row = self.p.row
@@ -304,6 +319,13 @@ class _Step:
 
     # compute
     def run(self, a: Action) -> None:
+        began = self._compute(a)
+        if self.p.record:           # host time: from its input's arrival to its sends' issue
+            self.events.append(Event(self.p.me, a, began - self.t0,
+                                     time.perf_counter() - self.t0))
+
+    def _compute(self, a: Action) -> float:
+        """Run `a`; the time its compute began (its input taken)."""
         s, mb = a.stage, a.microbatch
         assert mb is not None
         p = self.p
@@ -316,6 +338,7 @@ class _Step:
                 x = self.xs[mb]
             else:
                 x = _on(self.take(("F", s - 1, mb)), module).detach().requires_grad_()
+            began = time.perf_counter()
             y = module(x)
             if last:
                 assert self.ys is not None
@@ -327,13 +350,14 @@ class _Step:
                 self._check_out(s, y)
                 self.stash[(s, mb)] = (x, y, None)
                 self.give(("F", s, mb), y.detach())
-            return
+            return began
         x, y, g = self.stash[(s, mb)]
         if a.kind in ("B", "I") and not last:
             g = self.take(("B", s, mb)).to(y.device)
             factor = p.scale_out[s] / p.scale_in[s + 1]
             if factor != 1:
                 g = g * factor
+        began = time.perf_counter()
         if a.kind == "B":
             _sync_if_last(p, s, a)
             torch.autograd.backward(y, g)
@@ -351,6 +375,7 @@ class _Step:
             if params:
                 torch.autograd.backward(y, g, inputs=params)
             del self.stash[(s, mb)]
+        return began
 
     def _check_out(self, s: int, y: Tensor) -> None:
         p = self.p

@@ -11,8 +11,8 @@ from .schedules import (
                         zero_bubble,
                         zero_bubble_v,
 )
-from .simulate import Event, StageCosts, Timeline, simulate
+from .simulate import Event, StageCosts, Timeline, simulate, timeline
 
 __all__ = ["SCHEDULES", "Action", "Event", "Schedule", "StageCosts", "Timeline", "build",
-           "gpipe", "interleaved_1f1b", "one_f_one_b", "simulate",
+           "gpipe", "interleaved_1f1b", "one_f_one_b", "simulate", "timeline",
            "zero_bubble", "zero_bubble_v"]

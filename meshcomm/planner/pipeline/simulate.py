@@ -132,11 +132,26 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
                 moved = True
         if not moved:
             raise ScheduleError(_deadlock(schedule, rows, pos, end))
-    step = max(free, default=0.0)
-    busy = tuple(sum(e.end - e.start for e in events if e.rank == r) for r in range(len(rows)))
+    return timeline(schedule, events, costs.activation_bytes)
+
+
+def timeline(schedule: Schedule, events: Sequence[Event],
+             activation_bytes: Sequence[int] = ()) -> Timeline:
+    """The `Timeline` of compute `events` of `schedule`, simulated or recorded by a real step
+    (`Pipeline(record=True)`, its `events`): the step runs from the earliest start to the
+    latest end; a rank's busy time is the sum of its events' lengths; peak bytes as in
+    `simulate` where `activation_bytes` (one per stage) is given."""
+    events = tuple(events)
+    t0 = min((e.start for e in events), default=0.0)
+    if t0:
+        events = tuple(Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events)
+    step = max((e.end for e in events), default=0.0)
+    busy = [0.0] * schedule.n_ranks
+    for e in events:
+        busy[e.rank] += e.end - e.start
     bubbles = tuple(1.0 - b / step if step > 0 else 0.0 for b in busy)
-    return Timeline(schedule, tuple(events), step, busy, _peaks(schedule, costs, events),
-                    bubbles)
+    peaks = _peaks(schedule, tuple(activation_bytes), events)
+    return Timeline(schedule, events, step, tuple(busy), peaks, bubbles)
 
 
 def _ready(schedule: Schedule, costs: StageCosts, a: Action,
@@ -186,13 +201,14 @@ def _deadlock(schedule: Schedule, rows: Sequence[Sequence[Action]], pos: Sequenc
             " mc.nn.pipeline's named schedules)")
 
 
-def _peaks(schedule: Schedule, costs: StageCosts, events: Sequence[Event]) -> tuple[int, ...]:
-    if not costs.activation_bytes:
+def _peaks(schedule: Schedule, activation_bytes: tuple[int, ...], events: Sequence[Event]
+           ) -> tuple[int, ...]:
+    if not activation_bytes:
         return (0,) * schedule.n_ranks
     last = "W" if schedule.split_backward else "B"
     deltas: dict[int, list[tuple[float, int]]] = defaultdict(list)
     for e in events:
-        size = costs.activation_bytes[e.action.stage]
+        size = activation_bytes[e.action.stage]
         if e.action.kind == "F":
             deltas[e.rank].append((e.start, size))
         elif e.action.kind == last:
