@@ -1,0 +1,187 @@
+"""The Hugging Face compatibility table, run: Llama, Qwen3, Mistral, Gemma2 (tied embeddings),
+Phi-3 (fused `qkv_proj`, `gate_up_proj`), GPT-2 (Conv1D, fused `c_attn`, tied) and Mixtral
+(experts), each built from a tiny transformers config (nothing is downloaded), trained for
+3 steps on 4 gloo ranks under each mode it supports, against the same model trained in one
+process: losses and final parameters equal within 1e-5 relative (float32).
+
+Modes (the mesh of the 4 ranks, and what is applied):
+- `fsdp`: `dp=4`, `fully_shard` on every block and the root;
+- `tp`: `tp=4`, `parallelize` with the model's plan below, nothing else;
+- `tp+fsdp`: `dp=2 tp=2`, `parallelize` over tp, then `fully_shard` over dp;
+- `sp`: `tp=4`, the sequence-parallel styles (activations between blocks split over the
+  sequence).
+
+The tiny configs: 2 layers, hidden 64, 8 query heads and 4 key/value heads (grouped-query
+attention that still splits over tp=4), vocabulary 64, eager attention, dropout 0; the
+sequence (12) is longer than the sliding windows (8) of Mistral and Gemma2. One 4-rank job
+trains every row, one after another (as tests/dist/test_hf.py does), and reports each row's
+result or the meshcomm error it raised.
+
+Data parallel convention (as FSDP2's, and tests/dist/test_hf.py's): each dp rank's loss is
+the mean over its share of the batch, gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from conftest import ranks_fixture
+
+import meshcomm as mc
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed"
+                                   " (pip install -e '.[test]' installs it)")
+# the batch, the one-process training loop and the parameter gather of the other HF tests
+from test_hf import BATCH, SEQ, STEPS, VOCAB, full, tokens, train  # noqa: E402
+
+SIZES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
+         "max_position_embeddings": SEQ, "attn_implementation": "eager",
+         "bos_token_id": 1, "eos_token_id": 2}
+WINDOW = 8                                 # sliding window, shorter than SEQ
+RTOL = 1e-5                                # losses; parameters: per tensor, in norm
+
+
+def _config(kind: str) -> Any:
+    """The tiny config of model `kind`."""
+    t = transformers
+    if kind == "llama":
+        return t.LlamaConfig(**SIZES)
+    if kind == "qwen3":                     # per-head q_norm / k_norm
+        return t.Qwen3Config(**SIZES, head_dim=8)
+    if kind == "mistral":
+        return t.MistralConfig(**SIZES, sliding_window=WINDOW)
+    if kind == "gemma2":                    # tied embeddings, soft-capping, sliding layers
+        return t.Gemma2Config(**SIZES, head_dim=8, query_pre_attn_scalar=8,
+                              sliding_window=WINDOW, pad_token_id=0)
+    if kind == "phi3":                      # fused qkv_proj and gate_up_proj
+        return t.Phi3Config(**SIZES, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0)
+    if kind == "mixtral":                   # 4 experts, top-2
+        return t.MixtralConfig(**SIZES, num_local_experts=4, num_experts_per_tok=2)
+    assert kind == "gpt2", f"no tiny config for {kind!r}"
+    return t.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=8,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        attn_implementation="eager", bos_token_id=1, eos_token_id=2)
+
+
+MODEL_CLASS = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mistral": "MistralForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM",
+               "gpt2": "GPT2LMHeadModel"}
+
+
+def build(kind: str) -> Any:
+    """Model `kind` from its tiny config, with the same weights on every call."""
+    torch.manual_seed(0)
+    return getattr(transformers, MODEL_CLASS[kind])(_config(kind))
+
+
+def blocks(model: Any) -> list[Any]:
+    return list(model.model.layers if hasattr(model, "model") else model.transformer.h)
+
+
+# -- hand-written plans --------------------------------------------------------------------------
+_L = "model.layers.*."
+ATTENTION = {_L + "self_attn.[qkv]_proj": "colwise", _L + "self_attn.o_proj": "rowwise"}
+MLP = {_L + "mlp.gate_proj": "colwise", _L + "mlp.up_proj": "colwise",
+       _L + "mlp.down_proj": "rowwise"}
+VOCAB_SPLIT = {"model.embed_tokens": "embedding", "lm_head": "colwise_gather"}
+LLAMA_TP = {**VOCAB_SPLIT, **ATTENTION, **MLP}
+# Qwen3's q_norm / k_norm run on this rank's heads only: their gradients are summed over tp
+QWEN3_TP = {**LLAMA_TP, _L + "self_attn.[qk]_norm": "sp_params"}
+# Mixtral: attention split; the router and experts (3-D parameters) stay replicated over
+# tp, computed alike on every tp rank from the replicated block input
+MIXTRAL_TP = {**VOCAB_SPLIT, **ATTENTION}
+# GPT-2: the MLP (Conv1D) and the tied vocabulary split; the fused c_attn stays whole
+GPT2_TP = {"transformer.wte": "embedding", "lm_head": "colwise_gather",
+           "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the table: a model trained under one mode with one plan."""
+
+    kind: str
+    mode: str                       # fsdp, tp, tp+fsdp, sp
+    plan: dict[str, str] | None = None
+    note: str = ""                  # which plan, in the docs' words
+    marks: tuple[Any, ...] = field(default=())
+
+    @property
+    def mesh(self) -> str:
+        return {"fsdp": "dp=4", "tp": "tp=4", "tp+fsdp": "dp=2 tp=2", "sp": "tp=4"}[self.mode]
+
+
+ROWS: dict[str, Row] = {}
+for _kind in MODEL_CLASS:
+    ROWS[f"{_kind} fsdp"] = Row(_kind, "fsdp")
+for _kind, _plan in (("llama", LLAMA_TP), ("mistral", LLAMA_TP), ("gemma2", LLAMA_TP),
+                     ("qwen3", QWEN3_TP), ("mixtral", MIXTRAL_TP), ("gpt2", GPT2_TP)):
+    for _mode in ("tp", "tp+fsdp"):
+        ROWS[f"{_kind} {_mode}"] = Row(_kind, _mode, _plan)
+
+
+def run_row(row: Row, rank: int, world: int) -> dict[str, Any]:
+    """Train `row` on this rank: its losses (mean over the ranks), whether the embeddings
+    are still one tensor, and every parameter whole."""
+    bound = mc.init_mesh(row.mesh)
+    model = build(row.kind)
+    if row.plan is not None:
+        mc.nn.parallelize(model, bound, row.plan, axis="tp")
+    x = tokens()
+    if "dp" in bound.mesh.axis_names:
+        for block in blocks(model):
+            mc.nn.fully_shard(block, bound, axis="dp")
+        mc.nn.fully_shard(model, bound, axis="dp")
+        dp, n = bound.mesh.coords(rank)["dp"], bound.mesh.axis_size("dp")
+        x = x[dp * (BATCH // n):(dp + 1) * (BATCH // n)]
+    losses = torch.stack(train(model, x, checkpointing=False))
+    torch.distributed.all_reduce(losses)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return {"losses": (losses / world).tolist(), "tied": tied,
+            "params": {k: full(p) for k, p in model.named_parameters()}}
+
+
+def worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, row in ROWS.items():
+        try:
+            out[name] = run_row(row, rank, world)
+        except Exception as err:        # every rank fails alike: the row reports it
+            out[name] = {"error": f"{type(err).__name__}: {err}"}
+    return out
+
+
+four = ranks_fixture(worker, 4, timeout_s=400)
+
+
+@functools.cache
+def one_process(kind: str) -> dict[str, Any]:
+    model = build(kind)
+    losses = train(model, tokens(), checkpointing=False)
+    return {"losses": torch.stack(losses), "params": {k: p.detach() for k, p in
+                                                      model.named_parameters()},
+            "tied": model.get_output_embeddings().weight is model.get_input_embeddings().weight}
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius norms): one number per tensor, so that a weight
+    element near zero does not make rounding look like an error."""
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=r.marks) for n, r in ROWS.items()])
+def test_each_row_trains_as_in_one_process(four: list[dict[str, Any]], name: str) -> None:
+    want = one_process(ROWS[name].kind)
+    got = four[0][name]
+    assert "error" not in got, got.get("error")
+    torch.testing.assert_close(torch.tensor(got["losses"]), want["losses"], rtol=RTOL, atol=0)
+    assert got["tied"] == want["tied"]
+    assert got["params"].keys() == want["params"].keys()
+    errors = {key: relative_error(got["params"][key], p) for key, p in want["params"].items()}
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= RTOL, f"{name}: {worst} is {errors[worst]:.2e} off (relative)"
