@@ -17,8 +17,9 @@ from .fsdp import (
     init_shards,
     set_requires_gradient_sync,
 )
+from .hf_plan import tp_plan_of
 from .losses import vocab_parallel_cross_entropy, vocab_range
-from .parallel import STYLES, parallelize, tp_style
+from .parallel import STYLES, FusedRows, parallelize, tp_style
 from .params import (
     ParamSpec,
     ShardedModule,
@@ -36,7 +37,7 @@ from .tensor_parallel import (
 )
 
 __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
-           "MixedPrecision", "MoE", "ParamSpec", "Pipeline", "Stage", "Tie",
+           "FusedRows", "MixedPrecision", "MoE", "ParamSpec", "Pipeline", "Stage", "Tie",
            "Routing", "RowParallelLinear", "STYLES", "ShardedModule", "TPEntry",
            "VocabParallelEmbedding", "attention", "attention_costs", "attention_explain",
            "attention_reference",
@@ -44,7 +45,7 @@ __all__ = ["CheckpointError", "CheckpointRead", "ColumnParallelLinear", "Comm",
            "fsdp_schedule", "fully_shard", "gather_params", "init_shards", "load_checkpoint",
            "logical_axes", "parallelize", "param_spec", "planning_mesh", "register_hf_attention",
            "save_checkpoint",
-           "set_requires_gradient_sync", "stage_meshes", "tp_style",
+           "set_requires_gradient_sync", "stage_meshes", "tp_plan_of", "tp_style",
            "vocab_parallel_cross_entropy", "vocab_range"]
 
 

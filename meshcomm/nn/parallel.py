@@ -52,6 +52,7 @@ from ..core.names import positional_names
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, local_of, wrap
 from ..runtime.bind import BoundMesh, require_bound
+from .hf_plan import Fused, LocalSizes, fused_parts, tp_plan_of
 from .moves import Entry, Exit
 from .tensor_parallel import VocabRows
 
@@ -71,6 +72,9 @@ class Style:
     "sum" (`| sum(axis)` -> all_reduce), "sequence" (`| sum(axis)` -> reduce_scatter over
     dim 1), "as is". `grad_sum`: the module's own parameters get their gradients all_reduced
     over the axis (replicated parameters used on sequence-split activations, e.g. norms).
+    `fused`: the output rows are parts stacked along the output dim (q, k, v; gate, up),
+    each split over the axis: the weight stays whole and every forward multiplies by this
+    rank's rows of every part (`FusedRows`), so the output is `[q_r | k_r | v_r]`.
     """
 
     kind: type
@@ -78,6 +82,7 @@ class Style:
     inputs: str
     outputs: str
     grad_sum: bool = False
+    fused: bool = False
 
     def on(self, axis: AxisName, mesh: Mesh) -> StyleLayouts:
         """This style's parameter layouts when it splits over `axis` of `mesh`.
@@ -133,8 +138,77 @@ STYLES = {
     "colwise_gather_sp": Style(nn.Linear, 0, "sequence", "gather"),
     "sp_input": Style(nn.Module, None, "sequence", "as is"),
     "sp_params": Style(nn.Module, None, "as is", "as is", grad_sum=True),
+    # a fused projection (q|k|v, gate|up): every part split over the axis, weight whole
+    "colwise_fused": Style(nn.Linear, None, "replicated", "split", grad_sum=True, fused=True),
+    # parameters replicated over the axis but used on split activations (per-head norms)
+    "replicated_grad_sum": Style(nn.Module, None, "as is", "as is", grad_sum=True),
 }
 TP_ATTR = "_meshcomm_tp"
+LOCAL_ATTR = "_meshcomm_local_sizes"   # an owner of fused projections: its LocalSizes
+AUTO = "auto"           # parallelize(model, bound, "auto"): the model's own plan (tp_plan_of)
+
+
+@dataclass(frozen=True)
+class FusedRows:
+    """The parts of a fused projection's output rows (sizes, in order: q, k, v or gate, up),
+    each split over an axis of `n` ranks: rank `i` of the axis holds rows
+    `[start + i * size // n, start + (i + 1) * size // n)` of every part, in part order.
+
+    >>> FusedRows((8, 4, 4), 2).rows(1)
+    ((4, 8), (10, 12), (14, 16))
+    >>> str(FusedRows((8, 4, 4), 2))
+    'colwise_fused(8,4,4)'
+    """
+
+    parts: tuple[int, ...]
+    n: int
+
+    def __str__(self) -> str:
+        return f"colwise_fused({','.join(map(str, self.parts))})"
+
+    def rows(self, index: int) -> tuple[tuple[int, int], ...]:
+        """(start, stop) of the rows of every part that rank `index` of the axis holds."""
+        out, start = [], 0
+        for size in self.parts:
+            share = size // self.n
+            out.append((start + index * share, start + (index + 1) * share))
+            start += size
+        return tuple(out)
+
+    def take(self, t: Tensor, dim: int, index: int) -> Tensor:
+        """Rank `index`'s rows of every part of `t` along `dim`, concatenated in part order
+        (autograd gives the rest of `t` a zero gradient)."""
+        return torch.cat([t.narrow(dim, a, b - a) for a, b in self.rows(index)], dim=dim)
+
+    def layouts(self, axis: AxisName, mesh: Mesh, ndim: int) -> tuple[Layout, ...]:
+        """The layout of each part of an output of `ndim` dims: its last dim split over
+        `axis` ("d0 d1 (tp d2)"); the local output is these parts side by side."""
+        return (_split_at(ndim, -1, axis, mesh),) * len(self.parts)
+
+
+def parse_style(text: str) -> tuple[str, tuple[int, ...]]:
+    """A plan entry's style name and its numbers: "colwise_fused(3)" (three equal parts) ->
+    ("colwise_fused", (3,)); "colwise_fused(64, 16, 16)" (the sizes of the parts) ->
+    ("colwise_fused", (64, 16, 16)); "colwise" -> ("colwise", ()).
+
+    >>> parse_style("colwise_fused(64, 16, 16)")
+    ('colwise_fused', (64, 16, 16))
+    """
+    name, paren, rest = text.partition("(")
+    name = name.strip()
+    if name not in STYLES:
+        raise StyleError(f"parallelize: style {text!r} is not one of {sorted(STYLES)} (or"
+                         " 'colwise_fused(N)' / 'colwise_fused(size, size, ...)')")
+    if not paren:
+        return name, ()
+    body = rest.rstrip()
+    items = body[:-1].split(",") if body.endswith(")") else []
+    if not STYLES[name].fused or not items or not all(i.strip().isdigit() for i in items):
+        raise StyleError(
+            f"parallelize: cannot read style {text!r}: only 'colwise_fused' takes numbers,"
+            " written 'colwise_fused(N)' (N equal parts) or 'colwise_fused(64, 16, 16)' (the"
+            " output size of each part, in order)")
+    return name, tuple(int(i) for i in items)
 
 
 def _names(ndim: int, mesh: Mesh) -> Layout:
@@ -193,13 +267,17 @@ class _TP:
     """A module's tensor-parallel style: its mesh, axis, layouts and the forward wrapping."""
 
     def __init__(self, module: nn.Module, name: str, style: str, bound: BoundMesh,
-                 axis: str) -> None:
-        self.module, self.name, self.style, self.axis = module, name, style, axis
+                 axis: str, rows: FusedRows | None = None) -> None:
+        self.module, self.name, self.axis = module, name, axis
+        self.style = str(rows) if rows is not None else style
+        self.rows = rows                   # a fused style's parts; None for the others
+        self.index = bound.mesh.coords(bound.rank)[axis]
         # Activations and their gradients differ across the other axes (each dp rank has
         # its batch): their plans run on the tp slice, which knows no other axis.
         self.bound = bound.sub(axis)
         self.mesh = bound.mesh             # names activation dims apart from every axis
         self.spec = STYLES[style]
+        assert (rows is not None) == self.spec.fused, f"{style}: parts {rows}"
         self.layouts = self.spec.on(axis, bound.mesh)
         self.swapped: dict[str, Any] = {}
         self.bias: Any = None
@@ -231,13 +309,19 @@ class _TP:
             if p is not None and is_dtensor(p):     # not gathered by fully_shard: use the shard
                 self.swapped[attr] = p
                 params[attr] = local_of(p)
-        if self.conv1d:    # its forward shapes the output by `nf`: this rank's columns
-            setattr(module, "nf", params["weight"].shape[1])
         if spec.grad_sum and grad:
             for attr, p in list(params.items()):
                 if p is not None:
                     self.swapped.setdefault(attr, p)
                     params[attr] = self.grad_sum(p)
+        if self.rows is not None:          # this rank's rows of every part (whole weight)
+            for attr, p in list(params.items()):
+                if p is not None:
+                    self.swapped.setdefault(attr, p)
+                    dim = 1 if self.conv1d and attr == "weight" else 0
+                    params[attr] = self.rows.take(p, dim, self.index)
+        if self.conv1d:    # its forward shapes the output by `nf`: this rank's columns
+            setattr(module, "nf", params["weight"].shape[1])
         # the input: the first positional argument, or the first tensor passed by keyword
         # (Hugging Face calls its attention and MLP blocks as block(hidden_states=...))
         key = None if args else next(
@@ -286,6 +370,8 @@ class _TP:
             setattr(module, "padding_idx", self.padding_idx)
             out, self.held = VocabRows.masked(out, self.held), None
         bias, self.bias = self.bias, None
+        if self.spec.outputs == "as is":    # any output: an HF attention's (output, weights)
+            return out
         leave = _exit(self.spec.outputs, self.axis, self.mesh, out.dim())
         if leave is None:
             return out
@@ -293,7 +379,7 @@ class _TP:
         return leave(out, self.bound, shape=shape, bias=bias)
 
 
-def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
+def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | str, *,
                 axis: str = "tp") -> nn.Module:
     """Split the weights of the modules `plan` names over `axis` and wrap their forward
     (tensor parallelism); returns `module`, changed in place.
@@ -302,7 +388,10 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
     ...                                  "layers.*.attention.wo": "rowwise"})
 
     `plan` maps module names (`fnmatch` patterns over `named_modules()`) to a style of
-    `STYLES`. Every pattern must match a module of the right type. Apply it before
+    `STYLES` (`colwise_fused` also as `colwise_fused(N)` or `colwise_fused(64, 16, 16)`,
+    see `parse_style`), or is "auto": the model's own plan, `tp_plan_of(module)`. Every
+    pattern must match a module of the right type; a `colwise` on a projection the model
+    declares fused (`fused_parts`) is refused. Apply it before
     `fully_shard`, which then shards the split weights over its own axis.
     """
     mesh = require_bound(mesh, "parallelize")
@@ -313,12 +402,18 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
     if axis not in mesh.mesh.axis_names:
         raise MeshAxisError(f"parallelize(axis={axis!r}): not an axis of {mesh.mesh!r}; fix:"
                             f" one of {list(mesh.mesh.axis_names)}")
+    if isinstance(plan, str):
+        if plan != AUTO:
+            raise StyleError(f"parallelize: plan {plan!r} is neither a mapping of module"
+                             f" names to styles nor {AUTO!r} (the model's own plan)")
+        plan = tp_plan_of(module)
     modules = dict(module.named_modules())
+    n = mesh.mesh.axis_size(axis)
     targets: dict[str, str] = {}      # module name -> style; checked whole before any change
-    for pattern, style in plan.items():
-        if style not in STYLES:
-            raise StyleError(f"parallelize: style {style!r} for {pattern!r} is not one of"
-                             f" {sorted(STYLES)}")
+    fused: dict[str, FusedRows] = {}  # module name -> its parts, for the fused style
+    owners: dict[str, tuple[tuple[str, int], ...]] = {}   # module name -> sizes made local
+    for pattern, text in plan.items():
+        style, numbers = parse_style(text)
         kind = STYLES[style].kind
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
@@ -331,11 +426,24 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str], *,
                                  f" {style!r} needs an nn.{kind.__name__}")
             if hasattr(m, TP_ATTR) or name in targets:
                 raise StyleError(f"parallelize: {name} matches two patterns of the plan")
+            declared = fused_parts(module, name, m) if _kind_fits(m, nn.Linear) else None
+            if STYLES[style].fused:
+                fused[name] = _fused_rows(name, m, text, numbers, declared, n)
+                if declared is not None and declared.attrs:
+                    owners[declared.owner] = _local_sizes(declared, name, n, axis)
+            elif declared is not None and STYLES[style].outputs == "split":
+                raise StyleError(
+                    f"parallelize: {name} is a fused projection ({len(declared.parts)} parts"
+                    f" of sizes {declared.parts} stacked along its output), so {style!r}"
+                    " would give each rank whole parts instead of a slice of every part;"
+                    f" fix: give {pattern!r} the style 'colwise_fused'")
             targets[name] = style
     tied = _check_ties(module, targets, axis, mesh.mesh)
     split: dict[int, nn.Parameter | None] = dict.fromkeys(tied)  # tied: split once
     for name, style in targets.items():
-        _split(modules[name], name, style, mesh, axis, split)
+        _split(modules[name], name, style, mesh, axis, split, fused.get(name))
+    for owner, attrs in owners.items():
+        _localize(modules[owner], attrs, n)
     return module
 
 
@@ -373,8 +481,62 @@ def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: 
     return {key for key, held in places.items() if len(held) > 1}
 
 
+def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],
+                declared: Fused | None, n: int) -> FusedRows:
+    """The parts of fused module `name` over `n` ranks: as `text` numbers them, else as its
+    model declares them; checked against its output width and `n`."""
+    width = _out_features(m)
+    if len(numbers) == 1:
+        if numbers[0] == 0 or width % numbers[0]:
+            raise StyleError(f"parallelize: {name} ({text}): its {width} output rows cannot"
+                             f" be {numbers[0]} equal parts; fix: give each part's size,"
+                             " 'colwise_fused(64, 16, 16)'")
+        parts = (width // numbers[0],) * numbers[0]
+    elif numbers:
+        parts = numbers
+    elif declared is not None:
+        parts = declared.parts
+    else:
+        raise StyleError(
+            f"parallelize: {name} ({text}): its model declares no parts for it (meshcomm"
+            " knows GPT-2's c_attn and Phi-3's qkv_proj and gate_up_proj); fix: name them,"
+            " 'colwise_fused(2)' for 2 equal parts or 'colwise_fused(64, 16, 16)' with the"
+            " output size of each part, in order")
+    if declared is not None and parts != declared.parts:
+        raise StyleError(f"parallelize: {name} ({text}): parts {parts}, but its model"
+                         f" declares {declared.parts}; fix: write 'colwise_fused'")
+    if sum(parts) != width:
+        raise ShapeError(f"parallelize: {name} ({text}): parts {parts} add up to"
+                         f" {sum(parts)}, but it has {width} output rows; fix: give sizes"
+                         f" that add up to {width}")
+    if any(p % n for p in parts):
+        raise ShapeError(f"parallelize: {name} ({text}): parts {parts} do not all divide"
+                         f" over {n} ranks; fix: use an axis whose size divides every part")
+    return FusedRows(parts, n)
+
+
+def _local_sizes(declared: Fused, name: str, n: int, axis: str
+                 ) -> tuple[tuple[str, int], ...]:
+    bad = [f"{a}={v}" for a, v in declared.attrs if v % n]
+    if bad:
+        raise ShapeError(f"parallelize: {name} is fused and {declared.owner} splits its"
+                         f" output by {', '.join(bad)}, which {axis!r} ({n} ranks) does not"
+                         " divide; fix: use an axis whose size divides the heads")
+    return declared.attrs
+
+
+def _localize(owner: nn.Module, attrs: tuple[tuple[str, int], ...], n: int) -> None:
+    """While `owner` runs, its attributes `attrs` hold this rank's sizes (`LocalSizes`)."""
+    if hasattr(owner, LOCAL_ATTR):
+        return
+    local = LocalSizes(attrs, n)
+    setattr(owner, LOCAL_ATTR, local)
+    owner.register_forward_pre_hook(local.pre)
+    owner.register_forward_hook(local.post)
+
+
 def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
-           split: dict[int, nn.Parameter | None]) -> None:
+           split: dict[int, nn.Parameter | None], rows: FusedRows | None = None) -> None:
     spec = STYLES[style]
     for attr, p in list(m._parameters.items()):
         if p is None or spec.split is None:
@@ -394,7 +556,7 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
         m._parameters[attr] = nn.Parameter(dt, requires_grad=p.requires_grad)
         if id(p) in split:
             split[id(p)] = m._parameters[attr]
-    tp = _TP(m, name, style, bound, axis)
+    tp = _TP(m, name, style, bound, axis, rows)
     setattr(m, TP_ATTR, tp)
     m.register_forward_pre_hook(tp.pre, with_kwargs=True)
     m.register_forward_hook(tp.post)
