@@ -36,7 +36,7 @@ import meshcomm as mc
 transformers = pytest.importorskip("transformers", reason="transformers is not installed"
                                    " (pip install -e '.[test]' installs it)")
 # the batch, the one-process training loop and the parameter gather of the other HF tests
-from test_hf import BATCH, SEQ, STEPS, VOCAB, full, tokens, train  # noqa: E402
+from test_hf import BATCH, SEQ, VOCAB, full, tokens, train  # noqa: E402
 
 SIZES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4,
