@@ -18,6 +18,7 @@ from .core.errors import (
                           PlanError,
                           RankFailure,
                           RecipeError,
+                          ReplicaDriftError,
                           ScheduleError,
                           ShapeError,
                           StyleError,
@@ -25,5 +26,5 @@ from .core.errors import (
 
 __all__ = ["CheckpointError", "CollectiveError", "CollectiveMismatchError", "CollectiveTimeout",
            "InteropError", "LaunchError", "LayoutSyntaxError", "MeshAxisError", "MeshMismatchError",
-           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ScheduleError",
-           "ShapeError", "StyleError"]
+           "MeshcommError", "PlanError", "RankFailure", "RecipeError", "ReplicaDriftError",
+           "ScheduleError", "ShapeError", "StyleError"]

@@ -84,11 +84,17 @@ class CollectiveMismatchError(CollectiveError):
     """Check mode: the ranks of a group asked for different operations (docs/errors.md)."""
 
 
+class ReplicaDriftError(MeshcommError, RuntimeError):
+    """Check mode: the copies of a replicated parameter got different gradients on the ranks
+    that hold them, so an optimizer step would make them drift apart (docs/errors.md)."""
+
+
 # Users meet these as `mc.errors.<Name>` (the module `meshcomm.errors`): tracebacks and
 # pickles name that public home rather than this module.
 for _cls in (MeshcommError, LayoutSyntaxError, MeshAxisError, ShapeError, MeshMismatchError,
              RecipeError, PlanError, InteropError, RankFailure, CollectiveError,
-             CollectiveTimeout, CollectiveMismatchError, StyleError, LaunchError, CheckpointError):
+             CollectiveTimeout, CollectiveMismatchError, StyleError, LaunchError, CheckpointError,
+             ReplicaDriftError):
     _cls.__module__ = "meshcomm.errors"
 
 

@@ -52,6 +52,7 @@ from ..core.names import positional_names
 from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, local_of, wrap
 from ..runtime.bind import BoundMesh, require_bound
+from .drift import watch
 from .hf_plan import Fused, LocalSizes, fused_parts, tp_plan_of
 from .moves import Entry, Exit
 from .tensor_parallel import VocabRows
@@ -392,7 +393,9 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
     see `parse_style`), or is "auto": the model's own plan, `tp_plan_of(module)`. Every
     pattern must match a module of the right type; a `colwise` on a projection the model
     declares fused (`fused_parts`) is refused. Apply it before
-    `fully_shard`, which then shards the split weights over its own axis.
+    `fully_shard`, which then shards the split weights over its own axis. In check mode
+    (`init_mesh(..., check=True)`) the gradients of the parameters left replicated over
+    `axis` are compared across it after every backward (`drift.py`).
     """
     mesh = require_bound(mesh, "parallelize")
     if not mesh.in_mesh:
@@ -444,6 +447,9 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
         _split(modules[name], name, style, mesh, axis, split, fused.get(name))
     for owner, attrs in owners.items():
         _localize(modules[owner], attrs, n)
+    if mesh.check:     # check mode: replicated parameters' gradients compared (drift.py)
+        sums = [k for k, s in STYLES.items() if s.grad_sum and s.kind is nn.Module]
+        watch(module, mesh, axis, sorted(sums, key=lambda k: "sp" in k.split("_")))
     return module
 
 

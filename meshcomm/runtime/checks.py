@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, NoReturn
 
 import torch
@@ -35,7 +35,8 @@ from ..core.errors import (
     CollectiveTimeout,
     MeshcommError,
 )
-from ..executors.distributed.agreement import compare
+from ..core.mesh import AxisName
+from ..executors.distributed.agreement import compare, gather
 from ..executors.distributed.groups import Group
 from ..executors.distributed.handlers import check_local
 from ..planner.values import Plan
@@ -192,18 +193,91 @@ def agree(group: Group, ranks: Sequence[int], mine: Fingerprint, what: str) -> N
     probe on every rank when all hashes agree, and differs on every rank otherwise (32 bytes
     a rank instead of 256; `executors.distributed.agreement.compare`). Only then are the rows
     gathered, to say who asked for what."""
+    got = _compare(group, ranks, mine, what)
+    if got is None:
+        return
+    raise CollectiveMismatchError(mismatch_message(what, ranks, got))
+
+
+def _compare(group: Group, ranks: Sequence[int], mine: Fingerprint, what: str
+             ) -> list[list[int]] | None:
+    """`compare` of `mine` across `group`: None when every member passed the same hash, else
+    every member's row; a member that died or never came raises a CollectiveError."""
     try:
         got = compare(mine.probe, mine.row, group)
     except RuntimeError as err:
-        kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
-        raise kind(f"{what}: check mode could not compare the call across the group"
-                   f" ({_ranks_text(ranks)}): a rank of the group died, hangs, or never made"
-                   f" this call. cause: {type(err).__name__}: {str(err).strip()}\n  fix: look"
-                   " for a rank that failed earlier or skipped this call (its own error comes"
-                   " first)") from err
+        raise _broken(err, what, ranks) from err
+    return None if got is None else got.cpu().tolist()
+
+
+def _broken(err: RuntimeError, what: str, ranks: Sequence[int]) -> CollectiveError:
+    kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
+    return kind(f"{what}: check mode could not compare the call across the group"
+                f" ({_ranks_text(ranks)}): a rank of the group died, hangs, or never made"
+                f" this call. cause: {type(err).__name__}: {str(err).strip()}\n  fix: look"
+                " for a rank that failed earlier or skipped this call (its own error comes"
+                " first)")
+
+
+# -- values every rank of a group must hold alike (gradients of replicated parameters) -------
+class Disagreement(NamedTuple):
+    """Where the ranks' tables differ: the items (rows of the table) that differ, first
+    one first; for the first one, the classes of ranks that hold the same values of it,
+    largest class first (lowest rank on a tie), and each class's row."""
+
+    items: tuple[int, ...]
+    classes: tuple[tuple[int, ...], ...]
+    rows: tuple[tuple[int, ...], ...]
+
+    def describe(self, show: Callable[[tuple[int, ...]], str]) -> str:
+        """Each class of ranks and what `show` makes of its row: "ranks 0, 2: ...; rank 1:
+        ..."."""
+        return "; ".join(f"{_ranks_text(ranks)}: {show(row)}"
+                         for ranks, row in zip(self.classes, self.rows))
+
+
+def compare_values(bound: BoundMesh, axis: AxisName, names: Sequence[str], table: Tensor,
+                   compared: int, what: str) -> Disagreement | None:
+    """None when every rank of this rank's group over `axis` holds the same first
+    `compared` columns of `table` (int64, one row per name, the same names on every rank);
+    otherwise where they first differ, the same on every rank.
+
+    Costs what a checked call costs: one 32-byte all_reduce of a hash of the names and the
+    compared columns. Only when the hashes differ are the fingerprints gathered (to make
+    sure the ranks compared the same names; else `CollectiveMismatchError`), then the
+    tables."""
+    ranks = bound.group_ranks(axis)
+    group = Group(bound.group_name(axis), len(ranks), ranks.index(bound.rank))
+    assert table.dtype == torch.int64 and table.shape[0] == len(names), \
+        f"a table of int64 rows, one per name: {table.dtype} {tuple(table.shape)}, {len(names)}"
+    listing = "\n".join(names) + repr(tuple(table.shape))
+    names_hash = hashlib.blake2b(listing.encode(), digest_size=8).hexdigest()
+    fields: Fields = (("call", what), ("items", str(len(names))), ("names", names_hash))
+    values = table[:, :compared].cpu().numpy().tobytes().hex()
+    got = _compare(group, ranks, encode(fields, listing + values, bound.device), what)
     if got is None:
-        return
-    raise CollectiveMismatchError(mismatch_message(what, ranks, got.cpu().tolist()))
+        return None
+    if len({decode(row)[1] for row in got}) > 1:    # not the same names: nothing to compare
+        raise CollectiveMismatchError(mismatch_message(what, ranks, got))
+    try:
+        tables = gather(table.reshape(1, -1), group).view(len(ranks), *table.shape).cpu()
+    except RuntimeError as err:
+        raise _broken(err, what, ranks) from err
+    return _first_difference(tables, compared, ranks)
+
+
+def _first_difference(tables: Tensor, compared: int, ranks: Sequence[int]) -> Disagreement:
+    differ = (tables[:, :, :compared] != tables[:1, :, :compared]).any(dim=2).any(dim=0)
+    assert bool(differ.any()), "the hashes differ, so the compared values do"
+    items = tuple(int(i) for i in differ.nonzero().flatten())
+    item = items[0]
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for rank, rows in zip(ranks, tables[:, item].tolist()):
+        classes.setdefault(tuple(rows[:compared]), []).append(rank)
+    order = sorted(classes, key=lambda k: (-len(classes[k]), min(classes[k])))
+    full = {rank: tuple(rows) for rank, rows in zip(ranks, tables[:, item].tolist())}
+    return Disagreement(items, tuple(tuple(classes[k]) for k in order),
+                        tuple(full[classes[k][0]] for k in order))
 
 
 def mismatch_message(what: str, ranks: Sequence[int], rows: Sequence[Sequence[int]]) -> str:

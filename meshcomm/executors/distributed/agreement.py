@@ -25,5 +25,11 @@ def compare(probe: Tensor, row: Tensor, group: Group) -> Tensor | None:
     seen, _ = wire.all_reduce(probe, "max", group)
     if torch.equal(seen, probe):
         return None
+    return gather(row, group)
+
+
+def gather(row: Tensor, group: Group) -> Tensor:
+    """Every member's `row` (the same shape on every member), stacked along dim 0 in group
+    order: what check mode reads after `compare` found a difference."""
     rows, _ = wire.all_gather(row, group)
     return rows

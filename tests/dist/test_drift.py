@@ -1,0 +1,201 @@
+"""Check mode's watch on replicated parameters (meshcomm/nn/drift.py): after `parallelize`,
+the gradients of the parameters left replicated over tp are compared across tp after every
+backward, and the first step where they differ raises ReplicaDriftError on every rank.
+
+On 4 gloo ranks: a toy module with a per-head norm between a colwise and a rowwise layer
+(on tp=4, and on dp=2 x tp=2 under fully_shard), and transformers' Qwen3 (per-head
+`q_norm`/`k_norm`) under a hand-written plan, on dp=2 x tp=2 under fully_shard. A plan that
+leaves the norm's gradient unsummed raises at step 1 naming it; the same plan with the
+norm under "sp_params" trains silently, equal to one process; without check mode nothing
+is installed and a step makes only tensor parallelism's own collectives. The digest is
+tested in this process.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from conftest import outcome, ranks_fixture, scaled
+from torch import nn
+
+import meshcomm as mc
+from meshcomm.executors.distributed import wire
+from meshcomm.nn.drift import COMPARED, WATCH_ATTR, digest
+from meshcomm.nn.parallel import STYLES
+
+HIDDEN, HEADS, HEAD_DIM, BATCH, SEQ, STEPS = 8, 4, 3, 4, 6, 3
+UNSUMMED = {"up": "colwise", "down": "rowwise"}
+SUMMED = {**UNSUMMED, "norm": "sp_params"}
+
+
+# -- the digest, in this process -----------------------------------------------------------------
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(digest(a)[:COMPARED], digest(b)[:COMPARED])
+
+
+def test_equal_values_digest_alike_and_any_change_shows() -> None:
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    assert same(x, x.clone())
+    assert same(torch.tensor([0.0, float("nan"), 1.0]), torch.tensor([-0.0, -float("nan"), 1.0]))
+    assert not same(x, x.flip(0))                       # the same values, elsewhere
+    assert not same(x, torch.cat([x[1:2], x[:1], x[2:]]))   # two swapped
+    bumped = x.clone()
+    bumped[17] = torch.nextafter(bumped[17], torch.tensor(1e9))   # one ulp
+    assert not same(x, bumped)
+    assert not same(x.to(torch.bfloat16), bumped.to(torch.bfloat16) * 2)
+    assert same(None, None) and not same(None, torch.zeros(3))
+    assert digest(None)[0] == 0 and digest(x)[0] == 1
+    total = digest(x)[3:].view(torch.float64).item()
+    assert total == pytest.approx(float(x.double().sum()))
+
+
+# -- the toy module ------------------------------------------------------------------------------
+class HeadNorm(nn.Module):
+    """A per-head scale: one weight of HEAD_DIM, applied to every head this rank holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(HEAD_DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class Toy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
+        self.norm = HeadNorm()
+        self.down = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
+        self.out = nn.LayerNorm(HIDDEN)    # replicated outside the region: equal gradients
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h = self.norm(h.unflatten(-1, (-1, HEAD_DIM))).flatten(-2)   # this rank's heads
+        return self.out(x + self.down(torch.tanh(h)))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, SEQ, HIDDEN, generator=g), torch.randn(BATCH, SEQ, HIDDEN,
+                                                                      generator=g)
+
+
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def full(p: Any) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+
+def run_toy(mesh: str, plan: dict[str, str], check: bool) -> dict[str, Any]:
+    """Train the toy under `plan` (and fully_shard over dp where the mesh has it); its
+    outcome, losses, parameters and the collectives of the last step."""
+    bound = mc.init_mesh(mesh, check=check, timeout_s=scaled(120))
+    model = mc.nn.parallelize(Toy(), bound, plan, axis="tp")
+    dp = bound.mesh.axis_size("dp") if "dp" in bound.mesh.axis_names else 1
+    if dp > 1:
+        mc.nn.fully_shard(model, bound, axis="dp")
+    share = BATCH // dp
+    me = bound.coords.get("dp", 0)
+    x, y = (t[me * share:(me + 1) * share] for t in data())
+    losses: list[float] = []
+    with wire.recording() as heard:
+        ran = outcome(lambda: losses.extend(train(model, x, y)))
+    calls = [(w.kind, w.numel_in) for w, _ in heard]
+    return {"outcome": ran, "losses": losses, "watched": hasattr(model, WATCH_ATTR),
+            "calls_per_step": len(calls) / STEPS, "calls": calls[:len(calls) // STEPS],
+            "params": {k: full(p) for k, p in model.named_parameters()}}
+
+
+def toy_worker(rank: int, world: int) -> dict[str, Any]:
+    return {"tp unsummed": run_toy("tp=4", UNSUMMED, True),
+            "tp summed": run_toy("tp=4", SUMMED, True),
+            "tp unsummed, check off": run_toy("tp=4", UNSUMMED, False),
+            "tp summed, check off": run_toy("tp=4", SUMMED, False),
+            "fsdp unsummed": run_toy("dp=2 tp=2", UNSUMMED, True),
+            "fsdp summed": run_toy("dp=2 tp=2", SUMMED, True)}
+
+
+toy = ranks_fixture(toy_worker, 4)
+
+
+def drift_message(step: int, name: str, group: str, module: str) -> str:
+    return (f"ReplicaDriftError: check mode: at step {step} (backward pass {step} through"
+            f" {module} since parallelize), the gradient of {name}, which is replicated over"
+            f" tp, differs between the ranks that hold its copies ({group}): ")
+
+
+TP_GROUPS = {"tp unsummed": ["ranks 0, 1, 2, 3"] * 4,                 # tp=4
+             "fsdp unsummed": ["ranks 0, 1"] * 2 + ["ranks 2, 3"] * 2}  # dp=2 tp=2
+
+
+@pytest.mark.parametrize("case, groups", list(TP_GROUPS.items()))
+def test_an_unsummed_per_head_norm_raises_at_step_1_on_every_rank(
+        toy: list[dict[str, Any]], case: str, groups: list[str]) -> None:
+    for rank, got in enumerate(toy):
+        text = got[case]["outcome"]
+        assert text.startswith(drift_message(1, "norm.weight", groups[rank], "Toy")), text
+        fix = re.search(r'fix: sum its gradient over tp: give norm a style that does \((.*)\)'
+                        r' in the parallelize plan, e\.g\. \{"norm": "(\w+)"\}', text)
+        assert fix is not None and '"sp_params"' in fix[1].split(" or "), text
+        assert STYLES[fix[2]].grad_sum and STYLES[fix[2]].split is None, text
+        assert re.search(r"\): rank \d: gradient sum [-\d.e]+; rank \d: gradient sum", text), text
+        assert got[case]["losses"] == [], "raised in the first backward, before any step"
+    # the ranks of a group report the same message
+    assert len({got[case]["outcome"] for got, g in zip(toy, groups) if g == groups[0]}) == 1
+
+
+@pytest.mark.parametrize("case", ["tp summed", "fsdp summed"])
+def test_a_summed_plan_trains_silently_as_in_one_process(toy: list[dict[str, Any]],
+                                                         case: str) -> None:
+    ref = Toy()
+    want = train(ref, *data())
+    assert all(got[case]["outcome"] == "ran" for got in toy)
+    # each dp rank's loss is its share's mean: their mean is the batch's
+    losses = torch.tensor([got[case]["losses"] for got in toy]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for key, p in ref.named_parameters():
+        for got in toy:
+            torch.testing.assert_close(got[case]["params"][key], p.detach(), rtol=1e-5,
+                                       atol=1e-6, msg=lambda m, key=key: f"{case} {key}: {m}")
+
+
+def test_without_check_mode_the_copies_drift_silently(toy: list[dict[str, Any]]) -> None:
+    """What check mode catches: the same unsummed plan runs, and the norm's copies part."""
+    case = "tp unsummed, check off"
+    assert all(got[case]["outcome"] == "ran" for got in toy)
+    norms = [got[case]["params"]["norm.weight"] for got in toy]
+    assert not any(torch.equal(norms[0], n) for n in norms[1:])
+    want = train(Toy(), *data())
+    assert toy[0][case]["losses"][0] == pytest.approx(want[0], rel=1e-5)   # equal until a step
+    assert toy[0][case]["losses"][-1] != pytest.approx(want[-1], rel=1e-5)
+
+
+def test_without_check_mode_nothing_is_installed_and_nothing_extra_is_sent(
+        toy: list[dict[str, Any]]) -> None:
+    off, on = toy[0]["tp summed, check off"], toy[0]["tp summed"]
+    assert not off["watched"] and not toy[0]["tp unsummed, check off"]["watched"]
+    assert on["watched"]
+    # tensor parallelism's own: the rowwise sum, the norm's gradient sum (sp_params); the
+    # input is data, so no gradient of it is summed
+    assert off["calls"] == [("all_reduce", BATCH * SEQ * HIDDEN), ("all_reduce", HEAD_DIM)]
+    assert toy[0]["tp unsummed, check off"]["calls"] == off["calls"][:1]
+    # check mode: a 4-int probe before each of those, and one after backward for the
+    # replicated gradients (all equal: nothing else is sent)
+    probe = ("all_reduce", 4)
+    assert [c for c in on["calls"] if c != probe] == off["calls"]
+    assert on["calls"].count(probe) == len(off["calls"]) + 1 and on["calls"][-1] == probe
