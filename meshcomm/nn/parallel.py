@@ -55,6 +55,7 @@ from ..runtime.bind import BoundMesh, require_bound
 from .drift import watch
 from .hf_plan import Fused, LocalSizes, fused_parts, tp_plan_of
 from .moves import Entry, Exit
+from .sequence import install_sequence_hooks, sequence_hooks
 from .tensor_parallel import VocabRows
 
 
@@ -442,11 +443,13 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
                     f" fix: give {pattern!r} the style 'colwise_fused'")
             targets[name] = style
     tied = _check_ties(module, targets, axis, mesh.mesh)
+    positions = sequence_hooks(module, targets, axis)   # HF models under embedding_sp
     split: dict[int, nn.Parameter | None] = dict.fromkeys(tied)  # tied: split once
     for name, style in targets.items():
         _split(modules[name], name, style, mesh, axis, split, fused.get(name))
     for owner, attrs in owners.items():
         _localize(modules[owner], attrs, n)
+    install_sequence_hooks(positions)
     if mesh.check:     # check mode: replicated parameters' gradients compared (drift.py)
         sums = [k for k, s in STYLES.items() if s.grad_sum and s.kind is nn.Module]
         watch(module, mesh, axis, sorted(sums, key=lambda k: "sp" in k.split("_")))
