@@ -199,7 +199,9 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
     for pattern, hf_style in declared.items():
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if hf_style in _MISSING or (hf_style not in _SAME and hf_style not in _SPLIT_INPUT):
-            _refuse(pattern, hf_style, names)
+            _refuse(pattern, hf_style, names or [
+                f"the parameter {n}" for n, _ in model.named_parameters()
+                if fnmatch.fnmatchcase(n, pattern)])
         fused = [n for n in names if fused_parts(model, n, modules[n]) is not None]
         if fused and hf_style in ("colwise", "colwise_gather_output", "colwise_rep"):
             out[pattern] = FUSED

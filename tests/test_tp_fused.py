@@ -1,0 +1,236 @@
+"""Fused projections and plans from the model, without processes: `parse_style`'s table and
+errors, `FusedRows` (which rows each rank holds), `fused_parts` on GPT-2 and Phi-3,
+`tp_plan_of` on the models transformers 5.x declares plans for (and its refusals), and
+`parallelize`'s refusals before anything is split (on torch's fake process group, in a
+fresh interpreter). The gloo runs are tests/dist/test_hf_fused.py."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from conftest import in_fresh_interpreter
+
+import meshcomm as mc
+from meshcomm.errors import StyleError
+from meshcomm.nn.hf_plan import fused_parts
+from meshcomm.nn.parallel import FusedRows, parse_style
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=8, num_key_value_heads=4)
+
+
+def model(kind: str) -> Any:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_positions=8, n_embd=32, n_layer=1, n_head=4))
+    config, cls = {
+        "phi3": (lambda: transformers.Phi3Config(pad_token_id=0, bos_token_id=1,
+                                                 eos_token_id=1, **COMMON),
+                 transformers.Phi3ForCausalLM),
+        "qwen3": (lambda: transformers.Qwen3Config(head_dim=4, **COMMON),
+                  transformers.Qwen3ForCausalLM),
+        "llama": (lambda: transformers.LlamaConfig(**COMMON), transformers.LlamaForCausalLM),
+        "mistral": (lambda: transformers.MistralConfig(**COMMON),
+                    transformers.MistralForCausalLM),
+        "gemma2": (lambda: transformers.Gemma2Config(head_dim=4, **COMMON),
+                   transformers.Gemma2ForCausalLM),
+        "mixtral": (lambda: transformers.MixtralConfig(**COMMON),
+                    transformers.MixtralForCausalLM),
+    }[kind]
+    return cls(config())
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("colwise", ("colwise", ())),
+    ("colwise_fused", ("colwise_fused", ())),
+    ("colwise_fused(3)", ("colwise_fused", (3,))),
+    ("colwise_fused(64, 16, 16)", ("colwise_fused", (64, 16, 16))),
+    ("replicated_grad_sum", ("replicated_grad_sum", ())),
+])
+def test_a_style_text_reads_as_its_name_and_numbers(text: str,
+                                                    want: tuple[str, tuple[int, ...]]) -> None:
+    assert parse_style(text) == want
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("colwise_fusd", "parallelize: style 'colwise_fusd' is not one of"),
+    ("colwise(2)", "parallelize: cannot read style 'colwise(2)': only 'colwise_fused' takes"
+                   " numbers"),
+    ("colwise_fused(a, b)", "parallelize: cannot read style 'colwise_fused(a, b)'"),
+    ("colwise_fused(3", "parallelize: cannot read style 'colwise_fused(3'"),
+])
+def test_a_bad_style_text_is_refused_with_what_is_expected(text: str, message: str) -> None:
+    with pytest.raises(StyleError, match=re.escape(message)):
+        parse_style(text)
+
+
+def test_the_new_styles_are_in_STYLES() -> None:
+    fused, grad_sum = mc.nn.STYLES["colwise_fused"], mc.nn.STYLES["replicated_grad_sum"]
+    assert fused.fused and fused.grad_sum and fused.outputs == "split"
+    assert fused.kind is torch.nn.Linear and fused.split is None     # the weight stays whole
+    assert grad_sum == mc.nn.STYLES["sp_params"]                     # one mechanism, two names
+    assert not any(s.fused for n, s in mc.nn.STYLES.items() if n != "colwise_fused")
+
+
+def test_fused_rows_give_each_rank_a_slice_of_every_part() -> None:
+    rows = FusedRows((8, 4, 4), 4)
+    assert [rows.rows(i) for i in range(4)] == [((0, 2), (8, 9), (12, 13)),
+                                                ((2, 4), (9, 10), (13, 14)),
+                                                ((4, 6), (10, 11), (14, 15)),
+                                                ((6, 8), (11, 12), (15, 16))]
+    w = torch.arange(16.0).view(16, 1).expand(16, 3)
+    assert rows.take(w, 0, 1)[:, 0].tolist() == [2, 3, 9, 13]
+    assert rows.take(w.t(), 1, 3)[0].tolist() == [6, 7, 11, 15]   # a Conv1D's weight
+    # every row is held by exactly one rank
+    held = sorted(r for i in range(4) for a, b in rows.rows(i) for r in range(a, b))
+    assert held == list(range(16))
+    assert str(rows) == "colwise_fused(8,4,4)"
+    mesh = mc.Mesh("dp=2 tp=4")
+    assert rows.layouts("tp", mesh, 3) == (mc.Layout("d0 d1 (tp d2)"),) * 3
+
+
+def test_fused_parts_come_from_the_model() -> None:
+    phi3 = model("phi3")
+    qkv = fused_parts(phi3, "model.layers.0.self_attn.qkv_proj",
+                      phi3.model.layers[0].self_attn.qkv_proj)
+    assert qkv is not None and qkv.parts == (32, 16, 16)   # 8 q heads, 4 kv heads, size 4
+    assert qkv.owner == "model.layers.0.self_attn"
+    assert dict(qkv.attrs) == {"config.num_attention_heads": 8, "num_key_value_heads": 4}
+    up = fused_parts(phi3, "model.layers.0.mlp.gate_up_proj", phi3.model.layers[0].mlp.gate_up_proj)
+    assert up is not None and up.parts == (64, 64) and not up.attrs
+    gpt2 = model("gpt2")
+    c_attn = fused_parts(gpt2, "transformer.h.0.attn.c_attn", gpt2.transformer.h[0].attn.c_attn)
+    assert c_attn is not None and c_attn.parts == (32, 32, 32)
+    assert dict(c_attn.attrs)["split_size"] == 32
+    llama = model("llama")
+    assert fused_parts(llama, "model.layers.0.self_attn.q_proj",
+                       llama.model.layers[0].self_attn.q_proj) is None
+    assert fused_parts(gpt2, "transformer.h.0.mlp.c_fc", gpt2.transformer.h[0].mlp.c_fc) is None
+
+
+def test_the_plan_of_phi3_splits_its_fused_projections_part_by_part() -> None:
+    plan = mc.nn.tp_plan_of(model("phi3"))
+    assert plan == {"lm_head": "colwise_gather", "model.embed_tokens": "embedding",
+                    "model.layers.*.self_attn.qkv_proj": "colwise_fused",
+                    "model.layers.*.self_attn.o_proj": "rowwise",
+                    "model.layers.*.mlp.gate_up_proj": "colwise_fused",
+                    "model.layers.*.mlp.down_proj": "rowwise"}
+
+
+def test_the_plan_of_qwen3_sums_its_per_head_norms() -> None:
+    plan = mc.nn.tp_plan_of(model("qwen3"))
+    assert plan["model.layers.*.self_attn.q_norm"] == "replicated_grad_sum"
+    assert plan["model.layers.*.self_attn.k_norm"] == "replicated_grad_sum"
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.self_attn.o_proj"] == "rowwise"
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_the_plan_of_a_plain_model_is_its_own_in_meshcomm_names(kind: str) -> None:
+    m = model(kind)
+    plan = mc.nn.tp_plan_of(m)
+    assert plan["model.embed_tokens"] == "embedding" and plan["lm_head"] == "colwise_gather"
+    for pattern, style in m.tp_plan.items():
+        if style in ("colwise", "rowwise"):
+            assert plan[pattern] == style
+    assert set(plan) == set(m.tp_plan)
+
+
+def test_gpt2_declares_no_plan_so_meshcomm_gives_its_own() -> None:
+    plan = mc.nn.tp_plan_of(model("gpt2"))
+    assert plan["transformer.h.*.attn.c_attn"] == "colwise_fused"
+    assert plan["transformer.h.*.mlp.c_fc"] == "colwise"
+    assert plan["transformer.wte"] == "embedding"
+
+
+def test_an_entry_with_no_meshcomm_style_is_refused_naming_module_and_style() -> None:
+    with pytest.raises(StyleError, match=re.escape(
+            "parallelize: the model's plan gives the parameter"
+            " model.layers.0.mlp.experts.gate_up_proj ('model.layers.*.mlp.experts.gate_up_proj')"
+            " the style 'packed_colwise' (a packed (stacked) weight parameter split part by"
+            " part), which has no meshcomm style; nothing was split.")):
+        mc.nn.tp_plan_of(model("mixtral"))
+
+
+def test_a_model_with_no_plan_is_refused() -> None:
+    with pytest.raises(StyleError, match=re.escape(
+            "parallelize: Linear declares no tensor-parallel plan")):
+        mc.nn.tp_plan_of(torch.nn.Linear(2, 2))
+
+
+# -- parallelize's refusals, before anything is split (fake process group) -----------------
+REFUSALS: dict[str, tuple[str, Any]] = {
+    "colwise on gpt2 c_attn": ("gpt2", {"transformer.h.*.attn.c_attn": "colwise"}),
+    "colwise on phi3 qkv_proj": ("phi3", {"model.layers.*.self_attn.qkv_proj": "colwise"}),
+    "colwise on phi3 gate_up_proj": ("phi3", {"model.layers.*.mlp.gate_up_proj": "colwise"}),
+    "auto on mixtral": ("mixtral", "auto"),
+    "fused without parts": ("llama", {"model.layers.*.self_attn.q_proj": "colwise_fused"}),
+    "fused parts that do not add up": ("llama", {"model.layers.*.mlp.up_proj":
+                                                 "colwise_fused(32, 16)"}),
+    "fused parts that do not divide": ("llama", {"model.layers.*.mlp.up_proj":
+                                                 "colwise_fused(62, 2)"}),
+    "fused parts unlike the model's": ("phi3", {"model.layers.*.mlp.gate_up_proj":
+                                                "colwise_fused(4)"}),
+    "a plan that is a word": ("llama", "automatic"),
+}
+
+
+def refusals() -> dict[str, Any]:
+    """Runs in a fresh interpreter: each refusal's error, and whether anything changed."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    bound = mc.init_mesh("tp=4", backend="fake")
+    out = {}
+    for name, (kind, plan) in REFUSALS.items():
+        m = model(kind)
+        before = {k: (type(p).__name__, tuple(p.shape)) for k, p in m.named_parameters()}
+        try:
+            mc.nn.parallelize(m, bound, plan, axis="tp")
+            error = "none"
+        except Exception as exc:   # noqa: BLE001 - reported to the test
+            error = f"{type(exc).__name__}: {exc}"
+        after = {k: (type(p).__name__, tuple(p.shape)) for k, p in m.named_parameters()}
+        hooked = [n for n, x in m.named_modules() if mc.nn.tp_style(x) is not None]
+        out[name] = {"error": error, "unchanged": before == after and not hooked}
+    return out
+
+
+@pytest.fixture(scope="module")
+def refused() -> dict[str, Any]:
+    return in_fresh_interpreter("test_tp_fused", "refusals")  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("colwise on gpt2 c_attn", "StyleError: parallelize: transformer.h.0.attn.c_attn is a fused"
+     " projection (3 parts of sizes (32, 32, 32) stacked along its output), so 'colwise'"
+     " would give each rank whole parts instead of a slice of every part; fix: give"
+     " 'transformer.h.*.attn.c_attn' the style 'colwise_fused'"),
+    ("colwise on phi3 qkv_proj", "StyleError: parallelize: model.layers.0.self_attn.qkv_proj"
+     " is a fused projection (3 parts of sizes (32, 16, 16)"),
+    ("colwise on phi3 gate_up_proj", "StyleError: parallelize: model.layers.0.mlp.gate_up_proj"
+     " is a fused projection (2 parts of sizes (64, 64)"),
+    ("auto on mixtral", "StyleError: parallelize: the model's plan gives the parameter"
+     " model.layers.0.mlp.experts.gate_up_proj"),
+    ("fused without parts", "StyleError: parallelize: model.layers.0.self_attn.q_proj"
+     " (colwise_fused): its model declares no parts for it"),
+    ("fused parts that do not add up", "ShapeError: parallelize: model.layers.0.mlp.up_proj"
+     " (colwise_fused(32, 16)): parts (32, 16) add up to 48, but it has 64 output rows"),
+    ("fused parts that do not divide", "ShapeError: parallelize: model.layers.0.mlp.up_proj"
+     " (colwise_fused(62, 2)): parts (62, 2) do not all divide over 4 ranks"),
+    ("fused parts unlike the model's", "StyleError: parallelize:"
+     " model.layers.0.mlp.gate_up_proj (colwise_fused(4)): parts (32, 32, 32, 32), but its"
+     " model declares (64, 64)"),
+    ("a plan that is a word", "StyleError: parallelize: plan 'automatic' is neither"),
+])
+def test_parallelize_refuses_before_anything_is_split(refused: dict[str, Any], name: str,
+                                                      message: str) -> None:
+    assert refused[name]["error"].startswith(message), refused[name]["error"]
+    assert refused[name]["unchanged"]
