@@ -13,6 +13,7 @@ tested in this process.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import Any
 
@@ -199,3 +200,97 @@ def test_without_check_mode_nothing_is_installed_and_nothing_extra_is_sent(
     probe = ("all_reduce", 4)
     assert [c for c in on["calls"] if c != probe] == off["calls"]
     assert on["calls"].count(probe) == len(off["calls"]) + 1 and on["calls"][-1] == probe
+
+
+# -- transformers' Qwen3: per-head q_norm / k_norm -----------------------------------------------
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed (pip install -e"
+                                        " '.[test]' installs it)")
+VOCAB = 64
+_L = "model.layers.*."
+QWEN3_UNSUMMED = {"model.embed_tokens": "embedding",       # test_hf.py's LLAMA_TP
+                  _L + "self_attn.[qkv]_proj": "colwise", _L + "self_attn.o_proj": "rowwise",
+                  _L + "mlp.gate_proj": "colwise", _L + "mlp.up_proj": "colwise",
+                  _L + "mlp.down_proj": "rowwise", "lm_head": "colwise_gather"}
+QWEN3_PLANS: dict[str, dict[str, str] | str] = {
+    "unsummed": QWEN3_UNSUMMED,
+    "summed": {**QWEN3_UNSUMMED, _L + "self_attn.[qk]_norm": "replicated_grad_sum"},
+    "auto": "auto",                                          # the model's own plan
+}
+
+
+def qwen3() -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
+        attn_implementation="eager")
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def train_lm(model: Any, x: torch.Tensor) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def qwen3_worker(rank: int, world: int) -> dict[str, Any]:
+    """Qwen3 on dp=2 x tp=2 in check mode, parallelized then fully_shard'ed (each block,
+    then the root), under each plan."""
+    out = {}
+    for case, plan in QWEN3_PLANS.items():
+        bound = mc.init_mesh("dp=2 tp=2", check=True, timeout_s=scaled(120))
+        model = mc.nn.parallelize(qwen3(), bound, plan, axis="tp")
+        for block in model.model.layers:
+            mc.nn.fully_shard(block, bound, axis="dp")
+        mc.nn.fully_shard(model, bound, axis="dp")
+        share = BATCH // 2
+        me = bound.coords["dp"]
+        losses: list[float] = []
+        ran = outcome(lambda: losses.extend(train_lm(model, tokens()[me * share:(me + 1) * share])))
+        out[case] = {"outcome": ran, "losses": losses,
+                     "params": {k: full(p) for k, p in model.named_parameters()}}
+    return out
+
+
+four_qwen3 = ranks_fixture(qwen3_worker, 4, timeout_s=400)
+
+
+@needs_transformers
+def test_qwen3_with_unsummed_per_head_norms_raises_at_step_1(
+        four_qwen3: list[dict[str, Any]]) -> None:
+    for rank, got in enumerate(four_qwen3):
+        text = got["unsummed"]["outcome"]
+        group = "ranks 0, 1" if rank < 2 else "ranks 2, 3"
+        assert text.startswith(drift_message(1, "model.layers.0.self_attn.q_norm.weight", group,
+                                             "Qwen3ForCausalLM")), text
+        assert "model.layers.0.self_attn.k_norm.weight" in text    # the next that differ
+        assert 'e.g. {"model.layers.*.self_attn.q_norm": "' in text, text
+        assert got["unsummed"]["losses"] == []
+
+
+@needs_transformers
+@pytest.mark.parametrize("case", ["summed", "auto"])
+def test_qwen3_with_summed_norms_trains_silently_as_in_one_process(
+        four_qwen3: list[dict[str, Any]], case: str) -> None:
+    ref = qwen3()
+    want = train_lm(ref, tokens())
+    assert all(got[case]["outcome"] == "ran" for got in four_qwen3), four_qwen3[0][case]
+    losses = torch.tensor([got[case]["losses"] for got in four_qwen3]).mean(0)
+    torch.testing.assert_close(losses, torch.tensor(want), rtol=1e-5, atol=1e-6)
+    for key, p in ref.named_parameters():
+        for got in four_qwen3:
+            torch.testing.assert_close(got[case]["params"][key], p.detach(), rtol=1e-4,
+                                       atol=1e-5, msg=lambda m, key=key: f"{case} {key}: {m}")
