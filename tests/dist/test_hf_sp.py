@@ -5,6 +5,7 @@ model (meshcomm/nn/sequence.py) that gives it the whole sequence's positions and
 
 - Llama on dp=2 tp=2 under `fully_shard`, without position_ids;
 - Mistral with a sliding window (4) shorter than the sequence (16), on tp=4;
+- Gemma2 (sliding and full layers: a mask per layer type; tied embeddings), on tp=4;
 - Llama with a left-padded batch and its attention_mask, on dp=2 tp=2 under `fully_shard`;
 - the hook adds no collective: a step without position_ids makes the same calls as one
   given the global position_ids;
@@ -41,6 +42,10 @@ CASES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "mistral sliding window 4, tp=4": ("mistral", {"sliding_window": 4,
                                                    "num_key_value_heads": 4}, "tp=4", False),
     "llama padded, dp=2 tp=2": ("llama", {"pad_token_id": 0}, "dp=2 tp=2", True),
+    # sliding and full layers (a mask per layer type), tied embeddings, soft-capping
+    "gemma2 hybrid, sliding window 4, tp=4": ("gemma2", {
+        "sliding_window": 4, "num_key_value_heads": 4, "head_dim": 8,
+        "query_pre_attn_scalar": 8, "pad_token_id": 0}, "tp=4", False),
 }
 
 
@@ -48,7 +53,8 @@ def build(kind: str, options: dict[str, Any]) -> Any:
     torch.manual_seed(0)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[kind]
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[kind]
     config = config_class(**{
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
