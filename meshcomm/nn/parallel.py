@@ -13,8 +13,14 @@ the weight layouts below are `STYLES[name].on("tp", mesh)`, and another `axis` n
 | `colwise_gather` | `(tp d0) d1` | as colwise                    | all_gather to replicated      |
 | `rowwise`        | `d0 (tp d1)` | last dim split (from colwise) | `... | sum(tp)` -> all_reduce |
 | `embedding`      | `(tp d0) d1` | replicated token ids          | `... | sum(tp)` -> all_reduce |
+| `colwise_fused`  | whole, grad summed | as colwise              | this rank's part of each part |
+| `replicated_grad_sum` | whole, grad summed | as is              | as is                         |
 
 An `embedding` weight's d0 is its vocab rows; `rowwise` adds its bias after the all_reduce.
+`colwise_fused` (also `colwise_fused(N)`, `colwise_fused(64, 16, 16)`: `parse_style`) is
+for a weight whose output rows are parts (q, k, v; gate, up): each forward takes this rank's
+rows of every part (`FusedRows`); parts the model declares and the owner's sizes that
+follow them come from hf_plan.py, as does `plan="auto"` (`tp_plan_of`).
 
 Sequence parallelism (`*_sp` styles, `sp_input`, `sp_params`) keeps the activations between
 blocks split over the sequence (dim 1): `embedding_sp` and `rowwise_sp` reduce_scatter
