@@ -258,7 +258,10 @@ def compare_values(bound: BoundMesh, axis: AxisName, names: Sequence[str], table
     if got is None:
         return None
     if len({decode(row)[1] for row in got}) > 1:    # not the same names: nothing to compare
-        raise CollectiveMismatchError(mismatch_message(what, ranks, got))
+        lines = mismatch_message(what, ranks, got).split("\n")[:-1]
+        raise CollectiveMismatchError("\n".join(lines) + "\n  fix: the ranks compare different"
+                                      " items (their count or names differ): build the same"
+                                      " model, the same way, on every rank of the group")
     try:
         tables = gather(table.reshape(1, -1), group).view(len(ranks), *table.shape).cpu()
     except RuntimeError as err:

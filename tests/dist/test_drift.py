@@ -66,13 +66,13 @@ class HeadNorm(nn.Module):
 
 
 class Toy(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, out_bias: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.up = nn.Linear(HIDDEN, HEADS * HEAD_DIM)
         self.norm = HeadNorm()
         self.down = nn.Linear(HEADS * HEAD_DIM, HIDDEN)
-        self.out = nn.LayerNorm(HIDDEN)    # replicated outside the region: equal gradients
+        self.out = nn.LayerNorm(HIDDEN, bias=out_bias)   # replicated outside the region
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)
@@ -102,11 +102,13 @@ def full(p: Any) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
-def run_toy(mesh: str, plan: dict[str, str], check: bool) -> dict[str, Any]:
+def run_toy(mesh: str, plan: dict[str, str], check: bool, odd_rank: int = -1
+            ) -> dict[str, Any]:
     """Train the toy under `plan` (and fully_shard over dp where the mesh has it); its
-    outcome, losses, parameters and the collectives of the last step."""
+    outcome, losses, parameters and the collectives of the last step. Rank `odd_rank`
+    builds it without one parameter."""
     bound = mc.init_mesh(mesh, check=check, timeout_s=scaled(120))
-    model = mc.nn.parallelize(Toy(), bound, plan, axis="tp")
+    model = mc.nn.parallelize(Toy(out_bias=bound.rank != odd_rank), bound, plan, axis="tp")
     dp = bound.mesh.axis_size("dp") if "dp" in bound.mesh.axis_names else 1
     if dp > 1:
         mc.nn.fully_shard(model, bound, axis="dp")
@@ -128,7 +130,8 @@ def toy_worker(rank: int, world: int) -> dict[str, Any]:
             "tp unsummed, check off": run_toy("tp=4", UNSUMMED, False),
             "tp summed, check off": run_toy("tp=4", SUMMED, False),
             "fsdp unsummed": run_toy("dp=2 tp=2", UNSUMMED, True),
-            "fsdp summed": run_toy("dp=2 tp=2", SUMMED, True)}
+            "fsdp summed": run_toy("dp=2 tp=2", SUMMED, True),
+            "tp other parameters": run_toy("tp=4", SUMMED, True, odd_rank=3)}
 
 
 toy = ranks_fixture(toy_worker, 4)
@@ -173,6 +176,19 @@ def test_a_summed_plan_trains_silently_as_in_one_process(toy: list[dict[str, Any
         for got in toy:
             torch.testing.assert_close(got[case]["params"][key], p.detach(), rtol=1e-5,
                                        atol=1e-6, msg=lambda m, key=key: f"{case} {key}: {m}")
+
+
+def test_ranks_that_hold_other_parameters_raise_a_mismatch(toy: list[dict[str, Any]]) -> None:
+    """Nothing to compare: every rank raises check mode's CollectiveMismatchError."""
+    head = ("CollectiveMismatchError: gradients of replicated parameters over tp: rank 3 asked"
+            " for gradients of replicated parameters over tp items=3, names=")
+    fix = ("  fix: the ranks compare different items (their count or names differ): build the"
+           " same model, the same way, on every rank of the group")
+    for got in toy:
+        text = got["tp other parameters"]["outcome"]
+        assert text.startswith(head) and text.endswith(fix), text
+        assert "but ranks 0-2 asked for gradients of replicated parameters over tp items=4" \
+            in text, text
 
 
 def test_without_check_mode_the_copies_drift_silently(toy: list[dict[str, Any]]) -> None:
