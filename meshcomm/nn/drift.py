@@ -11,11 +11,11 @@ over the axis; this module finds the parameters that lack it.
 In check mode (`init_mesh(..., check=True)` / `MESHCOMM_CHECK=1`) `parallelize` calls
 `watch`: after every backward pass through the parallelized module (after fully_shard has
 reduced its gradients, where it is also used) each rank digests the gradient of every such
-parameter it holds, and the ranks of the axis compare the digests (`runtime.checks.
-compare_values`: one 32-byte all_reduce per backward when they agree). At the first pass
-where a gradient differs every rank of the axis raises `ReplicaDriftError`, naming the
-parameter, the pass and the ranks, with the fix. Without check mode nothing is installed:
-no hook, no communication. Under `torch.compile` nothing is checked.
+parameter it holds, and the ranks of the axis compare the digests
+(`runtime.checks.compare_values`: one 32-byte all_reduce per backward when they agree). At
+the first pass where a gradient differs every rank of the axis raises `ReplicaDriftError`,
+naming the parameter, the pass and the ranks, with the fix. Without check mode nothing is
+installed: no hook, no communication. Under `torch.compile` nothing is checked.
 
 The digest is exact and does not depend on reduction order: the gradient's bits as
 integers (after -0.0 becomes 0.0 and every NaN one NaN, so equal values digest alike),
@@ -168,7 +168,7 @@ def watch(module: nn.Module, bound: BoundMesh, axis: AxisName, fixes: Sequence[s
     across that axis after every backward pass through it (once per module, however many
     times it is parallelized). `fixes`: the styles that sum a module's gradients over the
     axis, named in the error."""
-    if hasattr(module, WATCH_ATTR):
+    if hasattr(module, WATCH_ATTR) or bound.mesh.axis_size(axis) == 1:   # 1: no copies
         return
     w = Watch(module, bound, axis, fixes)
     setattr(module, WATCH_ATTR, w)
