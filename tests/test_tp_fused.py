@@ -70,6 +70,12 @@ def test_a_bad_style_text_is_refused_with_what_is_expected(text: str, message: s
         parse_style(text)
 
 
+def test_a_bad_style_names_the_pattern_it_was_given_for() -> None:
+    with pytest.raises(StyleError, match=re.escape(
+            "parallelize: cannot read style 'colwise(2)' for 'layers.*.up': only")):
+        parse_style("colwise(2)", "layers.*.up")
+
+
 def test_the_new_styles_are_in_STYLES() -> None:
     fused, grad_sum = mc.nn.STYLES["colwise_fused"], mc.nn.STYLES["replicated_grad_sum"]
     assert fused.fused and fused.grad_sum and fused.outputs == "split"

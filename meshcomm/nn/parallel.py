@@ -194,7 +194,7 @@ class FusedRows:
         return (_split_at(ndim, -1, axis, mesh),) * len(self.parts)
 
 
-def parse_style(text: str) -> tuple[str, tuple[int, ...]]:
+def parse_style(text: str, pattern: str | None = None) -> tuple[str, tuple[int, ...]]:
     """A plan entry's style name and its numbers: "colwise_fused(3)" (three equal parts) ->
     ("colwise_fused", (3,)); "colwise_fused(64, 16, 16)" (the sizes of the parts) ->
     ("colwise_fused", (64, 16, 16)); "colwise" -> ("colwise", ()).
@@ -204,16 +204,17 @@ def parse_style(text: str) -> tuple[str, tuple[int, ...]]:
     """
     name, paren, rest = text.partition("(")
     name = name.strip()
+    where = "" if pattern is None else f" for {pattern!r}"
     if name not in STYLES:
-        raise StyleError(f"parallelize: style {text!r} is not one of {sorted(STYLES)} (or"
-                         " 'colwise_fused(N)' / 'colwise_fused(size, size, ...)')")
+        raise StyleError(f"parallelize: style {text!r}{where} is not one of {sorted(STYLES)}"
+                         " (or 'colwise_fused(N)' / 'colwise_fused(size, size, ...)')")
     if not paren:
         return name, ()
     body = rest.rstrip()
     items = body[:-1].split(",") if body.endswith(")") else []
     if not STYLES[name].fused or not items or not all(i.strip().isdigit() for i in items):
         raise StyleError(
-            f"parallelize: cannot read style {text!r}: only 'colwise_fused' takes numbers,"
+            f"parallelize: cannot read style {text!r}{where}: only 'colwise_fused' takes numbers,"
             " written 'colwise_fused(N)' (N equal parts) or 'colwise_fused(64, 16, 16)' (the"
             " output size of each part, in order)")
     return name, tuple(int(i) for i in items)
@@ -423,7 +424,7 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
     fused: dict[str, FusedRows] = {}  # module name -> its parts, for the fused style
     owners: dict[str, tuple[tuple[str, int], ...]] = {}   # module name -> sizes made local
     for pattern, text in plan.items():
-        style, numbers = parse_style(text)
+        style, numbers = parse_style(text, pattern)
         kind = STYLES[style].kind
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
