@@ -203,7 +203,7 @@ CASES: list[tuple[str, str, Callable[[], Any], type, str]] = [
      'mesh must be a meshcomm Mesh, got str; fix: mc.Mesh("dp=2 tp=4")'),
     ("other", "cost model values", lambda: mc.CostModel(bandwidth=0), PlanError,
      "CostModel needs bandwidth > 0 and latency >= 0, got CostModel(latency_s=(('*',"
-     " 0.0),), bandwidth=(('*', 0.0),), backend='nccl', native=('local', 'all_gather',"
+     " 1e-05),), bandwidth=(('*', 0.0),), backend='nccl', native=('local', 'all_gather',"
      " 'reduce_scatter', 'all_reduce', 'all_to_all', 'collective_permute', 'send_recv'),"
      " trees=True, wires=())"),
     ("other", "reshard_many item", lambda: mc.reshard_many([(X, B)]), ShapeError,

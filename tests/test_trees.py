@@ -21,6 +21,18 @@ from meshcomm.planner.states import from_layout
 from meshcomm.testing import counting_bound, partial_transition
 
 
+# Trees save bytes in rounds: the default cost model charges each round a latency, so on the
+# small tensors here it takes one collective instead. These tests plan with bytes alone (no
+# latency), as the default did before it had one, to reach the trees.
+BYTES_ONLY = mc.CostModel(latency_s=0.0)
+
+
+def plan(*args, **kwargs) -> mc.Plan:  # type: ignore[no-untyped-def]
+    """`mc.plan` with `BYTES_ONLY` unless another cost model is given."""
+    kwargs.setdefault("cost_model", BYTES_ONLY)
+    return mc.plan(*args, **kwargs)
+
+
 def _tree_steps(p: mc.Plan) -> list[mc.Step]:
     return [s for s in p.steps if s.action == "tree"]
 
@@ -28,7 +40,7 @@ def _tree_steps(p: mc.Plan) -> list[mc.Step]:
 def test_the_worked_example_reaches_the_bound_along_chains() -> None:
     """docs/plans.md: 5 elements on pp=4 cp=4, one needed per rank: a reduce_scatter receives
     3 elements at the busiest rank, the tree 1 (the bound), in 3 rounds of combining."""
-    p = mc.plan(mc.Mesh("pp=4 cp=4"), (5,), "a | min(cp)", "(cp pp a)")
+    p = plan(mc.Mesh("pp=4 cp=4"), (5,), "a | min(cp)", "(cp pp a)")
     [step] = p.steps
     assert (step.kind, step.action, step.op, step.rounds, step.merge_rounds) == (
         "send_recv", "tree", "min", 3, 3)
@@ -46,7 +58,7 @@ def test_every_tree_plan_is_exact_with_the_plan_s_bytes(even: bool, seed: int) -
     rng, ops = random.Random(seed), Counter()
     for i in range(120):
         mesh, shape, src, dst = partial_transition(rng, even)
-        p = mc.plan(mesh, shape, src, dst)
+        p = plan(mesh, shape, src, dst)
         if _tree_steps(p):
             ops[p.src.reduce_op] += 1
             _check_exact(p, _data(shape, i))
@@ -59,7 +71,7 @@ def test_a_tree_keeping_a_pending_axis_and_other_dtypes_are_exact() -> None:
     one per coordinate on the kept axis), in float64, int64 and bfloat16."""
     mesh = mc.Mesh("a=2 b=2 c=2")
     for dtype in (torch.float64, torch.int64, torch.bfloat16):
-        p = mc.plan(mesh, (3, 5), "(c i) j | sum(a, b)", "i (a j) | sum(b)", dtype=dtype)
+        p = plan(mesh, (3, 5), "(c i) j | sum(a, b)", "i (a j) | sum(b)", dtype=dtype)
         [step] = _tree_steps(p)
         assert step.axes == ("a", "c")         # b's reductions never talk to each other
         x = torch.randint(-9, 10, (3, 5), generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -70,7 +82,7 @@ def test_a_tree_keeping_a_pending_axis_and_other_dtypes_are_exact() -> None:
 def test_an_average_is_divided_once_at_its_root() -> None:
     mesh = mc.Mesh("dp=2 tp=4")
     x = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    p = mc.plan(mesh, (5, 3), "(tp i) j | avg(dp)", "(dp i) j", dtype=torch.float64)
+    p = plan(mesh, (5, 3), "(tp i) j | avg(dp)", "(dp i) j", dtype=torch.float64)
     assert _tree_steps(p)
     res = mc.sim.execute(p, mc.sim.scatter(x, mesh, p.src))
     for got, want in zip(res.outputs, mc.sim.scatter(x, mesh, p.dst)):
@@ -123,28 +135,34 @@ def test_a_latency_buys_fewer_rounds() -> None:
     microsecond of latency outweighs the bytes a tree saves, and one collective wins."""
     mesh = mc.Mesh("pp=4 cp=4")
     cm = mc.CostModel(latency_s=1e-6, bandwidth=100e9)
-    p = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=cm)
+    p = plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=cm)
     assert not _tree_steps(p) and len(p.collectives) == 1
-    tree = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)")
+    tree = plan(mesh, (5,), "a | min(cp)", "(cp pp a)")
     [step] = tree.steps
     assert cm.time(step.axes, 0) * step.rounds > p.cost
+    # the default model has a latency (NCCL's figures; gloo's with backend="gloo"): one
+    # collective too
+    for default in (mc.CostModel(), mc.CostModel(backend="gloo")):
+        q = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=default)
+        assert not _tree_steps(q) and len(q.collectives) == 1, str(q)
+    assert mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)").cost_model == mc.CostModel()
 
 
 def test_collectives_only_large_tensors_and_large_meshes_get_no_tree() -> None:
     mesh = mc.Mesh("pp=4 cp=4")
     native = tuple(k for k in mc.CostModel().native if k != "send_recv")
-    p = mc.plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=mc.CostModel(native=native))
+    p = plan(mesh, (5,), "a | min(cp)", "(cp pp a)", cost_model=mc.CostModel(native=native))
     assert not _tree_steps(p)
     big = (trees.ELEMENT_LIMIT // mesh.size + 1,)
     a = from_layout(mc.Layout("a | min(cp)"), mesh, big)
     b = from_layout(mc.Layout("(cp pp a)"), mesh, big)
     assert not trees.applies(a, b, mesh) and trees.tree_move(a, b, mesh) is None
-    assert not _tree_steps(mc.plan(mesh, big, "a | min(cp)", "(cp pp a)"))
+    assert not _tree_steps(plan(mesh, big, "a | min(cp)", "(cp pp a)"))
     # nor large meshes: each round is an all_to_all over the group (a review measured 166 s
     # to simulate a tree on 1,024 ranks)
     wide = mc.Mesh("a=32 b=32")
     assert wide.size > trees.TREE_RANKS
-    assert not _tree_steps(mc.plan(wide, (64,), "i | sum(a)", "(b i)"))
+    assert not _tree_steps(plan(wide, (64,), "i | sum(a)", "(b i)"))
 
 
 def test_the_bound_is_kept_on_every_tree_plan() -> None:
@@ -153,7 +171,7 @@ def test_the_bound_is_kept_on_every_tree_plan() -> None:
     rng = random.Random(5)
     for _ in range(60):
         mesh, shape, src, dst = partial_transition(rng, False)
-        p = mc.plan(mesh, shape, src, dst)
+        p = plan(mesh, shape, src, dst)
         assert max(p.recv_bytes) >= counting_bound(mesh, shape, src, dst) * 4, str(p)
 
 
@@ -163,24 +181,24 @@ def test_trees_can_be_left_out_and_the_training_blocks_do() -> None:
     from meshcomm.nn.params import ONE_CALL_PER_STEP
 
     mesh = mc.Mesh("tp=4")
-    default = mc.plan(mesh, (10, 6), "a b | sum(tp)", "(tp a) b")
+    default = plan(mesh, (10, 6), "a b | sum(tp)", "(tp a) b")
     assert _tree_steps(default)
     assert ONE_CALL_PER_STEP.trees is False
-    p = mc.plan(mesh, (10, 6), "a b | sum(tp)", "(tp a) b", cost_model=ONE_CALL_PER_STEP)
+    p = plan(mesh, (10, 6), "a b | sum(tp)", "(tp a) b", cost_model=ONE_CALL_PER_STEP)
     assert not _tree_steps(p) and [s.kind for s in p.steps] == ["reduce_scatter"]
     assert max(default.recv_bytes) < max(p.recv_bytes)
     assert hash(ONE_CALL_PER_STEP) != hash(mc.CostModel())
 
 
 def test_fully_shard_reduces_an_uneven_small_gradient_with_one_collective() -> None:
-    """A 10-element parameter on fsdp=4: the default planner resolves its gradient's pending
-    average with a tree, fully_shard's plan (ONE_CALL_PER_STEP) with one reduce_scatter,
+    """A 10-element parameter on fsdp=4: a planner on bytes alone resolves its gradient's
+    pending average with a tree, fully_shard's plan (ONE_CALL_PER_STEP) with one reduce_scatter,
     which a bucket can share with the other parameters'."""
     from meshcomm.nn.params import param_spec
 
     spec = param_spec(mc.Mesh("fsdp=4"), "fsdp", "embed", (10,))
     assert [s.kind for s in spec.reduce_plan().steps] == ["reduce_scatter"]
-    assert _tree_steps(mc.plan(spec.mesh, spec.shape, spec.grad, spec.stored))
+    assert _tree_steps(plan(spec.mesh, spec.shape, spec.grad, spec.stored))
 
 
 def test_equal_steps_on_different_shapes_do_not_share_cached_index_tensors() -> None:
@@ -188,7 +206,7 @@ def test_equal_steps_on_different_shapes_do_not_share_cached_index_tensors() -> 
     byte counts), but their blocks differ: the executors' caches are keyed on what the blocks
     are computed from (a review found the second plan reusing the first one's)."""
     mesh = mc.Mesh("tp=4")
-    plans = [mc.plan(mesh, shape, "a b | sum(tp)", "(tp a) b", dtype=dtype)
+    plans = [plan(mesh, shape, "a b | sum(tp)", "(tp a) b", dtype=dtype)
              for shape, dtype in (((2, 4), torch.float32), ((2, 8), torch.float16))]
     assert plans[0].steps[0] == plans[1].steps[0] and _tree_steps(plans[0])
     for p in plans:
@@ -203,8 +221,8 @@ def test_a_complex_average_divides_part_by_part_as_the_collectives_do() -> None:
     `op_reduce` does, so it matches a collectives-only plan bit for bit (a review found
     torch's complex division off by one ulp)."""
     mesh, dt = mc.Mesh("dp=2 tp=3"), torch.complex64
-    p = mc.plan(mesh, (1,), "i | avg(tp)", "(dp tp i)", dtype=dt)
-    q = mc.plan(mesh, (1,), "i | avg(tp)", "(dp tp i)", dtype=dt,
+    p = plan(mesh, (1,), "i | avg(tp)", "(dp tp i)", dtype=dt)
+    q = plan(mesh, (1,), "i | avg(tp)", "(dp tp i)", dtype=dt,
                 cost_model=mc.CostModel(trees=False))
     assert _tree_steps(p) and not _tree_steps(q)
     parts = [complex(-10, 3), complex(-8, -4), complex(-7, -6)]
@@ -223,7 +241,7 @@ def test_trees_with_combiners_are_exact(spec: str, shape: tuple[int, ...], src: 
     """Cases whose trees use combiners (scratch slots), the first two also run on gloo
     (tests/dist/test_reshard.py NAMED)."""
     mesh = mc.Mesh(spec)
-    p = mc.plan(mesh, shape, src, dst)
+    p = plan(mesh, shape, src, dst)
     [step] = _tree_steps(p)
     s = trees.schedule(from_layout(step.before, mesh, shape), from_layout(step.after, mesh, shape),
                        mesh)
@@ -256,7 +274,7 @@ def test_chains_cut_items_to_reach_the_bound() -> None:
     exact."""
     mesh, shape = mc.Mesh("dp=4 pp=2 ep=4"), (10, 4, 9, 10)
     src, dst = "(pp a) b c d | sum(dp)", "(dp ep a) b c d"
-    p = mc.plan(mesh, shape, src, dst)
+    p = plan(mesh, shape, src, dst)
     [step] = _tree_steps(p)
     assert max(p.recv_bytes) == max(p.lower_bound_bytes) == 1800
     s = trees.schedule(from_layout(step.before, mesh, shape), from_layout(step.after, mesh, shape),
@@ -273,7 +291,7 @@ def test_a_chain_through_the_busiest_rank_s_place_leaves_the_tree_valid() -> Non
     place in the tree it is relieving (a replica takes it): the relief is then dropped, not
     applied to a node that left (a KeyError before), and the plan is exact."""
     mesh, shape = mc.Mesh("ep=2 dp=4 tp=2 sp=2"), (6, 5, 13)
-    p = mc.plan(mesh, shape, "(sp i) j k | avg(tp)", "(dp i) (sp j) (ep k)")
+    p = plan(mesh, shape, "(sp i) j k | avg(tp)", "(dp i) (sp j) (ep k)")
     assert _tree_steps(p)
     assert max(p.recv_bytes) == max(p.lower_bound_bytes)
     _check_exact(p, _data(shape))
@@ -288,7 +306,7 @@ def test_a_root_s_one_child_delivers_the_finished_value_too() -> None:
     plan of collectives (6 and 6) won. Now the tree step sends at most 6 and receives 5."""
     mesh, shape = mc.Mesh("ep=2 dp=4 tp=2 sp=2"), (64,)
     src, dst = "(ep tp i) | sum(sp)", "(sp dp ep i)"
-    p = mc.plan(mesh, shape, src, dst)
+    p = plan(mesh, shape, src, dst)
     [step] = _tree_steps(p)
     assert max(p.recv_bytes) == max(p.lower_bound_bytes) == 20
     assert max(p.send_bytes) <= 24
@@ -311,7 +329,7 @@ def test_a_relaying_child_that_needs_the_value_sends_from_where_it_merged() -> N
     combiner's scratch), not from its output, which is still empty then (a wrong rank 8
     before)."""
     mesh, shape = mc.Mesh("a=2 b=2 c=2 d=2 e=2 f=2"), (192, 128)
-    p = mc.plan(mesh, shape, "(d i) (e a f j) | sum(b, c)", "(e d i) (c f j)")
+    p = plan(mesh, shape, "(d i) (e a f j) | sum(b, c)", "(e d i) (c f j)")
     [step] = _tree_steps(p)
     s = trees.schedule(from_layout(step.before, mesh, shape), from_layout(step.after, mesh, shape),
                        mesh)
@@ -330,6 +348,6 @@ def test_a_relaying_child_keeps_its_place_along_a_chain() -> None:
     finished value from an input that holds only its partial (a wrong rank 20 before).
     The root's one child keeps its place; the plan is exact."""
     mesh, shape = mc.Mesh("ep=2 dp=4 tp=2 sp=2"), (13, 13, 16)
-    p = mc.plan(mesh, shape, "(ep sp i) j k | sum(tp)", "(tp i) (ep dp j) k")
+    p = plan(mesh, shape, "(ep sp i) j k | sum(tp)", "(tp i) (ep dp j) k")
     assert _tree_steps(p)
     _check_exact(p, _data(shape, 4))

@@ -143,6 +143,8 @@ def wire_note(row: dict[str, Any]) -> str:
     wire = row.get("wire") or ""
     if row.get("action") == "tree":
         return f"; a tree, as {row.get('rounds', 1)} {wire}s"
+    if row.get("action") == "direct":
+        return f"; partials to their owners, as {wire}"
     if row.get("action") == "rotate":
         return f"; senders rotated over replicas, as {wire}"
     return f"; as {wire}" if wire and wire != row["kind"] else ""

@@ -42,6 +42,13 @@ def send_recv_axes(state: State, dst: State, mesh: Mesh) -> tuple[AxisName, ...]
     return in_mesh_order(mesh, set(resolve) if resolve else sharding_axes(state))
 
 
+def direct_axes(state: State, dst: State, mesh: Mesh) -> tuple[AxisName, ...]:
+    """The group of a direct delivery (`action == "direct"`): the axes it resolves and those
+    sharding `state`, so that every rank takes each partial of its `dst` block from the
+    holders of that partial (one per element, its twins on the other axes)."""
+    return in_mesh_order(mesh, set(resolved_axes(state, dst) or ()) | sharding_axes(state))
+
+
 def rotation(state: State, mesh: Mesh) -> tuple[tuple[AxisName, ...],
                                                tuple[AxisName, ...]] | None:
     """(S, R): the axes sharding `state` and those replicating it (not pending, size > 1),
@@ -104,7 +111,9 @@ def _rank_transfers(kind: str, action: str, before: Layout, after: Layout, mesh:
         out = [_cell(rank, r, state, dst, mesh) for r in (rank, *to)]
         out += [_cell(s, rank, state, dst, mesh) for s in fro]
         return tuple(t for t in out if t.numel)
-    group = mesh.members(rank, *send_recv_axes(state, dst, mesh))
+    axes = (direct_axes(state, dst, mesh) if action == "direct"
+            else send_recv_axes(state, dst, mesh))
+    group = mesh.members(rank, *axes)
     out = [_cell(rank, r, state, dst, mesh) for r in group]
     out += [_cell(s, rank, state, dst, mesh) for s in group if s != rank]
     return tuple(t for t in out if t.numel)

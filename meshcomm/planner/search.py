@@ -20,6 +20,7 @@ from ..core.errors import PlanError
 from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from . import bounds
+from .direct import direct_move
 from .moves import Move, expand
 from .rank_transfers import blocks_of, resolved_axes
 from .states import State, from_layout, local_numels_tensor, to_layout
@@ -108,18 +109,24 @@ def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
             cost_model: CostModel) -> tuple[Move, ...]:
-    """Least ((time, received), peak, reducing send_recvs, steps, index-list steps) path from
-    `start` to `goal` (Pareto labels; received, the sum of each step's busiest rank, breaks
-    ties of time in the same label component, so it adds no dimension to the labels).
+    """Least ((time, busiest received, busiest sent), peak, reducing send_recvs, steps,
+    index-list steps) path from `start` to `goal` (Pareto labels).
+
+    Busiest received and sent are the largest per-rank totals over the path's steps (on
+    meshes of up to `TIE_RANKS` ranks; above, the sums of each step's busiest rank): at
+    equal time the plan whose busiest rank receives least wins, then sends least. They
+    break ties of time in the same label component, so they add no dimension to the
+    labels; a label is dropped for one of equal time only where the other's per-rank totals
+    are no larger at every rank (the busiest total of every extension then follows).
 
     On meshes of up to `_UNGUIDED_RANKS` ranks, Dijkstra first; a search that pops more
     than `_UNGUIDED_POPS` states (and any search on a larger mesh) runs as A* on the time:
     the queue then orders paths by time so far plus a lower bound of the time still
     needed (the lower bound on bytes from the state to the goal over the fastest link). The
     bound holds for every correct plan, so the first path to reach the goal is the least
-    one in every criterion either way (received bytes, peak, steps and index-list steps
-    only grow along a path); A* expands far fewer states on large searches, and small ones
-    skip the cost of bounding every state.
+    one in every criterion either way (received and sent bytes, peak, steps and index-list
+    steps only grow along a path); A* expands far fewer states on large searches, and small
+    ones skip the cost of bounding every state.
     """
     if mesh.size <= _UNGUIDED_RANKS:
         try:
@@ -133,6 +140,11 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
 # a handful of states, so they go unguided; large meshes and long searches use A*.
 _UNGUIDED_RANKS = 64
 _UNGUIDED_POPS = 12
+# Meshes up to which ties of time go to the least per-rank totals (a tuple per label);
+# above, to the least sum of each step's busiest rank (no per-rank work per label).
+TIE_RANKS = 256
+
+Totals = tuple[tuple[int, ...], tuple[int, ...]] | None   # per rank: received, sent (elements)
 
 
 class _TooLong(Exception):
@@ -142,55 +154,61 @@ class _TooLong(Exception):
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                  cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
     src_numels = local_numels_tensor(start, mesh)
-    first: Key = ((0.0, 0), int(src_numels.max()) * itemsize, 0, 0, 0)
+    first: Key = ((0.0, 0, 0), int(src_numels.max()) * itemsize, 0, 0, 0)
+    zeros = (0,) * mesh.size
+    origin: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
     counter = itertools.count()
     per_byte = 1.0 / max(cost_model.bandwidth_of(a) for a in mesh.axis_names)
     pops = 0
 
     def ahead(key: Key, state: State) -> Key:
         rest = bounds.busiest_bound(state, goal, mesh) * itemsize   # bytes still received
-        return ((round(key[0][0] + rest * per_byte, 15), key[0][1] + rest),) + key[1:]
+        time, got, sent = key[0]
+        return ((round(time + rest * per_byte, 15), max(got, rest), sent),) + key[1:]
 
     # A* bounds a queued state only when it reaches the top of the queue (`bounded` False
     # until then: its key alone is a lower bound too); many queued states never do.
-    heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None, bool]] = [
-        (first, next(counter), first, start, (), None, not guided)]
-    labels: dict[State, list[Key]] = {start: [first]}
+    heap: list[tuple[Key, int, Key, State, tuple[Move, ...], Key | None, bool, Totals]] = [
+        (first, next(counter), first, start, (), None, not guided, origin)]
+    labels: dict[State, list[tuple[Key, Totals]]] = {start: [(first, origin)]}
 
-    def relax(key: Key, state: State, move: Move, path: tuple[Move, ...]) -> None:
-        nkey = _extend(key, move, state, mesh, itemsize, cost_model, src_numels, bool(path))
+    def relax(key: Key, totals: Totals, state: State, move: Move,
+              path: tuple[Move, ...]) -> None:
+        nkey, ntotals = _extend(key, totals, move, state, mesh, itemsize, cost_model,
+                                src_numels, bool(path))
         if move.estimate:   # a lower bound of its key: price it when it is popped
             heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), key,
-                                  not guided or move.after == goal))
+                                  not guided or move.after == goal, totals))
             return
-        if any(_dominates(k, nkey) for k in labels.get(move.after, [])):
+        held = labels.get(move.after, [])
+        if any(_dominates(k, t, nkey, ntotals) for k, t in held):
             return
-        kept = [k for k in labels.get(move.after, []) if not _dominates(nkey, k)]
-        labels[move.after] = kept + [nkey]
+        labels[move.after] = [(k, t) for k, t in held if not _dominates(nkey, ntotals, k, t)]
+        labels[move.after].append((nkey, ntotals))
         heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), None,
-                              not guided or move.after == goal))
+                              not guided or move.after == goal, ntotals))
 
     while heap:
         if not heap[0][6]:                     # bound it; back in the queue if others lead
-            _, n, key, state, path, before, _ = heap[0]
+            _, n, key, state, path, before, _, totals = heap[0]
             guess = ahead(key, state)
             if len(heap) > 1 and guess > min(heap[1:3])[0]:
-                heapq.heapreplace(heap, (guess, n, key, state, path, before, True))
+                heapq.heapreplace(heap, (guess, n, key, state, path, before, True, totals))
                 continue
             heapq.heappop(heap)
         else:
-            _, _, key, state, path, before, _ = heapq.heappop(heap)
+            _, _, key, state, path, before, _, totals = heapq.heappop(heap)
         if before is not None:   # an estimated send_recv or tree: price it, then queue it
             *head, last = path
             prev = head[-1].after if head else start
             exact = (tree_move(prev, last.after, mesh) if last.action == "tree"
                      else send_recv_move(prev, last.after, mesh))
             assert exact is not None, f"no send_recv to {last.after}"
-            relax(before, prev, exact, tuple(head))
+            relax(before, totals, prev, exact, tuple(head))
             continue
         if state == goal:
             return path
-        if key not in labels.get(state, ()):
+        if not any(k == key and t is totals for k, t in labels.get(state, ())):
             continue
         pops += 1
         if pops > _UNGUIDED_POPS and not guided:
@@ -198,12 +216,13 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
         for move in _moves(state, goal, mesh, cost_model):
             if SHORTCUT and not path and _alone_at_bound(move, start, goal, mesh, cost_model):
                 return (move,)
-            relax(key, state, move, path)
+            relax(key, totals, state, move, path)
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug,"
                     " please report it")
 
 
-Key = tuple[tuple[float, int], int, int, int, int]   # (time, received), peak, reducing, ...
+# (time, busiest received, busiest sent), peak, reducing send_recvs, steps, index-list steps
+Key = tuple[tuple[float, int, int], int, int, int, int]
 
 # Moves found first from the start skip the rest of the search where nothing can beat them.
 SHORTCUT = True
@@ -245,29 +264,41 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
     moves = [send_recv_move(state, t, mesh, exact=False)
              for t in send_recv_targets(state, goal, mesh)]
     moves.append(reindex_move(state, goal, mesh))
+    moves.append(direct_move(state, goal, mesh))
     if trees:
         moves.append(tree_estimate(state, goal, mesh))
     yield from (m for m in moves if m is not None)
 
 
-def _extend(key: Key, move: Move, state: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel, src_numels: torch.Tensor, held: bool) -> Key:
+def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, itemsize: int,
+            cost_model: CostModel, src_numels: torch.Tensor, held: bool
+            ) -> tuple[Key, Totals]:
     # Per-rank counts as tensors of the mesh's shape: O(ranks) in C, not in Python.
     live_t = _live(move, state, mesh)
     if held:
         live_t = live_t + src_numels
     live = int(live_t.max()) * itemsize
-    time, received = 0.0, 0
+    time, (_, got, sent) = 0.0, key[0]
     if move.kind != "local":
-        received = max(move.recv) * itemsize
-        time = _time(move, max(max(move.send) * itemsize, received), cost_model)
-    # At equal time, fewer received bytes win (a step's time is the larger of its sent and
-    # received bytes); then the lower peak; then native reductions (reduce_scatter,
-    # all_reduce) over a reducing send_recv or tree; then fewer steps; last, fewer steps
-    # driven by index lists (send_recv, select, reindex).
+        step_recv, step_send = max(move.recv) * itemsize, max(move.send) * itemsize
+        time = _time(move, max(step_send, step_recv), cost_model)
+        if totals is None:     # a large mesh: the sums of each step's busiest rank
+            got, sent = got + step_recv, sent + step_send
+        else:
+            totals = (_added(totals[0], move.recv), _added(totals[1], move.send))
+            got, sent = max(totals[0]) * itemsize, max(totals[1]) * itemsize
+    # At equal time, the least busiest rank's received bytes win, then its sent bytes (a
+    # step's time is the larger of its sent and received bytes); then the lower peak; then
+    # native reductions (reduce_scatter, all_reduce) over a reducing send_recv or tree;
+    # then fewer steps; last, fewer steps driven by index lists (send_recv, select, reindex).
     reducing = move.kind == "send_recv" and move.op is not None
-    return ((round(key[0][0] + time, 15), key[0][1] + received), max(key[1], live),
-            key[2] + reducing, key[3] + 1, key[4] + move.indexed)
+    return ((round(key[0][0] + time, 15), got, sent), max(key[1], live),
+            key[2] + reducing, key[3] + 1, key[4] + move.indexed), totals
+
+
+def _added(total: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-rank sums (a step that moves nothing adds nothing)."""
+    return total if not any(step) else tuple(map(operator.add, total, step))
 
 
 def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
@@ -283,8 +314,18 @@ def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
     return local_numels_tensor(state, mesh) + out
 
 
-def _dominates(a: Key, b: Key) -> bool:
-    return a[0] <= b[0] and all(x <= y for x, y in zip(a[1:], b[1:]))
+def _dominates(a: Key, at: Totals, b: Key, bt: Totals) -> bool:
+    """Whether label `a` (per-rank totals `at`) makes `b` useless: no worse in peak, steps
+    and the rest, and less time; or equal time and, per rank, no more received and sent
+    (every extension of `b` then has an extension of `a` no worse in every criterion)."""
+    if a[0][0] > b[0][0] or any(x > y for x, y in zip(a[1:], b[1:])):
+        return False
+    if a[0][0] < b[0][0]:
+        return True
+    if at is None or bt is None:
+        return a[0] <= b[0]
+    return (at is bt or (all(map(operator.le, at[0], bt[0]))
+                         and all(map(operator.le, at[1], bt[1]))))
 
 
 

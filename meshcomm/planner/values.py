@@ -62,8 +62,18 @@ def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]
     return (("*", float(value)),)
 
 
-_DEFAULT_LAT = _pairs(0.0)
-_DEFAULT_BW = _pairs(100e9)
+# Per backend, the (latency_s, bandwidth) a CostModel takes where none is given: one latency
+# per collective call (a tree step pays one per round), and bytes of the busiest rank per
+# second. gloo: fitted on this project's 2-core test machine (loopback TCP, 4 and 8
+# processes, 8 B to 4 MiB: `python benchmarks/calibrate_gloo.py`, results in
+# benchmarks/results/calibrate_gloo.json). nccl: NCCL's own tuning model
+# (src/graph/tuning.cc: a ring collective's base latency is 6.6 us (LL) to 8.4 us
+# (Simple), plus 0.6 to 3.4 us per NVLink hop), about 10 us a call inside a node, and
+# 100 GB/s, below NVLink's and about an NDR InfiniBand link's (50 GB/s each way).
+BACKEND_FIGURES: dict[str, tuple[float, float]] = {
+    "nccl": (10e-6, 100e9),
+    "gloo": (1.2e-3, 0.44e9),
+}
 # The collectives a `CostModel(wires=...)` may time apart: every step's wire and "p2p", a
 # batch of point-to-point messages every member of a group posts together (a ring's shift).
 WIRE_NAMES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send/recv", "p2p")
@@ -82,10 +92,14 @@ class CostModel:
     """Latency and bandwidth per mesh axis: step time = latency + max-rank bytes / bandwidth.
 
     A collective over several axes pays the largest latency and the smallest
-    bandwidth among them. Local steps cost nothing. The default has no latency,
-    so bytes decide and ties go to memory, then to fewer steps. Its bandwidth is a
-    placeholder, so a plan made with the default prints no time (`models_time` is
-    False): pass a CostModel with your network's numbers to see modelled times.
+    bandwidth among them; a tree step (several rounds) pays one latency per round. Local
+    steps cost nothing. Where `latency_s` or `bandwidth` is not given, the `backend`'s
+    figures stand in (`BACKEND_FIGURES`: gloo measured on a CPU machine, nccl from NCCL's
+    tuning model), so a plan of k rounds wins only where its bytes pay for the k - 1
+    extra latencies. Those defaults are a guide, not a prediction of your network: a plan
+    made without given figures prints no time (`models_time` is False); pass a CostModel
+    with your network's numbers to see modelled times. `plan()` on a BoundMesh without a
+    cost model takes its backend's figures.
 
     `native` names the step kinds the backend runs as real collectives (NCCL and
     gloo run them all). The planner never uses a kind outside it: nothing is
@@ -97,10 +111,12 @@ class CostModel:
     >>> cm = CostModel(latency_s={"dp": 20e-6, "tp": 2e-6}, bandwidth={"dp": 25e9, "tp": 450e9})
     >>> cm.time(("dp",), 25_000) > cm.time(("tp",), 25_000)
     True
+    >>> CostModel(backend="gloo").time(("dp",), 0) > CostModel().time(("dp",), 0) > 0
+    True
     """
 
-    latency_s: Any = 0.0
-    bandwidth: Any = 100e9
+    latency_s: Any = None
+    bandwidth: Any = None
     backend: str = "nccl"
     native: Any = STEP_KINDS
     trees: bool = True
@@ -110,8 +126,15 @@ class CostModel:
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "latency_s", _pairs(self.latency_s))
-        object.__setattr__(self, "bandwidth", _pairs(self.bandwidth))
+        if self.backend not in BACKEND_FIGURES:
+            raise PlanError(f"CostModel(backend={self.backend!r}) is not a backend with figures;"
+                            f" backends are {', '.join(BACKEND_FIGURES)}. fix: name one, or"
+                            " give latency_s= and bandwidth= yourself")
+        latency, bandwidth = BACKEND_FIGURES[self.backend]
+        object.__setattr__(self, "latency_s",
+                           _pairs(latency if self.latency_s is None else self.latency_s))
+        object.__setattr__(self, "bandwidth",
+                           _pairs(bandwidth if self.bandwidth is None else self.bandwidth))
         if any(v <= 0 for _, v in self.bandwidth) or any(v < 0 for _, v in self.latency_s):
             raise PlanError(f"CostModel needs bandwidth > 0 and latency >= 0, got {self}")
         unknown = set(self.native) - set(STEP_KINDS)
@@ -141,18 +164,23 @@ class CostModel:
 
     @property
     def models_time(self) -> bool:
-        """False for the default model (no latency, placeholder bandwidth): its times are
-        not a prediction, so printed plans leave them out. True once latency or bandwidth
-        is given.
+        """False for the backend's default figures (they plan, but are no prediction of your
+        network), so printed plans leave times out. True once other figures are given.
 
         >>> CostModel().models_time, CostModel(latency_s=5e-6).models_time
         (False, True)
         """
-        return (self._lat, self._bw) != (_DEFAULT_LAT, _DEFAULT_BW) or bool(self.wires)
+        latency, bandwidth = BACKEND_FIGURES[self.backend]
+        return ((self._lat, self._bw) != (_pairs(latency), _pairs(bandwidth))
+                or bool(self.wires))
+
+    def latency_of(self, axis: AxisName) -> float:
+        """Seconds of one call over `axis` that moves nothing."""
+        return self._get(self._lat, axis, BACKEND_FIGURES[self.backend][0])
 
     def bandwidth_of(self, axis: AxisName) -> float:
         """Bytes per second of `axis`."""
-        return self._get(self._bw, axis, 100e9)
+        return self._get(self._bw, axis, BACKEND_FIGURES[self.backend][1])
 
     def time(self, axes: tuple[AxisName, ...], max_bytes: int, wire: str | None = None
              ) -> float:
@@ -166,8 +194,8 @@ class CostModel:
         for name, lat, bw in self.wires:
             if name == wire:
                 return float(lat + max_bytes / bw)
-        latency = max(self._get(self._lat, a, 0.0) for a in axes)
-        bandwidth = min(self._get(self._bw, a, 100e9) for a in axes)
+        latency = max(self.latency_of(a) for a in axes)
+        bandwidth = min(self.bandwidth_of(a) for a in axes)
         return latency + max_bytes / bandwidth
 
 
