@@ -94,7 +94,7 @@ class Watch:
                  fixes: Sequence[str]) -> None:
         self.module, self.bound, self.axis, self.fixes = module, bound, axis, tuple(fixes)
         self.passes = 0          # backward passes checked
-        self.queued = False
+        self.queued = -1         # the backward pass (autograd graph task) queued for, if any
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """A forward with gradients: the first gradient that reaches any of its outputs
@@ -106,9 +106,10 @@ class Watch:
             torch.autograd.graph.register_multi_grad_hook(outputs, self._backward, mode="any")
 
     def _backward(self, _: Any) -> None:
-        if self.queued:          # several forwards into one backward: one check
+        task = torch._C._current_graph_task_id()
+        if task == self.queued:  # several forwards into one backward: one check
             return
-        self.queued = True
+        self.queued = task       # (a pass that failed before its end leaves no trace)
         # Queued from the queue: it runs after every end-of-backward callback queued during
         # the pass (fully_shard's, which writes the reduced gradients to `.grad`).
         engine = torch.autograd.Variable._execution_engine
@@ -117,7 +118,7 @@ class Watch:
     def check(self) -> None:
         """Compare the gradients now; raise ReplicaDriftError on every rank of the axis
         where they differ."""
-        self.queued = False
+        self.queued = -1
         self.passes += 1
         params = replicated(self.module, self.bound, self.axis)
         if not params:

@@ -86,11 +86,18 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
                                                                       generator=g)
 
 
-def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[float]:
+def train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, halves: bool = False
+          ) -> list[float]:
+    """SGD steps on the mean squared error; `halves`: two forwards (one per half of the
+    batch) into each backward, the same loss."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(STEPS):
-        loss = ((model(x) - y) ** 2).mean()
+        if halves:
+            n = len(x) // 2
+            loss = (((model(x[:n]) - y[:n]) ** 2).mean() + ((model(x[n:]) - y[n:]) ** 2).mean()) / 2
+        else:
+            loss = ((model(x) - y) ** 2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -102,11 +109,11 @@ def full(p: Any) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
-def run_toy(mesh: str, plan: dict[str, str], check: bool, odd_rank: int = -1
-            ) -> dict[str, Any]:
+def run_toy(mesh: str, plan: dict[str, str], check: bool, odd_rank: int = -1,
+            halves: bool = False) -> dict[str, Any]:
     """Train the toy under `plan` (and fully_shard over dp where the mesh has it); its
-    outcome, losses, parameters and the collectives of the last step. Rank `odd_rank`
-    builds it without one parameter."""
+    outcome, losses, parameters, the backward passes checked and the collectives of the
+    last step. Rank `odd_rank` builds it without one parameter."""
     bound = mc.init_mesh(mesh, check=check, timeout_s=scaled(120))
     model = mc.nn.parallelize(Toy(out_bias=bound.rank != odd_rank), bound, plan, axis="tp")
     dp = bound.mesh.axis_size("dp") if "dp" in bound.mesh.axis_names else 1
@@ -117,9 +124,11 @@ def run_toy(mesh: str, plan: dict[str, str], check: bool, odd_rank: int = -1
     x, y = (t[me * share:(me + 1) * share] for t in data())
     losses: list[float] = []
     with wire.recording() as heard:
-        ran = outcome(lambda: losses.extend(train(model, x, y)))
+        ran = outcome(lambda: losses.extend(train(model, x, y, halves)))
     calls = [(w.kind, w.numel_in) for w, _ in heard]
-    return {"outcome": ran, "losses": losses, "watched": hasattr(model, WATCH_ATTR),
+    watch = getattr(model, WATCH_ATTR, None)
+    return {"outcome": ran, "losses": losses, "watched": watch is not None,
+            "passes": None if watch is None else watch.passes,
             "calls_per_step": len(calls) / STEPS, "calls": calls[:len(calls) // STEPS],
             "params": {k: full(p) for k, p in model.named_parameters()}}
 
@@ -131,6 +140,7 @@ def toy_worker(rank: int, world: int) -> dict[str, Any]:
             "tp summed, check off": run_toy("tp=4", SUMMED, False),
             "fsdp unsummed": run_toy("dp=2 tp=2", UNSUMMED, True),
             "fsdp summed": run_toy("dp=2 tp=2", SUMMED, True),
+            "tp summed, two forwards a pass": run_toy("tp=4", SUMMED, True, halves=True),
             "tp other parameters": run_toy("tp=4", SUMMED, True, odd_rank=3)}
 
 
@@ -163,12 +173,13 @@ def test_an_unsummed_per_head_norm_raises_at_step_1_on_every_rank(
     assert len({got[case]["outcome"] for got, g in zip(toy, groups) if g == groups[0]}) == 1
 
 
-@pytest.mark.parametrize("case", ["tp summed", "fsdp summed"])
+@pytest.mark.parametrize("case", ["tp summed", "fsdp summed", "tp summed, two forwards a pass"])
 def test_a_summed_plan_trains_silently_as_in_one_process(toy: list[dict[str, Any]],
                                                          case: str) -> None:
     ref = Toy()
     want = train(ref, *data())
     assert all(got[case]["outcome"] == "ran" for got in toy)
+    assert all(got[case]["passes"] == STEPS for got in toy)     # one check per backward
     # each dp rank's loss is its share's mean: their mean is the batch's
     losses = torch.tensor([got[case]["losses"] for got in toy]).mean(0)
     torch.testing.assert_close(losses, torch.tensor(want), rtol=1e-5, atol=1e-6)
