@@ -29,7 +29,7 @@ from meshcomm.executors.distributed import wire
 transformers = pytest.importorskip("transformers", reason="transformers is not installed"
                                    " (pip install -e '.[test]' installs it)")
 
-BATCH, SEQ, STEPS, VOCAB, PAD = 4, 16, 3, 64, 5
+BATCH, SEQ, STEPS, VOCAB, PAD, LAYERS = 4, 16, 3, 64, 5, 2
 SP = {"model.embed_tokens": "embedding_sp",
       "model.layers.*.*_layernorm": "sp_params", "model.norm": "sp_params",
       "model.layers.*.self_attn": "sp_input", "model.layers.*.self_attn.[qkv]_proj": "colwise_sp",
@@ -57,7 +57,7 @@ def build(kind: str, options: dict[str, Any]) -> Any:
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[kind]
     config = config_class(**{
         "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": SEQ, "attn_implementation": "eager", **options})
     return model_class(config)
 
@@ -181,9 +181,14 @@ def test_the_positions_hook_adds_no_collective(four: list[dict[str, Any]]) -> No
         without, given = r["calls"]
         assert without == given
         kinds = [kind for kind, _, _ in without]
-        # per layer: sp_input's all_gather and rowwise_sp's reduce_scatter, for attention
-        # and MLP, forward and backward: 8 of each; then the embedding's and the output's
-        assert kinds.count("reduce_scatter") >= 2 * 4 and kinds.count("all_gather") >= 2 * 4
+        # L layers, each with two sp_input blocks (attention, MLP): forward, an all_gather
+        # in and a reduce_scatter out of each, then lm_head's all_gather of the sequence
+        # and of the vocabulary after embed_tokens' reduce_scatter; backward, each move's
+        # opposite; sp_params: one all_reduce per norm (two a layer and the final one)
+        counts = {"all_gather": 2 * LAYERS + 2 + 2 * LAYERS + 1,
+                  "reduce_scatter": 2 * LAYERS + 1 + 2 * LAYERS + 1,
+                  "all_reduce": 2 * LAYERS + 1}
+        assert {k: kinds.count(k) for k in set(kinds)} == counts
 
 
 def test_a_model_or_call_where_it_cannot_work_raises_a_meshcomm_error(
