@@ -137,17 +137,21 @@ class Watch:
         more = len(found.items) - 1 - len(others)
         also = (f"; {len(found.items) - 1} more differ: " + ", ".join(others)
                 + (f" and {more} more" if more else "")) if others else ""
-        owner = name.rpartition(".")[0] or "(the model itself)"
+        owner = name.rpartition(".")[0]
         pattern = re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", owner)
         styles = " or ".join(f'"{s}"' for s in self.fixes)
-        example = f'{{"{pattern}": "{self.fixes[0]}"}}' if self.fixes else ""
+        if owner:
+            where = f"give {owner} a style that does ({styles}) in the parallelize plan, e.g."
+            where += f' {{"{pattern}": "{self.fixes[0]}"}}' if self.fixes else ""
+        else:     # a plan names submodules only
+            where = (f"move it into a submodule and give that a style that does ({styles})"
+                     " in the parallelize plan")
         return (f"check mode: at step {self.passes} (backward pass {self.passes} through"
                 f" {type(self.module).__name__} since parallelize), the gradient of {name},"
                 f" which is replicated over {self.axis}, differs between the ranks that hold"
                 f" its copies ({_ranks(group)}): {found.describe(_show)}{also}. The optimizer"
                 " would make the copies drift apart.\n"
-                f"  fix: sum its gradient over {self.axis}: give {owner} a style that does"
-                f" ({styles}) in the parallelize plan, e.g. {example}. A parameter used on"
+                f"  fix: sum its gradient over {self.axis}: {where}. A parameter used on"
                 f" activations split over {self.axis} (a per-head norm between colwise and"
                 " rowwise layers, a norm on sequence-split activations) gets only this"
                 " rank's part of its gradient")

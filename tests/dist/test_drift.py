@@ -24,8 +24,9 @@ from torch import nn
 
 import meshcomm as mc
 from meshcomm.executors.distributed import wire
-from meshcomm.nn.drift import COMPARED, WATCH_ATTR, digest
+from meshcomm.nn.drift import COMPARED, WATCH_ATTR, Watch, digest
 from meshcomm.nn.parallel import STYLES
+from meshcomm.runtime.checks import Disagreement
 
 HIDDEN, HEADS, HEAD_DIM, BATCH, SEQ, STEPS = 8, 4, 3, 4, 6, 3
 UNSUMMED = {"up": "colwise", "down": "rowwise"}
@@ -51,6 +52,31 @@ def test_equal_values_digest_alike_and_any_change_shows() -> None:
     assert digest(None)[0] == 0 and digest(x)[0] == 1
     total = digest(x)[3:].view(torch.float64).item()
     assert total == pytest.approx(float(x.double().sum()))
+
+
+def test_the_message_names_the_first_parameter_a_few_others_and_the_fix() -> None:
+    bound = mc.BoundMesh(mc.Mesh("dp=2 tp=2"), "gloo", torch.device("cpu"), 3, {}, True)
+    watch = Watch(nn.Linear(1, 1), bound, "tp", ["replicated_grad_sum", "sp_params"])
+    watch.passes = 2
+    names = [f"layers.{i}.attn.q_norm.weight" for i in range(6)] + ["scale"]
+    total = torch.tensor([0.5], dtype=torch.float64).view(torch.int64).item()
+    found = Disagreement((1, 2, 3, 4, 5, 6), ((2,), (3,)), ((1, 7, 8, total), (0, 0, 0, 0)))
+    assert watch.message(names, found) == (
+        "check mode: at step 2 (backward pass 2 through Linear since parallelize), the"
+        " gradient of layers.1.attn.q_norm.weight, which is replicated over tp, differs"
+        " between the ranks that hold its copies (ranks 2, 3): rank 2: gradient sum 0.5;"
+        " rank 3: no gradient; 5 more differ: layers.2.attn.q_norm.weight,"
+        " layers.3.attn.q_norm.weight, layers.4.attn.q_norm.weight and 2 more. The optimizer"
+        " would make the copies drift apart.\n"
+        "  fix: sum its gradient over tp: give layers.1.attn.q_norm a style that does"
+        ' ("replicated_grad_sum" or "sp_params") in the parallelize plan, e.g.'
+        ' {"layers.*.attn.q_norm": "replicated_grad_sum"}. A parameter used on activations'
+        " split over tp (a per-head norm between colwise and rowwise layers, a norm on"
+        " sequence-split activations) gets only this rank's part of its gradient")
+    root = watch.message(names, found._replace(items=(6,)))
+    assert "the gradient of scale," in root and "fix: sum its gradient over tp: move it into" \
+        ' a submodule and give that a style that does ("replicated_grad_sum" or "sp_params")' \
+        " in the parallelize plan. A parameter" in root, root
 
 
 # -- the toy module ------------------------------------------------------------------------------
