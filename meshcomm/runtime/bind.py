@@ -59,7 +59,7 @@ class BoundMesh(Groups):
 
     @property
     def in_mesh(self) -> bool:
-        return self.rank in self.mesh.ranks
+        return self.rank in self.mesh      # one dict lookup, whatever the mesh's size
 
     @property
     def coords(self) -> dict[AxisName, int]:

@@ -221,10 +221,11 @@ def _plan_for(x: Tensor | None, bound: BoundMesh, src: str | Layout, dst: str | 
         sharded = hasattr(x, "local") and hasattr(x, "layout")     # a Sharded
         hint = "; fix: s.reshard(dst) for a Sharded s" if sharded else ""
         raise ShapeError(f"reshard needs a local torch.Tensor, got {type(x).__name__}{hint}")
-    src_layout = as_layout(src, "src")
     if shape is None:
-        shape = infer_shape(bound.mesh, src_layout, tuple(x.shape), bound.rank)
-    return plan_untraced(bound.mesh, tuple(shape), src_layout, as_layout(dst, "dst"),
+        shape = infer_shape(bound.mesh, as_layout(src, "src"), tuple(x.shape), bound.rank)
+    # the layouts as given: a repeated call is a hit in the mesh's memo of plans, and a
+    # miss parses and checks them there (naming src or dst)
+    return plan_untraced(bound.mesh, tuple(shape), src, dst,
                          dtype=x.dtype if dtype is None else dtype, cost_model=cost_model,
                          dst_mesh=dst_mesh)
 

@@ -16,18 +16,18 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import meshcomm as mc
 from meshcomm.core.errors import MeshMismatchError, ShapeError
+from meshcomm.executors.distributed import wire
 from meshcomm.nn.fsdp.param import UNIT_ATTR
 
 from conftest import ranks_fixture
 
 KINDS = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
-         "all_reduce": "all_reduce", "all_to_all_single": "all_to_all"}
+         "all_reduce_single": "all_reduce", "all_to_all_single": "all_to_all"}
 CALLS: Counter[str] = Counter()
 E, M, V, B, S = 16, 32, 24, 4, 6          # embed, mlp, vocab, batch, seq
 
@@ -38,17 +38,17 @@ def rand(*shape: int, seed: int, std: float = 1.0) -> Tensor:
 
 
 def count_collectives() -> None:
-    """Wrap funcol's collectives (as the executors call them) to count calls by kind."""
+    """Wrap the functional collective calls of meshcomm's wire module (every collective
+    meshcomm makes is one of them, on funcol or on the functional op itself) to count calls
+    by kind."""
     for name, kind in KINDS.items():
-        # torch before 2.12 names the first two all_gather_tensor / reduce_scatter_tensor
-        name = name if hasattr(funcol, name) else name.replace("_single", "_tensor")
-        fn = getattr(funcol, name)
+        fn = getattr(wire, name)
 
         def counted(*args: Any, _fn: Callable[..., Any] = fn, _kind: str = kind,
                     **kwargs: Any) -> Any:
             CALLS[_kind] += 1
             return _fn(*args, **kwargs)
-        setattr(funcol, name, counted)
+        setattr(wire, name, counted)
 
 
 def mlp_weights(seed: int) -> dict[str, Tensor]:
@@ -373,8 +373,8 @@ def test_moe_routes_unevenly(four: list[dict[str, Any]]) -> None:
     assert [list(col) for col in zip(*sent)] == [list(r) for r in received]  # a transpose
     assert len({s for row in sent for s in row}) > 2 and 0 in {s for row in sent for s in row}
     # counts, dispatch, combine: three all_to_alls; the router's gradient one all_reduce.
-    # (The two inverse all_to_alls of backward run inside autograd, not through funcol's
-    # Python functions, so they are not counted here; the values test checks them.)
+    # (The two inverse all_to_alls of backward run inside funcol's autograd, not through
+    # meshcomm's wire module, so they are not counted here; the values test checks them.)
     assert four[0]["moe"]["calls"] == {"forward": {"all_to_all": 3},
                                        "backward": {"all_reduce": 1}}
 

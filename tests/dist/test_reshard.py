@@ -296,6 +296,7 @@ def test_demo_runs_on_4_processes_and_exits_0() -> None:
 
 TINY = """
 import sys, torch
+import torch.distributed.tensor._random
 import meshcomm as mc
 bound = mc.init_mesh("tp=2")
 y = mc.reshard(torch.arange(3.0) + 3 * bound.rank, bound, "(tp b)", "b")

@@ -51,7 +51,7 @@ class Groups:
 
     @property
     def in_mesh(self) -> bool:
-        return self.rank in self.mesh.ranks
+        return self.rank in self.mesh      # one dict lookup (`Mesh.__contains__`)
 
     def group_name(self, axes: tuple[AxisName, ...] | AxisName) -> str:
         raise NotImplementedError

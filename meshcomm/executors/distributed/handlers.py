@@ -32,6 +32,7 @@ from ...core.errors import (
     MeshMismatchError,
     ShapeError,
 )
+from ...core.layout import Layout
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, divide, op_reduce
 from ...planner.values import Plan, Step, Transfer
@@ -146,8 +147,28 @@ class Run(NamedTuple):
             self.trace.add(step.kind, step.axes, call.sent * itemsize, call.received * itemsize)
 
 
+@functools.lru_cache(maxsize=4096)
+def local_shape(layout: Layout, mesh: Mesh, shape: tuple[int, ...], rank: int
+                ) -> tuple[int, ...]:
+    """`layout.local_shape(mesh, shape, rank)`, worked out once: a call after the first is
+    one dict lookup on hashes the layout and mesh keep (never on a plan, whose hash reads
+    every step's per-rank figures)."""
+    return layout.local_shape(mesh, shape, rank)
+
+
 def check_local(plan: Plan, local: Tensor, bound: Groups) -> None:
     """Raise before any communication if `local` or `bound` do not fit the plan on this rank."""
+    # the common case in a few compares: a bound mesh of the plan's, this rank in it, a
+    # tensor of the plan's dtype and this rank's local shape (`_check_local` says what differs)
+    if (isinstance(bound, Groups) and bound.mesh == plan.mesh and plan.dst_mesh is None
+            and isinstance(local, Tensor) and local.dtype == plan.dtype
+            and bound.rank in plan.mesh
+            and local.shape == local_shape(plan.src, plan.mesh, plan.shape, bound.rank)):
+        return
+    _check_local(plan, local, bound)
+
+
+def _check_local(plan: Plan, local: Tensor, bound: Groups) -> None:
     require_bound(bound, "execute")
     if bound.mesh != plan.mesh:
         raise MeshMismatchError(f"plan was made for {plan.mesh!r} but is run on {bound.mesh!r}."

@@ -70,13 +70,13 @@ def reduce_scatter(x: Tensor, op: str, group: Group, *,
 
 def all_reduce(x: Tensor, op: str, group: Group, *, wait: bool = True) -> tuple[Tensor, Wire]:
     """The `op` of every member's `x`, on every member."""
-    y = call(funcol.all_reduce, x, op, group.name, wait=wait)
+    y = call(all_reduce_single, x, op, group.name, wait=wait)
     return y, _heard(Wire("all_reduce", group.size, group.pos, x.numel(), y.numel()), x)
 
 
 def broadcast(x: Tensor, root: int, group: Group, *, wait: bool = True) -> tuple[Tensor, Wire]:
     """The `x` of group position `root` on every member."""
-    y = call(funcol.broadcast, x.contiguous(), root, group.name, wait=wait)
+    y = call(broadcast_single, x.contiguous(), root, group.name, wait=wait)
     return y, _heard(Wire("broadcast", group.size, group.pos, x.numel(), y.numel(),
                           root=root), x)
 
@@ -98,7 +98,7 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
         send = torch.cat([rows, rows.new_zeros((1, *rows.shape[1:]))])   # keeps autograd
         ins = [n + (i == group.pos) for i, n in enumerate(in_splits)]
         outs = [n + (i == group.pos) for i, n in enumerate(out_splits)]
-    y = call(funcol.all_to_all_single, send, None if outs is None else list(outs),
+    y = call(all_to_all_single, send, None if outs is None else list(outs),
              None if ins is None else list(ins), group.name, wait=wait)
     if own is not None:
         y = torch.cat([y[:own], y[own + 1:]])
@@ -112,21 +112,76 @@ def all_to_all(rows: Tensor, group: Group, out_splits: Sequence[int] | None = No
                           tuple(s * row for s in out_splits or ())), rows)
 
 
-# -- torch's names across versions --------------------------------------------------------------
+# -- the functional ops, and torch's names across versions ------------------------------------
+# Eager, with no gradient recorded through the call (a reshard's forward, an engine step), a
+# collective is the functional op itself, its result wrapped to be waited on at first use:
+# funcol's Python wrapper adds a group lookup and an autograd custom op per call, as much host
+# time as the op's own dispatch (over the fake backend 20 us per all_reduce, 13 us direct).
+# Traced, or recording a gradient (`mc.collectives` on an input that requires grad), the call
+# goes through funcol (looked up per call, as tests wrap funcol).
+_OPS = torch.ops._c10d_functional
+
+
+def _direct(x: Tensor) -> bool:
+    """Whether a call on `x` runs the functional op directly (see above)."""
+    return not (x.requires_grad and torch.is_grad_enabled()) and not funcol._are_we_tracing()
+
+
+def _lazy(y: Tensor) -> Tensor:
+    """An eager functional op's result, waited on at its first use (as funcol gives it)."""
+    return funcol.AsyncCollectiveTensor(y)  # type: ignore[no-untyped-call, no-any-return]
+
+
+def all_reduce_single(x: Tensor, op: str, group: str) -> Tensor:
+    """The functional all_reduce of `x` with `op` over group `group`."""
+    if _direct(x):
+        return _lazy(_OPS.all_reduce(x, op, group))
+    return funcol.all_reduce(x, op, group)
 
 
 def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
-    """funcol's all_gather of `x` along `dim` (looked up per call, as tests wrap funcol)."""
+    """The functional all_gather of `x` along `dim` over group `group`."""
+    if dim == 0 and _direct(x):
+        return _lazy(_OPS.all_gather_into_tensor(x, _group_size(group), group))
     fn: Callable[..., Tensor] = (getattr(funcol, "all_gather_single", None)
                                  or funcol.all_gather_tensor)
     return fn(x, dim, group)
 
 
 def reduce_scatter_single(x: Tensor, op: str, dim: int, group: str) -> Tensor:
-    """funcol's reduce_scatter of `x` along `dim` with `op` (looked up per call)."""
+    """The functional reduce_scatter of `x` along `dim` with `op` over group `group`."""
+    if dim == 0 and _direct(x):
+        size = _group_size(group)
+        if x.shape[0] % size == 0:     # else funcol raises its error
+            return _lazy(_OPS.reduce_scatter_tensor(x, op, size, group))
     fn: Callable[..., Tensor] = (getattr(funcol, "reduce_scatter_single", None)
                                  or funcol.reduce_scatter_tensor)
     return fn(x, op, dim, group)
+
+
+def all_to_all_single(x: Tensor, out_splits: list[int] | None, in_splits: list[int] | None,
+                      group: str) -> Tensor:
+    """The functional all_to_all of `x`'s dim-0 rows (even splits where both are None)."""
+    if _direct(x):
+        if out_splits is None and in_splits is None:
+            size = _group_size(group)
+            out_splits = in_splits = [x.shape[0] // size] * size
+        if out_splits is not None and in_splits is not None:
+            return _lazy(_OPS.all_to_all_single(x, out_splits, in_splits, group))
+    return funcol.all_to_all_single(x, out_splits, in_splits, group)
+
+
+def broadcast_single(x: Tensor, root: int, group: str) -> Tensor:
+    """The functional broadcast of group position `root`'s `x` over group `group`."""
+    if _direct(x):
+        return _lazy(_OPS.broadcast(x, root, group))
+    return funcol.broadcast(x, root, group)
+
+
+def _group_size(name: str) -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return int(c10d._get_group_size_by_name(name))
 
 
 def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
