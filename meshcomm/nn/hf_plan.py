@@ -91,15 +91,14 @@ class LocalSizes:
     """Forward hooks of an owner of fused projections: while it runs, its attributes that
     hold global sizes (`Fused.attrs`) hold this rank's share (`size // n`); a dotted
     `config.x` swaps in a shallow copy of the config for the call, so the model's config,
-    shared by every layer, never changes."""
+    shared by every layer, never changes. `post` runs even when the forward raises."""
 
     def __init__(self, attrs: tuple[tuple[str, int], ...], n: int) -> None:
         self.attrs, self.n = attrs, n
         self.saved: list[tuple[str, Any]] = []
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self.saved:        # re-entered (a recomputed forward): already local
-            return
+        self.post(module, args, None)       # nothing is left over, but be sure
         configs = {a.split(".", 1)[0] for a, _ in self.attrs if "." in a}
         for field in sorted(configs):
             self.saved.append((field, getattr(module, field)))

@@ -368,7 +368,8 @@ class _TP:
             z = self.zero_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=bias.device)
         return z
 
-    def post(self, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
+    def post(self, module: nn.Module, args: tuple[Any, ...], out: Tensor | None
+             ) -> Tensor | None:
         params: dict[str, Any] = module._parameters
         for attr, p in self.swapped.items():
             params[attr] = p
@@ -377,8 +378,12 @@ class _TP:
             setattr(module, "nf", self.out_features)
         if self.held is not None:
             setattr(module, "padding_idx", self.padding_idx)
-            out, self.held = VocabRows.masked(out, self.held), None
+        held, self.held = self.held, None
         bias, self.bias = self.bias, None
+        if out is None:     # the forward raised (or a recomputation stopped early): restored
+            return None
+        if held is not None:
+            out = VocabRows.masked(out, held)
         if self.spec.outputs == "as is":    # any output: an HF attention's (output, weights)
             return out
         leave = _exit(self.spec.outputs, self.axis, self.mesh, out.dim())
@@ -548,7 +553,7 @@ def _localize(owner: nn.Module, attrs: tuple[tuple[str, int], ...], n: int) -> N
     local = LocalSizes(attrs, n)
     setattr(owner, LOCAL_ATTR, local)
     owner.register_forward_pre_hook(local.pre)
-    owner.register_forward_hook(local.post)
+    owner.register_forward_hook(local.post, always_call=True)
 
 
 def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
@@ -575,7 +580,9 @@ def _split(m: nn.Module, name: str, style: str, bound: BoundMesh, axis: str,
     tp = _TP(m, name, style, bound, axis, rows)
     setattr(m, TP_ATTR, tp)
     m.register_forward_pre_hook(tp.pre, with_kwargs=True)
-    m.register_forward_hook(tp.post)
+    # always: a forward that raises, or torch.utils.checkpoint's recomputation stopping
+    # early (it raises once it has what backward needs), must not leave shards in place
+    m.register_forward_hook(tp.post, always_call=True)
 
 
 def _block(full: Tensor, layout: Layout, bound: BoundMesh, shape: tuple[int, ...]) -> Tensor:

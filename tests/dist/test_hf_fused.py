@@ -4,7 +4,8 @@ process: a toy q|k|v module (nn.Linear and transformers' Conv1D, biases, grouped
 sizes) forward and backward in float64 on an unnamed mesh (axis "d0"), and Phi-3 (fused
 `qkv_proj` with grouped-query sizes, `gate_up_proj`), GPT-2 (`c_attn`, a Conv1D; tied
 embeddings) and Qwen3 (per-head `q_norm` / `k_norm`) trained 3 steps in float32, under the
-model's own plan and under a hand-written one, with and without fully_shard.
+model's own plan and under a hand-written one, with and without fully_shard, on axis "tp"
+or "mp", with transformers' activation checkpointing (GPT-2: its attention recomputed).
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ PHI3_PLAN = {"model.embed_tokens": "embedding",
 GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise_fused",
              "transformer.h.*.attn.c_proj": "rowwise",
              "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
-# name -> (model, mesh, plan: "auto" or a mapping)
-CASES: dict[str, tuple[str, str, Any]] = {
-    "phi3 auto, tp+fsdp": ("phi3", "dp=2 tp=2", "auto"),
-    "phi3 hand-written, tp=4": ("phi3", "tp=4", PHI3_PLAN),
-    "gpt2 auto (tied), tp+fsdp": ("gpt2", "dp=2 tp=2", "auto"),
-    "gpt2 hand-written, tp=4": ("gpt2", "tp=4", GPT2_PLAN),
-    "qwen3 auto, tp=4": ("qwen3", "tp=4", "auto"),
+# name -> (model, mesh, plan: "auto" or a mapping, tensor-parallel axis, checkpointing)
+CASES: dict[str, tuple[str, str, Any, str, bool]] = {
+    "phi3 auto, tp+fsdp": ("phi3", "dp=2 tp=2", "auto", "tp", False),
+    "phi3 hand-written, tp=4": ("phi3", "tp=4", PHI3_PLAN, "tp", False),
+    "gpt2 auto (tied), tp+fsdp": ("gpt2", "dp=2 tp=2", "auto", "tp", False),
+    "gpt2 hand-written, tp=4, checkpointing": ("gpt2", "tp=4", GPT2_PLAN, "tp", True),
+    "qwen3 auto, mp=4": ("qwen3", "mp=4", "auto", "mp", False),
 }
 
 
@@ -60,8 +61,10 @@ def tokens() -> torch.Tensor:
     return torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
 
 
-def train(model: Any, x: torch.Tensor) -> list[torch.Tensor]:
+def train(model: Any, x: torch.Tensor, checkpointing: bool = False) -> list[torch.Tensor]:
     model.train()
+    if checkpointing:     # the fused owner's local sizes hold in the recomputed forward too
+        model.activation_checkpointing_enable()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = []
     for _ in range(STEPS):
@@ -144,10 +147,10 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     for conv in (False, True):
         out[f"toy conv={conv}"] = toy(conv, unnamed)
     out["styles"] = {}
-    for name, (kind, mesh, plan) in CASES.items():
+    for name, (kind, mesh, plan, axis, checkpointing) in CASES.items():
         bound = mc.init_mesh(mesh)
         model = build(kind)
-        mc.nn.parallelize(model, bound, plan, axis="tp")
+        mc.nn.parallelize(model, bound, plan, axis=axis)
         out["styles"][name] = {n: mc.nn.tp_style(m) for n, m in model.named_modules()
                                if mc.nn.tp_style(m) is not None}
         if "dp" in bound.mesh.axis_names:
@@ -158,7 +161,8 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         else:
             dp, n = 0, 1
         share = BATCH // n
-        losses = torch.stack(train(model, tokens()[dp * share:(dp + 1) * share]))
+        losses = torch.stack(train(model, tokens()[dp * share:(dp + 1) * share],
+                                   checkpointing))
         torch.distributed.all_reduce(losses)
         out[name] = {"losses": (losses / world).tolist(),
                      "params": {k: full(p) for k, p in model.named_parameters()}}
@@ -181,9 +185,9 @@ def test_a_fused_projection_is_exact_forward_and_backward(four: list[dict[str, A
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_model_with_fused_projections_trains_as_in_one_process(four: list[dict[str, Any]],
                                                                  name: str) -> None:
-    kind = CASES[name][0]
+    kind, checkpointing = CASES[name][0], CASES[name][4]
     ref = build(kind)
-    want = torch.stack(train(ref, tokens()))
+    want = torch.stack(train(ref, tokens(), checkpointing))
     got = four[0][name]
     torch.testing.assert_close(torch.tensor(got["losses"]), want, rtol=1e-5, atol=1e-6)
     for key, p in ref.named_parameters():
@@ -202,6 +206,6 @@ def test_the_models_own_plan_gives_the_fused_and_grad_sum_styles(
     assert phi3["model.layers.0.self_attn.o_proj"] == "rowwise"
     assert styles["gpt2 auto (tied), tp+fsdp"]["transformer.h.1.attn.c_attn"] \
         == "colwise_fused(32,32,32)"
-    qwen3 = styles["qwen3 auto, tp=4"]
+    qwen3 = styles["qwen3 auto, mp=4"]
     assert qwen3["model.layers.0.self_attn.q_norm"] == "replicated_grad_sum"
     assert qwen3["model.layers.0.self_attn.k_norm"] == "replicated_grad_sum"
