@@ -164,6 +164,26 @@ def test_an_entry_with_no_meshcomm_style_is_refused_naming_module_and_style() ->
         mc.nn.tp_plan_of(model("mixtral"))
 
 
+class Declared(torch.nn.Module):
+    """A model that declares a plan in transformers' names: a gathered colwise layer that is
+    not fused, then a rowwise layer that splits its replicated input itself."""
+
+    tp_plan = {"block.a": "colwise_gather_output", "block.b": "rowwise_split_input"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = torch.nn.Module()
+        self.block.a, self.block.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 4)
+
+
+def test_a_rowwise_split_input_after_an_unfused_gather_is_refused() -> None:
+    with pytest.raises(StyleError, match=re.escape(
+            "parallelize: the model's plan gives block.b ('block.b') the style"
+            " 'rowwise_split_input' (a rowwise layer that splits its replicated input"
+            " itself), which has no meshcomm style; nothing was split.")):
+        mc.nn.tp_plan_of(Declared())
+
+
 def test_a_model_with_no_plan_is_refused() -> None:
     with pytest.raises(StyleError, match=re.escape(
             "parallelize: Linear declares no tensor-parallel plan")):
