@@ -1,17 +1,20 @@
 """Tensor parallelism on Hugging Face Llama and Mistral: the collectives of one training step
 under meshcomm's `parallelize` beside PyTorch's `parallelize_module` running the same plan.
 
-Run: `python benchmarks/hf_tp_bytes.py [--world 4] [--json PATH] [--timeout S]`.
+Run: `python benchmarks/hf_tp_bytes.py [--mesh "tp=4"] [--json PATH] [--timeout S]`.
 
 The models and the plan are tests/dist/test_hf_table.py's (tiny configs, nothing
 downloaded): vocabulary rows split (`embedding`, `colwise_gather` on `lm_head`), q, k, v,
-gate, up `colwise`, o, down `rowwise`, on `tp=<world>`. PyTorch runs the same plan as
-`RowwiseParallel(input_layouts=Replicate())` (the embedding), `ColwiseParallel(
-output_layouts=Replicate())` (lm_head), `ColwiseParallel()` and `RowwiseParallel()`.
+gate, up `colwise`, o, down `rowwise`, on `--mesh` (`tp=4`; `dp=2 tp=2` adds
+`fully_shard` over dp of every block and the root on both sides: meshcomm's and FSDP2's).
+PyTorch runs the same plan as `RowwiseParallel(input_layouts=Replicate())` (the embedding),
+`ColwiseParallel(output_layouts=Replicate())` (lm_head), `ColwiseParallel()` and
+`RowwiseParallel()`.
 Each side trains one warm-up step, then one counted step (forward, backward, SGD step):
 every collective dispatched on rank 0, counted as benchmarks/train_vs_fsdp2.py counts
 them (`CollectiveCounter`: kind, group size, bytes this rank sends). The losses of the
-steps are printed beside one process's, so the byte counts are of two runs that agree.
+steps (the mean over the ranks) are printed beside one process's, so the byte counts are
+of two runs that agree.
 """
 
 from __future__ import annotations
@@ -54,39 +57,59 @@ def step(model: Any, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
     return float(loss.detach())
 
 
-def run(model: Any) -> dict[str, Any]:
+def run(model: Any, x: torch.Tensor) -> dict[str, Any]:
     """One warm-up step, then one counted: the losses and the counted step's collectives."""
-    x = table.tokens()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses = [step(model, opt, x)]
     with CollectiveCounter() as counter:
         losses.append(step(model, opt, x))
-    return {"losses": losses, "comm": summarize(counter.records)}
+    mean = torch.tensor(losses)               # the mean over the dp shares (after counting)
+    torch.distributed.all_reduce(mean)
+    world = torch.distributed.get_world_size()
+    return {"losses": (mean / world).tolist(), "comm": summarize(counter.records)}
 
 
-def worker(rank: int, world: int) -> dict[str, Any]:
+def worker(rank: int, world: int, mesh: str) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     out: dict[str, Any] = {}
     for kind in MODELS:
-        bound = mc.init_mesh(f"tp={world}")
+        bound = mc.init_mesh(mesh)
+        x = table.tokens()
+        dp = bound.mesh.axis_size("dp") if "dp" in bound.mesh.axis_names else 1
+        if dp > 1:                     # this dp rank's share of the batch
+            i = bound.mesh.coords(rank)["dp"]
+            x = x[i * (table.BATCH // dp):(i + 1) * (table.BATCH // dp)]
         model = table.build(kind)
         mc.nn.parallelize(model, bound, table.LLAMA_TP, axis="tp")
-        out[f"{kind} meshcomm"] = run(model)
+        if dp > 1:
+            for block in table.blocks(model):
+                mc.nn.fully_shard(block, bound, axis="dp")
+            mc.nn.fully_shard(model, bound, axis="dp")
+        out[f"{kind} meshcomm"] = run(model, x)
         model = table.build(kind)
-        parallelize_module(model, bound.device_mesh, torch_plan(table.LLAMA_TP))
-        out[f"{kind} torch"] = run(model)
+        device_mesh = bound.device_mesh
+        parallelize_module(model, device_mesh["tp"] if dp > 1 else device_mesh,
+                           torch_plan(table.LLAMA_TP))
+        if dp > 1:
+            for block in table.blocks(model):
+                fully_shard(block, mesh=device_mesh["dp"])
+            fully_shard(model, mesh=device_mesh["dp"])
+        out[f"{kind} torch"] = run(model, x)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--mesh", default="tp=4",
+                        help='"tp=4", or "dp=2 tp=2" (fully_shard over dp on both sides)')
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
     args = parser.parse_args(argv)
-    results = run_ranks(worker, args.world, timeout_s=args.timeout)[0]
-    print(f"one training step on tp={args.world}, rank 0 (bytes this rank sends)")
+    world = mc.Mesh(args.mesh).size
+    results = run_ranks(worker, world, args.mesh, timeout_s=args.timeout)[0]
+    print(f"one training step on {args.mesh}, rank 0 (bytes this rank sends)")
     print(f"{'model':8} {'side':9} {'calls':>5} {'bytes':>9}  by kind (calls, bytes)"
           "                          losses (one process)")
     for kind in MODELS:
