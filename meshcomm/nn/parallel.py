@@ -424,43 +424,15 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
                              f" names to styles nor {AUTO!r} (the model's own plan)")
         plan = tp_plan_of(module)
     modules = dict(module.named_modules())
-    n = mesh.mesh.axis_size(axis)
-    targets: dict[str, str] = {}      # module name -> style; checked whole before any change
-    fused: dict[str, FusedRows] = {}  # module name -> its parts, for the fused style
-    owners: dict[str, tuple[tuple[str, int], ...]] = {}   # module name -> sizes made local
-    for pattern, text in plan.items():
-        style, numbers = parse_style(text, pattern)
-        kind = STYLES[style].kind
-        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not names:
-            raise StyleError(f"parallelize: {pattern!r} matches no module; names look like"
-                             f" {[n for n in modules if n][:4]}")
-        for name in names:
-            m = modules[name]
-            if not _kind_fits(m, kind):
-                raise StyleError(f"parallelize: {name} is an nn.{type(m).__name__}; style"
-                                 f" {style!r} needs an nn.{kind.__name__}")
-            if hasattr(m, TP_ATTR) or name in targets:
-                raise StyleError(f"parallelize: {name} matches two patterns of the plan")
-            declared = fused_parts(module, name, m) if _kind_fits(m, nn.Linear) else None
-            if STYLES[style].fused:
-                fused[name] = _fused_rows(name, m, text, numbers, declared, n)
-                if declared is not None and declared.attrs:
-                    owners[declared.owner] = _local_sizes(declared, name, n, axis)
-            elif declared is not None and STYLES[style].outputs == "split":
-                raise StyleError(
-                    f"parallelize: {name} is a fused projection ({len(declared.parts)} parts"
-                    f" of sizes {declared.parts} stacked along its output), so {style!r}"
-                    " would give each rank whole parts instead of a slice of every part;"
-                    f" fix: give {pattern!r} the style 'colwise_fused'")
-            targets[name] = style
+    size = mesh.mesh.axis_size(axis)
+    targets, fused, owners = _read_plan(module, modules, plan, size, axis)
     tied = _check_ties(module, targets, axis, mesh.mesh)
     positions = sequence_hooks(module, targets, axis)   # HF models under embedding_sp
     split: dict[int, nn.Parameter | None] = dict.fromkeys(tied)  # tied: split once
     for name, style in targets.items():
         _split(modules[name], name, style, mesh, axis, split, fused.get(name))
     for owner, attrs in owners.items():
-        _localize(modules[owner], attrs, n)
+        _localize(modules[owner], attrs, size)
     install_sequence_hooks(positions)
     if mesh.check:     # check mode: replicated parameters' gradients compared (drift.py)
         sums = [k for k, s in STYLES.items() if s.grad_sum and s.kind is nn.Module]
@@ -500,6 +472,43 @@ def _check_ties(module: nn.Module, targets: Mapping[str, str], axis: str, mesh: 
                 " module that holds it a style that splits it alike (an output layer tied to"
                 " an `embedding` takes `colwise` or `colwise_gather`), or untie them first")
     return {key for key, held in places.items() if len(held) > 1}
+
+
+def _read_plan(module: nn.Module, modules: Mapping[str, nn.Module], plan: Mapping[str, str],
+               size: int, axis: str) -> tuple[dict[str, str], dict[str, FusedRows],
+                                              dict[str, tuple[tuple[str, int], ...]]]:
+    """Every module `plan` names, checked whole before any change: module name -> style,
+    fused module name -> its parts over `size` ranks, owner name -> its sizes made local."""
+    targets: dict[str, str] = {}
+    fused: dict[str, FusedRows] = {}
+    owners: dict[str, tuple[tuple[str, int], ...]] = {}
+    for pattern, text in plan.items():
+        style, numbers = parse_style(text, pattern)
+        kind = STYLES[style].kind
+        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
+        if not names:
+            raise StyleError(f"parallelize: {pattern!r} matches no module; names look like"
+                             f" {[n for n in modules if n][:4]}")
+        for name in names:
+            m = modules[name]
+            if not _kind_fits(m, kind):
+                raise StyleError(f"parallelize: {name} is an nn.{type(m).__name__}; style"
+                                 f" {style!r} needs an nn.{kind.__name__}")
+            if hasattr(m, TP_ATTR) or name in targets:
+                raise StyleError(f"parallelize: {name} matches two patterns of the plan")
+            declared = fused_parts(module, name, m) if _kind_fits(m, nn.Linear) else None
+            if STYLES[style].fused:
+                fused[name] = _fused_rows(name, m, text, numbers, declared, size)
+                if declared is not None and declared.attrs:
+                    owners[declared.owner] = _local_sizes(declared, name, size, axis)
+            elif declared is not None and STYLES[style].outputs == "split":
+                raise StyleError(
+                    f"parallelize: {name} is a fused projection ({len(declared.parts)} parts"
+                    f" of sizes {declared.parts} stacked along its output), so {style!r}"
+                    " would give each rank whole parts instead of a slice of every part;"
+                    f" fix: give {pattern!r} the style 'colwise_fused'")
+            targets[name] = style
+    return targets, fused, owners
 
 
 def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],
