@@ -47,13 +47,13 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
     # sum/max/min: only the first member of each reduction group receives the values, the
     # others hold the identity; avg: all receive, and a local step marks the reduction.
     landing = _strip(dst) if dst.reduce_op in (None, "avg") else dst
-    best: tuple[tuple[float, int, int], tuple[Step, ...]] | None = None
+    best: tuple[tuple[float, int, int, int, int], tuple[Step, ...]] | None = None
     for staged in _resolved_candidates(mesh, shape, src):
         first = search.single_plan(mesh, shape, dtype, src, staged, cost_model)
         steps = tuple(_reindex(s, mesh, ranks, mesh) for s in first.steps)
         steps += (_transfer_step(mesh, dst_mesh, ranks, shape, staged, landing, itemsize,
                                  cost_model),)
-        key = (sum(s.time_s for s in steps), max(max(s.peak_bytes) for s in steps), len(steps))
+        key = _key(steps)
         if best is None or key < best[0]:
             best = (key, steps)
     assert best is not None, f"no candidate layout to resolve {src} on {mesh!r}"
@@ -66,6 +66,16 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
     lower = _lower_bound(mesh, dst_mesh, ranks, shape, src, landing, itemsize)
     return Plan(mesh, shape, dtype, src, dst, steps, send, recv, lower, peak,
                 sum(s.time_s for s in steps), cost_model, dst_mesh)
+
+
+def _key(steps: tuple[Step, ...]) -> tuple[float, int, int, int, int]:
+    """What a candidate plan is chosen by: the least modelled time; at equal time the least
+    busiest rank's total received bytes, then sent bytes (per-rank totals over the steps,
+    not the sum of each step's busiest), then the lower peak, then fewer steps."""
+    recv = [sum(column) for column in zip(*(s.recv_bytes for s in steps))]
+    send = [sum(column) for column in zip(*(s.send_bytes for s in steps))]
+    return (round(sum(s.time_s for s in steps), 15), max(recv), max(send),
+            max(max(s.peak_bytes) for s in steps), len(steps))
 
 
 def _strip(layout: Layout) -> Layout:
@@ -182,8 +192,8 @@ def _lower_bound(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
         _, got = cross_traffic(start, mesh, goal, dst_mesh)
         lacking = dict(zip(dst_mesh.ranks, got.tolist()))
         return tuple(lacking.get(r, 0) * itemsize for r in ranks)
-    complete = src.reduce_op is None
     g = mesh.group_size(src.partial_axes)
+    complete = src.reduce_op is None or g == 1   # a reduction over one rank is its result
     reduce_share = -(-math.prod(shape) * (g - 1) // len(ranks)) if not complete else 0
     idle = set(_contributors_only(dst_mesh, landing))
     out = []
