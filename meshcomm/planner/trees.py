@@ -55,6 +55,7 @@ RESTART_LIMIT = 1 << 12   # items x ranks up to which they are tried
 FREEING = 16          # chains that may fail making room for combiners, a schedule
 TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
                        # over the step's group, whose host cost grows with its size
+SEARCH_UNITS = 1 << 18   # units the chain searches of one drawn schedule may look at
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,7 @@ class Schedule:
     roots: tuple[tuple[int, int, bool], ...]   # (position, item, holds a partial of it)
     scratch: tuple[tuple[int, ...], ...]       # per position: the items it combines for
     items: tuple[tuple[int, ...], ...]         # per item: its global flat elements
+    searched: int = 0      # units the chain searches looked at, over every draw (`_Budget`)
 
 
 INPUT, OUTPUT, SCRATCH = 0, 1, 2
@@ -141,7 +143,19 @@ def tree_estimate(state: State, goal: State, mesh: Mesh) -> Move | None:
     _, need = own_and_need(state, goal, mesh)
     return Move("send_recv", tree_axes(state, goal, mesh), goal, action="tree", op=state.op,
                 indexed=True, estimate=True, send=state_bound(state, goal, mesh),
-                recv=tuple(need.tolist()))
+                recv=tuple(need.tolist()), rounds=least_rounds(state, goal, mesh))
+
+
+def least_rounds(state: State, goal: State, mesh: Mesh) -> int:
+    """A lower bound of a tree step's rounds, so that a cost model with latency prices its
+    estimate closer: in a round a rank adds at most one received value to what it has, so a
+    value of all g partials needs ceil(log2 g) rounds of merges; where the goal replicates
+    over an axis of more than one rank, each reduction has a needer besides its root, and a
+    round of deliveries follows."""
+    g = mesh.group_size(resolved_axes(state, goal) or ())
+    merges = max(1, (g - 1).bit_length())
+    used = goal.used_axes()
+    return merges + any(mesh.axis_size(a) > 1 for a in mesh.axis_names if a not in used)
 
 
 @functools.lru_cache(maxsize=256)
@@ -204,10 +218,15 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
     order, tie = list(range(len(items))), list(range(mesh.size))
 
+    searched = 0
+
     def drawn() -> tuple[tuple[int, int, int], list[_Tree], list[tuple[int, ...]], Messages]:
+        nonlocal searched
+        budget = _Budget(SEARCH_UNITS)
         trees, got, recv, sent = _balanced(order, tie, items, holders, needers, kept, by_kept,
-                                           part, g, mesh.size, floor)
-        made = _messages(trees, part, recv, sent)
+                                           part, g, mesh.size, floor, budget)
+        made = _messages(trees, part, recv, sent, budget)
+        searched += budget.used
         # a step's time is its busiest rank's larger of sent and received
         return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made
 
@@ -234,14 +253,14 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             scratch[i].add(tree.elem)
     return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
                     tuple((t.root, t.elem, t.root_holds) for t in trees),
-                    tuple(tuple(sorted(x)) for x in scratch), tuple(items))
+                    tuple(tuple(sorted(x)) for x in scratch), tuple(items), searched)
 
 
 Messages = tuple[list[Row], int]     # the rows, the first delivery round
 
 
-def _messages(trees: list[_Tree], part: list[int], recv: list[int], sent: list[int]
-              ) -> Messages:
+def _messages(trees: list[_Tree], part: list[int], recv: list[int], sent: list[int],
+              budget: _Budget) -> Messages:
     """The rows of balanced trees: each tree laid out in rounds (`_tree`), then each finished
     value's deliveries (`_deliveries`), then sends balanced along chains (`_augment_sends`).
     Updates `recv` and `sent`."""
@@ -257,14 +276,14 @@ def _messages(trees: list[_Tree], part: list[int], recv: list[int], sent: list[i
         made = _deliveries(tree, first, sent)
         rows += made
         owner += [k] * len(made)
-    _augment_sends(rows, owner, merged, trees, part, first, sent, recv)
+    _augment_sends(rows, owner, merged, trees, part, first, sent, recv, budget)
     return rows, first
 
 
 def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
               holders: list[list[int]], needers: list[list[int]], kept: list[int],
-              by_kept: dict[int, list[int]], part: list[int], g: int, ranks: int, floor: int
-              ) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
+              by_kept: dict[int, list[int]], part: list[int], g: int, ranks: int, floor: int,
+              budget: _Budget) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
     """Trees for every item, drawn greedily in `order` (ties between ranks to the least
     `tie`) and balanced (`_augment`, `_rebalance`): the trees, the items (cut ones added),
     and the elements each rank receives and sends."""
@@ -283,7 +302,7 @@ def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
             held = [i for i in holders[e] if kept[i] == k]
             trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
                                sent, tie))
-    rx = _Receivers(trees, items, recv, sent, part)
+    rx = _Receivers(trees, items, recv, sent, part, budget)
     _augment(rx, floor)
     _rebalance(rx)
     _augment(rx, floor)
@@ -410,8 +429,9 @@ class _Receivers:
     grows with the cuts, at most as many as there were trees."""
 
     def __init__(self, trees: list[_Tree], items: list[tuple[int, ...]], recv: list[int],
-                 sent: list[int], part: list[int]) -> None:
+                 sent: list[int], part: list[int], budget: _Budget) -> None:
         self.trees, self.items, self.recv, self.sent, self.part = trees, items, recv, sent, part
+        self.budget = budget
         self.spare: dict[int, set[int]] = defaultdict(set)
         for t, tree in enumerate(trees):
             for i in tree.degree:
@@ -427,16 +447,18 @@ class _Receivers:
         else:
             self.spare[i].discard(t)
 
-    def takers(self, t: int, i: int) -> list[int]:
+    def takers(self, t: int, i: int) -> Ranks:
+        """The ranks that may take rank i's spare child in tree t: the tree's other nodes;
+        where i has one child, the ranks holding i's partial that are no node of the tree
+        too (they take i's place)."""
         tree = self.trees[t]
         out = list(tree.degree)
         if tree.degree[i] == 1 and i != tree.root and i not in tree.combiners:
             out += [c for c in tree.taken if self.part[c] == self.part[i]
                     and c not in tree.degree and c not in tree.combiners]
-        return out
+        return _ranks(out)
 
-    def moves(self, i: int, w: int, heavier: bool = False
-              ) -> Iterable[tuple[int, Callable[[], list[int]]]]:
+    def moves(self, i: int, w: int, heavier: bool = False) -> Iterable[tuple[int, Takers]]:
         """Rank i's units of weight w (and, with `heavier`, of more: `move` cuts them)."""
         return ((t, functools.partial(self.takers, t, i)) for t in self.spare[i]
                 if self.trees[t].weight == w or heavier and self.trees[t].weight > w)
@@ -480,14 +502,14 @@ class _Receivers:
         """Lower rank `b` by one unit along a chain ending at a rank that stays below `top`
         (`_search`): whole items first, the heaviest first; then, while cuts are left,
         pieces of half b's heaviest item, a quarter, ... down to one element."""
-        if _step(b, top, self.recv, self.weights, self.moves, self.move):
+        if _step(b, top, self.recv, self.weights, self.moves, self.move, self.budget):
             return True
         if not cut:
             return False
         pieces = functools.partial(self.moves, heavier=True)
         w = max(self.weights(b), default=0) // 2
         while w >= 1 and self.cuts > 0:
-            if _step(b, top, self.recv, lambda _: {w}, pieces, self.move):
+            if _step(b, top, self.recv, lambda _: {w}, pieces, self.move, self.budget):
                 return True
             w //= 2
         return False
@@ -515,14 +537,43 @@ def _lower(load: list[int], floor: int, step: Callable[[int, int], bool]) -> Non
             return
 
 
+Ranks = tuple[int, list[int]]    # ranks as a bit mask (bit j: rank j), and in order
+Takers = Ranks | Callable[[], Ranks]   # the ranks that may take a unit (or what lists them)
+Units = Callable[[int, int], Iterable[tuple[int, Takers]]]
+
+
+def _ranks(order: list[int]) -> Ranks:
+    mask = 0
+    for j in order:
+        mask |= 1 << j
+    return mask, order
+
+
+class _Budget:
+    """Units a schedule's chain searches may still look at (`SEARCH_UNITS` at first), and
+    how many they looked at: once it is spent, no chain is searched and the balancing
+    stops where it is (every schedule stays exact; only its busiest rank may stay above
+    what more searching would reach)."""
+
+    __slots__ = ("left", "used")
+
+    def __init__(self, units: int) -> None:
+        self.left, self.used = units, 0
+
+    def take(self) -> bool:
+        self.left -= 1
+        self.used += 1
+        return self.left >= 0
+
+
 def _step(b: int, top: int, load: list[int], weights: Callable[[int], set[int]],
-          moves: Callable[[int, int], Iterable[tuple[int, Callable[[], list[int]]]]],
-          move: Callable[[list[tuple[int, int, int]], int], None]) -> bool:
+          moves: Units, move: Callable[[list[tuple[int, int, int]], int], None],
+          budget: _Budget) -> bool:
     """Lower rank `b` along a shortest chain (`_search`) of units of one weight
     (`weights(b)`, the heaviest tried first; `moves(i, w)`: rank i's units of weight w and
     who may take each) ending below `top`; `move` applies the chain. False where none."""
     for w in sorted(weights(b), reverse=True):
-        path = _search(b, top, load, w, moves)
+        path = _search(b, top, load, w, moves, budget)
         if path:
             move(path, w)
             load[b] -= w
@@ -531,14 +582,19 @@ def _step(b: int, top: int, load: list[int], weights: Callable[[int], set[int]],
     return False
 
 
-def _search(b: int, top: int, load: list[int], w: int,
-            moves: Callable[[int, int], Iterable[tuple[int, Callable[[], list[int]]]]]
+def _search(b: int, top: int, load: list[int], w: int, moves: Units, budget: _Budget
             ) -> list[tuple[int, int, int]] | None:
     """A shortest chain from rank `b` (at load `top`): `moves(i, w)` gives, for each unit
-    of weight `w` that rank i may hand on, the unit and what lists the ranks that may take
-    it (called once a unit). The chain ends at a rank whose load stays below `top` once it
-    takes w more. As (giver, taker, unit), from b; None if none."""
+    of weight `w` that rank i may hand on, the unit and the ranks that may take it (`Ranks`,
+    or what makes them: called once a unit). The chain ends at a rank whose load stays
+    below `top` once it takes w more. As (giver, taker, unit), from b; None if none (at once
+    where no rank could end it), or once `budget` is spent. The masks keep a unit whose
+    takers were all reached already (most, once the loads are level) to one integer
+    operation; new takers are taken in the unit's order."""
+    if all(n + w >= top for j, n in enumerate(load) if j != b):
+        return None
     came: dict[int, tuple[int, int]] = {}
+    reached = 1 << b
     seen: set[int] = set()
     frontier = [b]
     while frontier:
@@ -547,10 +603,18 @@ def _search(b: int, top: int, load: list[int], w: int,
             for unit, takers in moves(i, w):
                 if unit in seen:     # its takers do not depend on its giver: once is enough
                     continue
+                if not budget.take():
+                    return None
                 seen.add(unit)
-                for j in takers():
-                    if j == b or j in came:
+                mask, order = takers if isinstance(takers, tuple) else takers()
+                new = mask & ~reached
+                if not new:
+                    continue
+                reached |= new
+                for j in order:
+                    if not new >> j & 1:
                         continue
+                    new ^= 1 << j
                     came[j] = (i, unit)
                     if load[j] + w < top:
                         out = []
@@ -565,7 +629,8 @@ def _search(b: int, top: int, load: list[int], w: int,
 
 
 def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_Tree],
-                   part: list[int], first: int, sent: list[int], recv: list[int]) -> None:
+                   part: list[int], first: int, sent: list[int], recv: list[int],
+                   budget: _Budget) -> None:
     """Lower the busiest sender along chains of moves, as `_augment` does for receivers,
     with what can change sender without raising the busiest receiver: a delivery may come
     from any rank holding the finished value before its round (the root from round
@@ -574,7 +639,12 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     another rank holding the same partial (`part`) that is no node of the tree, where its
     children's values keep that rank at or below the busiest receiver. It stops once no
     rank sends more than the busiest receiver receives (a step's time is its busiest
-    rank's larger of the two). Edits `rows`, `sent` and `recv` in place."""
+    rank's larger of the two), or once `budget` is spent. Edits `rows`, `sent` and `recv`
+    in place.
+
+    Who else may send a delivery never changes (no move changes a delivery's round or
+    receiver, nor who has the value when), so it is listed once a delivery; who may take a
+    holder's place changes with the chains, so that is worked out when asked."""
     floor = max(recv, default=0)
     ready: list[dict[int, int]] = [{tree.root: first} for tree in trees]
     nodes: list[set[int]] = [set(tree.degree) | tree.combiners for tree in trees]
@@ -592,26 +662,31 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     for k, row in enumerate(rows):
         if k >= merged or row[1] not in trees[owner[k]].combiners:
             by_sender[row[1]].add(k)
-
-    def others(k: int) -> list[int]:
-        t, src, dst = rows[k][:3]
+    delivers: list[Ranks] = []    # who else may send each delivery
+    for k in range(merged, len(rows)):
+        t, _, dst = rows[k][:3]
         o = owner[k]
-        tree = trees[o]
-        if k < merged:
-            if k == relay[o]:
-                return []     # it may deliver the finished value (now, or earlier on the
-                              # same chain): its place stays
-            take = len(into[o].get(src, ())) * tree.weight
-            return [c for c in tree.taken if part[c] == part[src] and c not in nodes[o]
-                    and recv[c] + take <= floor]
         out = [c for c, at in ready[o].items() if at <= t and c != dst]
         if relay[o] >= 0 and rows[relay[o]][1] != dst:
             out.append(rows[relay[o]][1])
-        return out
+        delivers.append(_ranks(out))
 
-    def moves(i: int, w: int) -> Iterable[tuple[int, Callable[[], list[int]]]]:
-        return ((k, functools.partial(others, k)) for k in by_sender[i]
-                if trees[owner[k]].weight == w)
+    def place(k: int) -> Ranks:
+        """Who may take the place in its tree of the holder sending merge row k."""
+        o = owner[k]
+        if k == relay[o]:
+            return 0, []  # it may deliver the finished value (now, or earlier on the
+                          # same chain): its place stays
+        src = rows[k][1]
+        tree = trees[o]
+        take = len(into[o].get(src, ())) * tree.weight
+        return _ranks([c for c in tree.taken if part[c] == part[src] and c not in nodes[o]
+                       and recv[c] + take <= floor])
+
+    def moves(i: int, w: int) -> Iterable[tuple[int, Takers]]:
+        for k in by_sender[i]:
+            if trees[owner[k]].weight == w:
+                yield (k, delivers[k - merged]) if k >= merged else (k, functools.partial(place, k))
 
     def move(path: list[tuple[int, int, int]], w: int) -> None:
         for a, c, k in path:
@@ -640,7 +715,7 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     def weights(b: int) -> set[int]:
         return {trees[owner[k]].weight for k in by_sender[b]}
 
-    _lower(sent, floor, lambda b, top: _step(b, top, sent, weights, moves, move))
+    _lower(sent, floor, lambda b, top: _step(b, top, sent, weights, moves, move, budget))
 
 
 def _deliveries(tree: _Tree, first: int, sent: list[int]) -> list[Row]:
