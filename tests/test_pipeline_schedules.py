@@ -94,10 +94,25 @@ def test_hand_offs_sit_beside_the_compute_they_serve():
 
 
 def test_hand_offs_that_disagree_with_the_compute_order_are_refused():
-    text = one_f_one_b(2, 2).to_csv(comms=True).replace("0SEND_F0,0F1,0SEND_F1",
-                                                         "0F1,0SEND_F1,0SEND_F0")
-    with pytest.raises(ScheduleError, match="rank 0's hand-offs differ"):
-        Schedule.from_csv(text)
+    text = one_f_one_b(2, 2).to_csv(comms=True)
+    with pytest.raises(ScheduleError, match="rank 0 has 0SEND_F1 before 0F1"):
+        Schedule.from_csv(text.replace("0F1,0SEND_F1", "0SEND_F1,0F1"))
+    with pytest.raises(ScheduleError, match="rank 1 runs 1F1 before 1RECV_F1"):
+        Schedule.from_csv(text.replace("1RECV_F1,1F1", "1F1,1RECV_F1"))
+    with pytest.raises(ScheduleError, match="rank 0's hand-offs are not the ones its compute"
+                                            " order implies: missing 0SEND_F1"):
+        Schedule.from_csv(text.replace("0F1,0SEND_F1", "0F1"))
+    with pytest.raises(ScheduleError, match="extra 0SEND_B1"):
+        Schedule.from_csv(text.replace("0F1,0SEND_F1", "0F1,0SEND_F1,0SEND_B1"))
+
+
+def test_hand_offs_may_sit_anywhere_between_their_computes():
+    """A receive posted early (as PyTorch's DualPipeV does) reads as the same schedule."""
+    text = one_f_one_b(2, 2).to_csv(comms=True)
+    assert "1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1" in text
+    early = text.replace("1RECV_F0,1F0,1B0,1SEND_B0,1RECV_F1",
+                         "1RECV_F0,1RECV_F1,1F0,1B0,1SEND_B0")
+    assert Schedule.from_csv(early).compute_only() == Schedule.from_csv(text).compute_only()
 
 
 class _MockStage:
@@ -123,6 +138,39 @@ def test_torch_made_schedules_read_check_and_simulate_here(kind):
     assert (ours.n_stages, ours.n_microbatches, ours.stage_rank) == (4, 4, (0, 1, 0, 1))
     t = simulate(ours, StageCosts.uniform(4, 1.0, 2.0, 1.0 if ours.split_backward else 0.0))
     assert t.step_time >= m * 3 * v
+
+
+def _torch_dual_pipe_v(p: int, m: int, comms: bool) -> str:
+    theirs = torch_schedules.ScheduleDualPipeV([_MockStage(0, 2 * p, 0, p),
+                                                _MockStage(2 * p - 1, 2 * p, 0, p)], m)
+    order = theirs.pipeline_order_with_comms if comms else theirs.pipeline_order
+    return "".join(",".join("" if a is None else str(a) for a in order[r]) + "\n"
+                   for r in range(p))
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12)])
+def test_torch_dual_pipe_v_reads_its_overlapped_pairs_and_simulates(p, m):
+    """PyTorch's DualPipeV order: two stages a rank in a V, some backwards split (I, W) and
+    some whole (B), forward-backward pairs as `(0F7;7B3)OVERLAP_F_B` cells, read as the two
+    actions in turn; its comms form (receives posted early) reads as the same schedule."""
+    text = _torch_dual_pipe_v(p, m, comms=False)
+    assert "OVERLAP_F_B" in text
+    ours = Schedule.from_csv(text, name="dualpipev")
+    assert ours.stage_rank == tuple(list(range(p)) + list(range(p))[::-1])
+    assert 0 < len(ours.split_pairs()) < 2 * p * m          # both kinds of backward
+    assert Schedule.from_csv(_torch_dual_pipe_v(p, m, comms=True)).compute_only().rows == \
+        ours.rows
+    f, b, w = 1.0, 2.0, 1.0
+    t = simulate(ours, StageCosts.uniform(2 * p, f, b, w))
+    work = m * 2 * (f + b)                 # every rank: two stages' forwards and backwards
+    same_model = simulate(one_f_one_b(p, m), StageCosts.uniform(p, 2 * f, 2 * b))
+    assert work <= t.step_time < same_model.step_time    # 1F1B on p ranks, two layers each
+    assert all(abs(x - t.busy[0]) < 1e-9 for x in t.busy)
+
+
+def test_a_bad_overlapped_pair_is_named():
+    with pytest.raises(ScheduleError, match="an OVERLAP_F_B pair holds two compute actions"):
+        Schedule.from_csv("0F0,(0F1;0SEND_F0)OVERLAP_F_B\n")
 
 
 # -- textbook figures -------------------------------------------------------------------------

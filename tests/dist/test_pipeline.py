@@ -2,8 +2,9 @@
 SGD steps), every schedule:
 
 - four processes, one rank per stage: gpipe, 1f1b and zero_bubble over 4 stages,
-  interleaved_1f1b and zero_bubble_v over 8 (two stages a rank), and a schedule read from
-  PyTorch's own ScheduleInterleaved1F1B as CSV;
+  interleaved_1f1b and zero_bubble_v over 8 (two stages a rank), and schedules read from
+  PyTorch's own ScheduleInterleaved1F1B and ScheduleDualPipeV (8 microbatches) as CSV; each
+  rank's recorded step (`record=True`) is its row, in causal order;
 - eight processes, stages on meshes of other shapes and layouts: stage 0 on "dp=2 tp=2"
   (columns of its weight over tp, FSDP over dp: "(dp b) i" -> "(dp b) (tp h)"), stage 1 on
   "tp=4" (rows over tp, all-reduced: "b (tp h)" -> "b o"); each hand-off moves exactly its
@@ -88,14 +89,14 @@ def full(p: torch.Tensor) -> torch.Tensor:
 
 
 # -- four processes, one rank per stage ------------------------------------------------------
-def _single(rank: int, world: int, schedule: Any, n: int) -> dict[str, Any]:
-    v_shape = schedule == "zero_bubble_v"
+def _single(rank: int, world: int, schedule: Any, n: int, m: int = M) -> dict[str, Any]:
+    v_shape = schedule == "zero_bubble_v" or "OVERLAP_F_B" in str(schedule)
     where = [min(s, 2 * world - 1 - s) if v_shape else s % world for s in range(n)]
     meshes = [mc.init_mesh(mc.Mesh("x=1", ranks=[r])) for r in where]
     d = data(n)
     stages = [Stage(meshes[s], "b h", "b h", Block(d["w"][s]) if meshes[s].in_mesh else None)
               for s in range(n)]
-    pipe = Pipeline(stages, schedule, microbatches=M, shapes=(B // M, H), dtype=F64,
+    pipe = Pipeline(stages, schedule, microbatches=m, shapes=(B // m, H), dtype=F64,
                     loss_fn=mse, record=True)
     losses = []
     for x, t in zip(d["x"], d["t"]):
@@ -125,16 +126,32 @@ def _torch_interleaved_csv(p: int, v: int, m: int) -> str:
                    for r in range(p))
 
 
+def _torch_dual_pipe_v_csv(p: int, m: int) -> str:
+    from torch.distributed.pipelining import schedules as ts
+
+    class Mock:
+        def __init__(self, index: int) -> None:
+            self.stage_index, self.num_stages, self.group_rank, self.group_size = (
+                index, 2 * p, 0, p)
+            self.submod, self.is_first, self.is_last = nn.Linear(1, 1), index == 0, False
+            self.has_backward, self.dw_builder, self.scale_grads = True, None, True
+
+    order = ts.ScheduleDualPipeV([Mock(0), Mock(2 * p - 1)], m).pipeline_order
+    return "".join(",".join("" if a is None else str(a) for a in order[r]) + "\n"
+                   for r in range(p))
+
+
 def four_single(rank: int, world: int) -> dict[str, Any]:
     out = {name: _single(rank, world, name, n) for name, n in SINGLE}
     out["torch_csv"] = _single(rank, world, _torch_interleaved_csv(world, 2, M), 8)
+    out["torch_dualpipev"] = _single(rank, world, _torch_dual_pipe_v_csv(world, 8), 8, m=8)
     return out
 
 
 four = ranks_fixture(four_single, 4)
 
 
-@pytest.mark.parametrize("name,n", SINGLE + [("torch_csv", 8)])
+@pytest.mark.parametrize("name,n", SINGLE + [("torch_csv", 8), ("torch_dualpipev", 8)])
 def test_every_schedule_trains_as_one_process(four, name, n):
     ref = reference(n)
     got = [r[name] for r in four]
@@ -146,7 +163,7 @@ def test_every_schedule_trains_as_one_process(four, name, n):
         torch.testing.assert_close(w[s], ref["w"][s], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name,n", SINGLE)
+@pytest.mark.parametrize("name,n", SINGLE + [("torch_dualpipev", 8)])
 def test_a_recorded_step_is_each_ranks_row_in_causal_order(four, name, n):
     """record=True: every rank's events are its row's compute actions in order, one after the
     other; a stage's forward starts after the previous stage's forward of that microbatch
@@ -165,12 +182,12 @@ def test_a_recorded_step_is_each_ranks_row_in_causal_order(four, name, n):
             assert e.start <= e.end <= after.start
         start.update({(e.action.stage, e.action.kind, e.action.microbatch): e.start
                       for e in mine})
-    back = "I" if schedule.split_backward else "B"
+    split = schedule.split_pairs()
     for (s, kind, mb), t in start.items():
         if kind == "F" and s > 0:
             assert t >= start[(s - 1, "F", mb)]
-        if kind == back and s < n - 1:
-            assert t >= start[(s + 1, back, mb)]
+        if kind in ("B", "I") and s < n - 1:
+            assert t >= start[(s + 1, "I" if (s + 1, mb) in split else "B", mb)]
     measured = timeline(schedule, events)
     assert measured.step_time == pytest.approx(max(e.end for e in events)
                                                - min(e.start for e in events))

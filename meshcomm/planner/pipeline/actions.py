@@ -30,6 +30,7 @@ COMMS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 STAGE_WIDE = ("UNSHARD", "RESHARD", "REDUCE_GRAD")     # no microbatch
 KINDS = COMPUTE + COMMS + STAGE_WIDE
 _ACTION = re.compile(r"(\d+)(" + "|".join(sorted(KINDS, key=len, reverse=True)) + r")(\d*)")
+_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -75,6 +76,21 @@ class Action:
         stage, kind, mb = m.groups()
         return Action(int(stage), kind, int(mb) if mb else None)
 
+    @staticmethod
+    def parse_cell(text: str) -> tuple[Action, ...]:
+        """The actions one CSV cell holds: none (an idle slot), one, or the two of PyTorch's
+        overlapped pair `(0F7;7B3)OVERLAP_F_B` (DualPipeV's forward of one stage beside the
+        backward of another), which meshcomm runs one after the other, in that order."""
+        m = _OVERLAP.fullmatch(text.strip())
+        if m is None:
+            one = Action.parse(text)
+            return () if one is None else (one,)
+        parts = tuple(Action.parse(part) for part in m.group(1).split(";"))
+        if len(parts) != 2 or any(a is None or not a.is_compute for a in parts):
+            raise ScheduleError(f"schedule cell {text!r}: an OVERLAP_F_B pair holds two compute"
+                                " actions, e.g. '(0F7;7B3)OVERLAP_F_B'")
+        return tuple(a for a in parts if a is not None)
+
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
@@ -93,9 +109,9 @@ class Schedule:
     def of(rows: Sequence[Iterable[Action | str | None]], name: str = "custom") -> Schedule:
         """The schedule of `rows` (actions or their strings; None or "" is an idle slot,
         dropped), after every check of the module docstring."""
-        parsed = tuple(tuple(a for a in (c if isinstance(c, Action) or c is None
-                                         else Action.parse(c) for c in row) if a is not None)
-                       for row in rows)
+        parsed = tuple(tuple(a for c in row for a in (
+            (c,) if isinstance(c, Action) else () if c is None else Action.parse_cell(c)))
+            for row in rows)
         if not parsed:
             raise ScheduleError("schedule: no rows; expected one row of actions per pipeline"
                                 " rank")
@@ -112,8 +128,14 @@ class Schedule:
 
     @property
     def split_backward(self) -> bool:
-        """True when backward runs as `I` then `W` (a zero-bubble schedule)."""
+        """True when some backward runs as `I` then `W` (a zero-bubble schedule; DualPipeV
+        splits some microbatches' backwards and not others)."""
         return any(a.kind == "I" for row in self.rows for a in row)
+
+    def split_pairs(self) -> frozenset[tuple[int, int]]:
+        """The (stage, microbatch) pairs whose backward runs as `I` then `W`."""
+        return frozenset((a.stage, a.microbatch) for row in self.rows for a in row
+                         if a.kind == "I" and a.microbatch is not None)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages pipeline rank `rank` runs, in order."""
@@ -203,20 +225,39 @@ class Schedule:
                         f" I {i}x, W {w}x; expected F once and either B once or I and W once")
 
     def check_comms(self) -> None:
-        """Raise `ScheduleError` unless the hand-off actions are exactly `with_comms`'s."""
+        """Raise `ScheduleError` unless the hand-off actions are the ones the compute order
+        implies (`with_comms`'s, per rank), each `SEND` after the compute that makes it and
+        each `RECV` before the compute that needs it. Where in between they sit is free
+        (PyTorch's DualPipeV posts its receives early); meshcomm posts its own, in
+        `with_comms`'s order."""
         want = self.with_comms()
         for r, (got, exp) in enumerate(zip(self.rows, want.rows)):
-            mine = tuple(a for a in got if a.kind not in STAGE_WIDE)
-            if mine != exp:
-                first = next((k for k, (x, y) in enumerate(zip(mine, exp)) if x != y),
-                             min(len(mine), len(exp)))
+            mine = [a for a in got if a.kind not in STAGE_WIDE]
+            comms = Counter(a for a in mine if not a.is_compute)
+            expected = Counter(a for a in exp if not a.is_compute)
+            if comms != expected:
+                extra = sorted(map(str, comms - expected))
+                missing = sorted(map(str, expected - comms))
                 raise ScheduleError(
-                    f"schedule {self.name}: rank {r}'s hand-offs differ from the ones its"
-                    f" compute order implies at action {first}: got"
-                    f" {' '.join(map(str, mine[max(0, first - 2):first + 3]))}, expected"
-                    f" {' '.join(map(str, exp[max(0, first - 2):first + 3]))}; fix: leave the"
+                    f"schedule {self.name}: rank {r}'s hand-offs are not the ones its compute"
+                    f" order implies: {'extra ' + ' '.join(extra) if extra else ''}"
+                    f"{'; ' if extra and missing else ''}"
+                    f"{'missing ' + ' '.join(missing) if missing else ''}; fix: leave the"
                     " SEND/RECV actions out (meshcomm places them) or place them as"
                     " Schedule.with_comms does")
+            at = {a: i for i, a in enumerate(mine)}
+            for a in mine:
+                if not a.is_compute:
+                    continue
+                for recv in self.receives(a):
+                    if at[recv] > at[a]:
+                        raise ScheduleError(f"schedule {self.name}: rank {r} runs {a} before"
+                                            f" {recv}; a receive comes before the compute that"
+                                            " needs it")
+                for send in self.sends(a):
+                    if at[send] < at[a]:
+                        raise ScheduleError(f"schedule {self.name}: rank {r} has {send} before"
+                                            f" {a}, which makes it; a send comes after it")
 
 
 def _stage_ranks(rows: tuple[tuple[Action, ...], ...]) -> tuple[int, ...]:

@@ -109,6 +109,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
     `ScheduleError` if it deadlocks."""
     _check_costs(schedule, costs)
     rows = schedule.compute_only().rows
+    split = schedule.split_pairs()
     end: dict[tuple[int, str, int], float] = {}
     free = [0.0] * len(rows)
     pos = [0] * len(rows)
@@ -119,7 +120,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
         for r, row in enumerate(rows):
             while pos[r] < len(row):
                 a = row[pos[r]]
-                ready = _ready(schedule, costs, a, end)
+                ready = _ready(schedule, costs, a, end, split)
                 if ready is None:
                     break
                 start = max(free[r], ready)
@@ -131,7 +132,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> Timeline:
                 left -= 1
                 moved = True
         if not moved:
-            raise ScheduleError(_deadlock(schedule, rows, pos, end))
+            raise ScheduleError(_deadlock(schedule, rows, pos, end, split))
     return timeline(schedule, events, costs.activation_bytes)
 
 
@@ -155,18 +156,19 @@ def timeline(schedule: Schedule, events: Sequence[Event],
 
 
 def _ready(schedule: Schedule, costs: StageCosts, a: Action,
-           end: dict[tuple[int, str, int], float]) -> float | None:
+           end: dict[tuple[int, str, int], float], split: frozenset[tuple[int, int]]
+           ) -> float | None:
     """When `a`'s inputs are there, or None while one of them has not run."""
     times = []
-    for dep, hop in _deps(schedule, costs, a):
+    for dep, hop in _deps(schedule, costs, a, split):
         if dep not in end:
             return None
         times.append(end[dep] + hop)
     return max(times, default=0.0)
 
 
-def _deps(schedule: Schedule, costs: StageCosts,
-          a: Action) -> list[tuple[tuple[int, str, int], float]]:
+def _deps(schedule: Schedule, costs: StageCosts, a: Action,
+          split: frozenset[tuple[int, int]]) -> list[tuple[tuple[int, str, int], float]]:
     s, mb, ranks = a.stage, a.microbatch, schedule.stage_rank
     assert mb is not None
     if a.kind == "W":
@@ -179,7 +181,7 @@ def _deps(schedule: Schedule, costs: StageCosts,
     out = [((s, "F", mb), 0.0)]
     if s < schedule.n_stages - 1:
         hop = _at(costs.send_backward, s) if ranks[s + 1] != ranks[s] else 0.0
-        out.append(((s + 1, "I" if schedule.split_backward else "B", mb), hop))
+        out.append(((s + 1, "I" if (s + 1, mb) in split else "B", mb), hop))
     return out
 
 
@@ -188,12 +190,13 @@ def _at(values: Sequence[float], i: int) -> float:
 
 
 def _deadlock(schedule: Schedule, rows: Sequence[Sequence[Action]], pos: Sequence[int],
-              end: dict[tuple[int, str, int], float]) -> str:
+              end: dict[tuple[int, str, int], float], split: frozenset[tuple[int, int]]
+              ) -> str:
     stuck = []
     for r, row in enumerate(rows):
         if pos[r] < len(row):
             a = row[pos[r]]
-            waits = [str(Action(*k)) for k, _ in _deps(schedule, StageCosts((), ()), a)
+            waits = [str(Action(*k)) for k, _ in _deps(schedule, StageCosts((), ()), a, split)
                      if k not in end]
             stuck.append(f"rank {r} at {a} waits on {', '.join(waits)}")
     return (f"schedule {schedule.name} deadlocks: {'; '.join(stuck)}. fix: reorder the rows so"
@@ -205,13 +208,12 @@ def _peaks(schedule: Schedule, activation_bytes: tuple[int, ...], events: Sequen
            ) -> tuple[int, ...]:
     if not activation_bytes:
         return (0,) * schedule.n_ranks
-    last = "W" if schedule.split_backward else "B"
     deltas: dict[int, list[tuple[float, int]]] = defaultdict(list)
     for e in events:
         size = activation_bytes[e.action.stage]
         if e.action.kind == "F":
             deltas[e.rank].append((e.start, size))
-        elif e.action.kind == last:
+        elif e.action.kind in ("B", "W"):        # a microbatch's last backward: one of them
             deltas[e.rank].append((e.end, -size))
     peaks = []
     for r in range(schedule.n_ranks):
