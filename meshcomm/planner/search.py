@@ -8,6 +8,7 @@ memory, then to native reductions over reducing send_recvs and trees, then to fe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -228,6 +229,39 @@ Key = tuple[tuple[float, int, int], int, int, int, int]
 SHORTCUT = True
 
 
+def path_key(start: State, moves: tuple[Move, ...], mesh: Mesh, itemsize: int,
+             cost_model: CostModel) -> Key:
+    """The key the search ranks a path of `moves` from `start` by (the least wins): ((time,
+    busiest rank's total received bytes, its total sent bytes), peak, reducing send_recvs,
+    steps, index-list steps). Pure: tests compare the search's choice with paths it
+    considers (`exact_moves`)."""
+    src_numels = local_numels_tensor(start, mesh)
+    key: Key = ((0.0, 0, 0), int(src_numels.max()) * itemsize, 0, 0, 0)
+    zeros = (0,) * mesh.size
+    totals: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
+    state = start
+    for i, move in enumerate(moves):
+        key, totals = _extend(key, totals, move, state, mesh, itemsize, cost_model,
+                              src_numels, bool(i))
+        state = move.after
+    return key
+
+
+def exact_moves(state: State, goal: State, mesh: Mesh, cost_model: CostModel) -> list[Move]:
+    """The moves the search considers from `state`, each priced exactly (an estimated
+    send_recv or tree drawn as the search draws it when it pops one)."""
+    out = []
+    for move in _moves(state, goal, mesh, cost_model):
+        if move.estimate:
+            exact = (tree_move(state, move.after, mesh) if move.action == "tree"
+                     else send_recv_move(state, move.after, mesh))
+            if exact is None:
+                continue
+            move = exact
+        out.append(move)
+    return out
+
+
 def _alone_at_bound(move: Move, start: State, goal: State, mesh: Mesh,
                     cost_model: CostModel) -> bool:
     """Whether `move`, one step from `start`, is the plan the whole search would return.
@@ -266,8 +300,20 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
     moves.append(reindex_move(state, goal, mesh))
     moves.append(direct_move(state, goal, mesh))
     if trees:
-        moves.append(tree_estimate(state, goal, mesh))
+        moves.append(_with_least_rounds(tree_estimate(state, goal, mesh), state, goal, mesh))
     yield from (m for m in moves if m is not None)
+
+
+def _with_least_rounds(move: Move | None, state: State, goal: State, mesh: Mesh
+                       ) -> Move | None:
+    """An estimated tree step with the fewest rounds any tree takes: a position receives one
+    value a round, so the partials combined at one rank at most double each round, and g
+    partials take ceil(log2 g) rounds at least. With a latency the estimate is then the
+    tree's least time, and trees that cannot pay for their rounds are never drawn."""
+    if move is None:
+        return None
+    g = mesh.group_size(resolved_axes(state, goal) or ())
+    return dataclasses.replace(move, rounds=max(1, (g - 1).bit_length()))
 
 
 def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, itemsize: int,
