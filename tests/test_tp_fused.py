@@ -81,7 +81,10 @@ def test_the_new_styles_are_in_STYLES() -> None:
     assert fused.fused and fused.grad_sum and fused.outputs == "split"
     assert fused.kind is torch.nn.Linear and fused.split is None     # the weight stays whole
     assert grad_sum == mc.nn.STYLES["sp_params"]                     # one mechanism, two names
-    assert not any(s.fused for n, s in mc.nn.STYLES.items() if n != "colwise_fused")
+    fused_sp = mc.nn.STYLES["colwise_fused_sp"]
+    assert fused_sp.fused and fused_sp.grad_sum and fused_sp.inputs == "local"   # as colwise_sp
+    assert {n for n, s in mc.nn.STYLES.items() if s.fused} == {"colwise_fused",
+                                                                "colwise_fused_sp"}
 
 
 def test_fused_rows_give_each_rank_a_slice_of_every_part() -> None:
@@ -204,6 +207,14 @@ REFUSALS: dict[str, tuple[str, Any]] = {
     "fused parts unlike the model's": ("phi3", {"model.layers.*.mlp.gate_up_proj":
                                                 "colwise_fused(4)"}),
     "a plan that is a word": ("llama", "automatic"),
+    "colwise_sp on a fused projection": ("phi3", {"model.layers.*.self_attn": "sp_input",
+                                                  "model.layers.*.self_attn.qkv_proj":
+                                                  "colwise_sp"}),
+    "fused inside sp_input": ("phi3", {"model.layers.*.mlp": "sp_input",
+                                       "model.layers.*.mlp.gate_up_proj": "colwise_fused"}),
+    "colwise inside sp_input": ("llama", {"model.layers.*.mlp": "sp_input",
+                                          "model.layers.*.mlp.up_proj": "colwise"}),
+    "colwise_sp outside sp_input": ("llama", {"model.layers.*.mlp.up_proj": "colwise_sp"}),
 }
 
 
@@ -255,6 +266,21 @@ def refused() -> dict[str, Any]:
      " model.layers.0.mlp.gate_up_proj (colwise_fused(4)): parts (32, 32, 32, 32), but its"
      " model declares (64, 64)"),
     ("a plan that is a word", "StyleError: parallelize: plan 'automatic' is neither"),
+    ("colwise_sp on a fused projection", "StyleError: parallelize:"
+     " model.layers.0.self_attn.qkv_proj is a fused projection (3 parts of sizes (32, 16, 16)"
+     " stacked along its output), so 'colwise_sp' would give each rank whole parts instead of"
+     " a slice of every part; fix: give 'model.layers.*.self_attn.qkv_proj' the style"
+     " 'colwise_fused_sp'"),
+    ("fused inside sp_input", "StyleError: parallelize: model.layers.0.mlp.gate_up_proj"
+     " (colwise_fused) is inside model.layers.0.mlp (sp_input), which reduce_scatters its"
+     " input's gradient; 'colwise_fused' all_reduces that gradient as well, so it would be"
+     " summed twice. fix: use 'colwise_fused_sp' for model.layers.0.mlp.gate_up_proj"),
+    ("colwise inside sp_input", "StyleError: parallelize: model.layers.0.mlp.up_proj (colwise)"
+     " is inside model.layers.0.mlp (sp_input)"),
+    ("colwise_sp outside sp_input", "StyleError: parallelize: model.layers.0.mlp.up_proj"
+     " (colwise_sp) leaves its input's gradient partial for an enclosing sp_input module to"
+     " sum, but no module around it is sp_input. fix: give its block 'sp_input', or use"
+     " 'colwise'"),
 ])
 def test_parallelize_refuses_before_anything_is_split(refused: dict[str, Any], name: str,
                                                       message: str) -> None:

@@ -25,10 +25,11 @@ follow them come from hf_plan.py, as does `plan="auto"` (`tp_plan_of`).
 Sequence parallelism (`*_sp` styles, `sp_input`, `sp_params`) keeps the activations between
 blocks split over the sequence (dim 1): `embedding_sp` and `rowwise_sp` reduce_scatter
 instead of all_reduce, `sp_input` on a block's attention or MLP module all_gathers its
-input (and reduce_scatters the gradient), `colwise_sp` leaves its input's gradient partial
-for that reduce_scatter, `sp_params` all_reduces over tp the gradients of the replicated
-parameters used on sequence-split activations (norms), `colwise_gather_sp` gathers the
-sequence before an output layer. See `STYLES` and `Style`.
+input (and reduce_scatters the gradient), `colwise_sp` (`colwise_fused_sp`) leaves its
+input's gradient partial for that reduce_scatter (`_check_sequence_entries` refuses either
+kind of input on the wrong side of an `sp_input`), `sp_params` all_reduces over tp the
+gradients of the replicated parameters used on sequence-split activations (norms),
+`colwise_gather_sp` gathers the sequence before an output layer. See `STYLES` and `Style`.
 
 The moves are the recipe blocks' own (tensor_parallel.py): an `Entry` (Megatron's `f`, the
 sequence gather) and an `Exit` (a pending sum resolved, an output gathered) from moves.py,
@@ -148,6 +149,7 @@ STYLES = {
     "sp_params": Style(nn.Module, None, "as is", "as is", grad_sum=True),
     # a fused projection (q|k|v, gate|up): every part split over the axis, weight whole
     "colwise_fused": Style(nn.Linear, None, "replicated", "split", grad_sum=True, fused=True),
+    "colwise_fused_sp": Style(nn.Linear, None, "local", "split", grad_sum=True, fused=True),
     # parameters replicated over the axis but used on split activations (per-head norms)
     "replicated_grad_sum": Style(nn.Module, None, "as is", "as is", grad_sum=True),
 }
@@ -278,7 +280,7 @@ class _TP:
     def __init__(self, module: nn.Module, name: str, style: str, bound: BoundMesh,
                  axis: str, rows: FusedRows | None = None) -> None:
         self.module, self.name, self.axis = module, name, axis
-        self.style = str(rows) if rows is not None else style
+        self.style = style if rows is None else f"{style}({','.join(map(str, rows.parts))})"
         self.rows = rows                   # a fused style's parts; None for the others
         self.index = bound.mesh.coords(bound.rank)[axis]
         # Activations and their gradients differ across the other axes (each dp rank has
@@ -502,13 +504,46 @@ def _read_plan(module: nn.Module, modules: Mapping[str, nn.Module], plan: Mappin
                 if declared is not None and declared.attrs:
                     owners[declared.owner] = _local_sizes(declared, name, size, axis)
             elif declared is not None and STYLES[style].outputs == "split":
+                fix = "colwise_fused_sp" if STYLES[style].inputs == "local" else "colwise_fused"
                 raise StyleError(
                     f"parallelize: {name} is a fused projection ({len(declared.parts)} parts"
                     f" of sizes {declared.parts} stacked along its output), so {style!r}"
                     " would give each rank whole parts instead of a slice of every part;"
-                    f" fix: give {pattern!r} the style 'colwise_fused'")
+                    f" fix: give {pattern!r} the style {fix!r}")
             targets[name] = style
+    _check_sequence_entries(modules, targets)
     return targets, fused, owners
+
+
+def _check_sequence_entries(modules: Mapping[str, nn.Module], targets: Mapping[str, str]
+                            ) -> None:
+    """A style that sums its input's gradient over the axis ("replicated": colwise,
+    colwise_fused, colwise_gather) inside an `sp_input` module, which reduce_scatters that
+    gradient again, would sum it twice; a style that leaves it partial ("local": the *_sp
+    ones) outside one would never sum it. Both train wrong without an error: refused."""
+    def style_of(name: str) -> str | None:
+        tp = getattr(modules[name], TP_ATTR, None)
+        return targets.get(name, None if tp is None else tp.style)
+    gathers = {n for n in modules if n and style_of(n) == "sp_input"}
+    for name, style in targets.items():
+        inputs = STYLES[style].inputs
+        if inputs not in ("replicated", "local"):
+            continue
+        parts = name.split(".")
+        outer = next((o for o in (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
+                      if o in gathers), None)
+        if inputs == "replicated" and outer is not None:
+            twin = {"colwise": "'colwise_sp'", "colwise_fused": "'colwise_fused_sp'"}.get(
+                style, "a style outside the sp_input module")
+            raise StyleError(
+                f"parallelize: {name} ({style}) is inside {outer} (sp_input), which"
+                f" reduce_scatters its input's gradient; {style!r} all_reduces that gradient"
+                f" as well, so it would be summed twice. fix: use {twin} for {name}")
+        if inputs == "local" and outer is None:
+            raise StyleError(
+                f"parallelize: {name} ({style}) leaves its input's gradient partial for an"
+                " enclosing sp_input module to sum, but no module around it is sp_input."
+                f" fix: give its block 'sp_input', or use {style.removesuffix('_sp')!r}")
 
 
 def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],

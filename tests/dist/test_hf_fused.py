@@ -4,7 +4,8 @@ process: a toy q|k|v module (nn.Linear and transformers' Conv1D, biases, grouped
 sizes) forward and backward in float64 on an unnamed mesh (axis "d0"), and Phi-3 (fused
 `qkv_proj` with grouped-query sizes, `gate_up_proj`), GPT-2 (`c_attn`, a Conv1D; tied
 embeddings) and Qwen3 (per-head `q_norm` / `k_norm`) trained 3 steps in float32, under the
-model's own plan and under a hand-written one, with and without fully_shard, on axis "tp"
+model's own plan and under a hand-written one (Phi-3 also sequence parallel), with and
+without fully_shard, on axis "tp"
 or "mp", with transformers' activation checkpointing (GPT-2: its attention recomputed).
 """
 
@@ -28,6 +29,14 @@ PHI3_PLAN = {"model.embed_tokens": "embedding",
              "model.layers.*.self_attn.o_proj": "rowwise",
              "model.layers.*.mlp.gate_up_proj": "colwise_fused(2)",
              "model.layers.*.mlp.down_proj": "rowwise", "lm_head": "colwise_gather"}
+_L = "model.layers.*."
+# sequence parallelism: the fused projections inside sp_input blocks leave their input's
+# gradient partial for the block's reduce_scatter (colwise_fused_sp)
+PHI3_SP = {"model.embed_tokens": "embedding_sp", _L + "*_layernorm": "sp_params",
+           "model.norm": "sp_params", _L + "self_attn": "sp_input", _L + "mlp": "sp_input",
+           _L + "self_attn.qkv_proj": "colwise_fused_sp", _L + "self_attn.o_proj": "rowwise_sp",
+           _L + "mlp.gate_up_proj": "colwise_fused_sp(2)", _L + "mlp.down_proj": "rowwise_sp",
+           "lm_head": "colwise_gather_sp"}
 GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise_fused",
              "transformer.h.*.attn.c_proj": "rowwise",
              "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
@@ -35,6 +44,7 @@ GPT2_PLAN = {"transformer.h.*.attn.c_attn": "colwise_fused",
 CASES: dict[str, tuple[str, str, Any, str, bool]] = {
     "phi3 auto, tp+fsdp": ("phi3", "dp=2 tp=2", "auto", "tp", False),
     "phi3 hand-written, tp=4": ("phi3", "tp=4", PHI3_PLAN, "tp", False),
+    "phi3 sequence parallel, tp=4": ("phi3", "tp=4", PHI3_SP, "tp", False),
     "gpt2 auto (tied), tp+fsdp": ("gpt2", "dp=2 tp=2", "auto", "tp", False),
     "gpt2 hand-written, tp=4, checkpointing": ("gpt2", "tp=4", GPT2_PLAN, "tp", True),
     "qwen3 auto, mp=4": ("qwen3", "mp=4", "auto", "mp", False),
