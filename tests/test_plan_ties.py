@@ -121,6 +121,20 @@ def test_a_bound_mesh_plans_with_its_backend_s_figures() -> None:
         mc.CostModel(backend="mpi")
 
 
+def test_a_tie_of_time_goes_to_the_least_receiving_busiest_rank() -> None:
+    """Two plans, equal in time on bytes alone (4 B at the busiest rank of each of two
+    steps): a send_recv to ranks 1 and 5, then an all_reduce among ranks 0, 1, 4, 5, loads
+    ranks 1 and 5 twice (8 B in all); the all_reduce among ranks 0 and 4 first, then the
+    send_recv, 4 B. The sum of each step's busiest rank, the tie-break before, is 8 B for
+    both and kept the first."""
+    mesh = mc.Mesh("a=2 b=2 c=2")
+    p = mc.plan(mesh, (1,), "(c b i) | sum(a)", "i | sum(b)", cost_model=BYTES_ONLY)
+    assert p.cost == pytest.approx(8 / 100e9)
+    assert max(p.recv_bytes) == 4, str(p)
+    assert [s.kind for s in p.steps] == ["all_reduce", "send_recv", "local"]
+    _check_exact(p, _ints((1,)))
+
+
 # -- the tie-break, against the paths the search considers ----------------------------------
 SMALL_MESHES = ("a=2 b=2", "dp=2 tp=3", "a=2 b=2 c=2", "x=4", "dp=2 tp=4")
 
