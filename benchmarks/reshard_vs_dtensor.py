@@ -11,8 +11,10 @@ of `plan_vs_dtensor.py`, and DTensor's all_to_all runs as on GPUs (its gloo fall
 all_gather; see that script), so both sides move what they would move with NCCL.
 
 Also measured: the Python overhead of a cached `mc.reshard` call (its time minus the bare
-functional collective its plan makes, on a tiny tensor; and a plan with no collective),
-and `mc.reshard_many` against a loop of `mc.reshard` over 50 small tensors.
+functional collective its plan makes, on a tiny tensor; and a plan with no collective);
+the CPU time per call of a P -> R all_reduce of an (8, 8) tensor on 4 ranks through
+`mc.reshard`, DTensor's `redistribute` and funcol's bare `all_reduce`; and
+`mc.reshard_many` against a loop of `mc.reshard` over 50 small tensors.
 """
 
 from __future__ import annotations
@@ -60,12 +62,15 @@ def suite(scale: int) -> list[Case]:
         ("tp=4", (n, 256), "(tp a) b", "a (tp b)"),
         ("tp=4", (n, 256), "a b | sum(tp)", "(tp a) b"),
         ("tp=4", (n - 2, 256), "(tp a) b", "a b"),
+        ("tp=4", (8, 8), "a b | sum(tp)", "a b"),        # tiny: the call's own cost shows
+        ("tp=4", (16, 12), "a b | sum(tp)", "a b"),
     ]
     eight = [
         ("a=2 b=2 c=2", (n, 256), "(a b c w) x", "w x"),
         ("a=2 b=2 c=2", (n, 256), "(a w) (b c x)", "w (a b c x)"),
         ("a=2 b=2 c=2", (n, 256), "w x | sum(a, b, c)", "(a b c w) x"),
         ("a=2 b=2 c=2", (8, n // 8, 256), "(a w) (b x) (c y)", "(c w) (a x) (b y)"),
+        ("a=2 b=2 c=2", (8, 8), "w x | sum(a, b, c)", "w x"),
     ]
     return ([Case(f"r{i:02d}", *row) for i, row in enumerate(rows, 1)]
             + [Case(f"e{i:02d}", *row) for i, row in enumerate(eight, 1)])
@@ -176,6 +181,33 @@ def _overhead_rank(bound: Any, reps: int) -> dict[str, float]:
             "cached_plan_s": med(t_plan)}
 
 
+def _all_reduce_rank(bound: Any, dmesh: Any, reps: int) -> dict[str, float]:
+    """Per-rank medians (seconds of this thread's CPU) of one P -> R all_reduce of an (8, 8)
+    float32 tensor on a 1-D mesh: a cached reshard, DTensor's redistribute, and the bare
+    functional all_reduce (funcol) that both make."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    (axis,) = bound.mesh.axis_names
+    x = torch.ones(8, 8)
+    src, dst = f"a b | sum({axis})", "a b"
+    assert [s.kind for s in mc.plan(bound.mesh, (8, 8), src, dst).steps] == ["all_reduce"]
+    start = DTensor.from_local(x, dmesh, [Partial()], run_check=False)
+    name = bound.group_name(axis)
+    fns = {"reshard": lambda: _done(mc.reshard(x, bound, src, dst, shape=(8, 8))),
+           "dtensor": lambda: _done(start.redistribute(dmesh, [Replicate()]).to_local()),
+           "funcol": lambda: _done(funcol.all_reduce(x, "sum", name))}
+    for fn in fns.values():
+        for _ in range(20):
+            fn()
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for key, fn in fns.items():
+            cpu[key] += _timed(fn, 1, dist.barrier, time.thread_time)
+    return {f"all_reduce_{k}_cpu_s": statistics.median(v) for k, v in cpu.items()}
+
+
 def _many_rank(bound: Any, reps: int, count: int) -> dict[str, Any]:
     """A loop of `count` reshards against one reshard_many, for gathers and for reductions."""
     import torch.distributed as dist
@@ -219,6 +251,9 @@ def _rank(rank: int, world: int, cases: list[Case], reps: int, extras: bool) -> 
     if extras:
         bound = bounds.get("dp=2 tp=2") or mc.init_mesh("dp=2 tp=2")
         report["overhead"] = _overhead_rank(bound, 10 * reps)
+        if "tp=4" not in bounds:
+            bounds["tp=4"], dmeshes["tp=4"] = mc.init_mesh("tp=4"), pvd._device_mesh("tp=4")
+        report["overhead"].update(_all_reduce_rank(bounds["tp=4"], dmeshes["tp=4"], 10 * reps))
         report["many"] = _many_rank(bound, max(2, reps // 3), 50)
     return report
 
@@ -294,6 +329,11 @@ def render(report: dict[str, Any]) -> str:
                      f" collective: {us['above_collective_best_s']:.1f} us best-case wall (target"
                      f" < 50); medians: {us['above_collective_median_s']:.1f} us wall,"
                      f" {us['above_collective_cpu_s']:.1f} us CPU of the calling thread")
+        if "all_reduce_dtensor_cpu_s" in o:
+            lines.append(f"P -> R all_reduce of (8, 8) on tp=4, CPU of the calling thread per"
+                         f" call: reshard {us['all_reduce_reshard_cpu_s']:.1f} us, DTensor"
+                         f" redistribute {us['all_reduce_dtensor_cpu_s']:.1f} us, bare funcol"
+                         f" all_reduce {us['all_reduce_funcol_cpu_s']:.1f} us")
         lines.append(f"cached reshard with no step (src == dst): {us['no_step_plan_s']:.1f} us;"
                      f" with one local slice: {us['local_plan_s']:.1f} us; cached mc.plan:"
                      f" {us['cached_plan_s']:.2f} us")
