@@ -15,7 +15,7 @@ from conftest import in_fresh_interpreter
 
 import meshcomm as mc
 from meshcomm.errors import StyleError
-from meshcomm.nn.hf_plan import fused_parts
+from meshcomm.nn.hf_plan import LocalSizes, fused_parts
 from meshcomm.nn.parallel import FusedRows, parse_style
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -121,6 +121,23 @@ def test_fused_parts_come_from_the_model() -> None:
     assert fused_parts(llama, "model.layers.0.self_attn.q_proj",
                        llama.model.layers[0].self_attn.q_proj) is None
     assert fused_parts(gpt2, "transformer.h.0.mlp.c_fc", gpt2.transformer.h[0].mlp.c_fc) is None
+
+
+def test_local_sizes_hold_while_the_owner_runs_and_never_touch_the_shared_config() -> None:
+    phi3 = model("phi3")
+    attn = phi3.model.layers[0].self_attn
+    seen = []
+    local = LocalSizes((("config.num_attention_heads", 8), ("num_key_value_heads", 4)), 4)
+    local.pre(attn, ())
+    seen.append((attn.config.num_attention_heads, attn.num_key_value_heads))
+    assert attn.config is not phi3.config and phi3.config.num_attention_heads == 8
+    local.post(attn, (), None)
+    seen.append((attn.config.num_attention_heads, attn.num_key_value_heads))
+    assert seen == [(2, 1), (8, 4)] and attn.config is phi3.config
+    local.pre(attn, ())            # a forward that never reached post (it raised) ...
+    local.pre(attn, ())            # ... is undone by the next one first
+    local.post(attn, (), None)
+    assert (attn.config, attn.num_key_value_heads) == (phi3.config, 4)
 
 
 def test_the_plan_of_phi3_splits_its_fused_projections_part_by_part() -> None:
