@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -107,16 +106,15 @@ def test_size_one_reductions_count_as_nothing_in_the_bound() -> None:
     assert max(moved.recv_bytes) == max(moved.lower_bound_bytes) == 48
 
 
-def test_a_bound_mesh_plans_with_its_backend_s_figures() -> None:
-    """Without a cost model, a plan on a BoundMesh over gloo takes gloo's figures; NCCL and
-    plain meshes take the default's (NCCL's)."""
-    mesh = mc.Mesh("r=8")
-    gloo = SimpleNamespace(mesh=mesh, backend="gloo")
-    nccl = SimpleNamespace(mesh=mesh, backend="nccl")
-    assert mc.plan(gloo, (12, 5), "a b | sum(r)", "(r a) b").cost_model == \
-        mc.CostModel(backend="gloo")
-    assert mc.plan(nccl, (12, 5), "a b | sum(r)", "(r a) b").cost_model == mc.CostModel()
-    assert not mc.CostModel(backend="gloo").models_time
+def test_each_backend_has_its_figures() -> None:
+    """`CostModel(backend=...)` takes that backend's latency and bandwidth where none is
+    given; neither prints times; an unknown backend is refused."""
+    nccl, gloo = DEFAULTS
+    assert nccl == mc.CostModel(backend="nccl") and nccl.time(("r",), 0) == 10e-6
+    assert gloo.time(("r",), 0) > nccl.time(("r",), 0)
+    assert gloo.bandwidth_of("r") < nccl.bandwidth_of("r")
+    assert not nccl.models_time and not gloo.models_time
+    assert mc.CostModel(backend="gloo", latency_s=1e-3).bandwidth_of("r") == gloo.bandwidth_of("r")
     with pytest.raises(mc.errors.PlanError, match="backends are nccl, gloo"):
         mc.CostModel(backend="mpi")
 

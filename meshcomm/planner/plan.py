@@ -19,7 +19,7 @@ from ..core.mesh import Mesh
 from ..core.untraced import untraced
 from . import crossmesh, search, zigzag
 from .memo import PlanMemos
-from .values import BACKEND_FIGURES, CostModel, Plan
+from .values import CostModel, Plan
 
 _DEFAULT_COST = CostModel()
 
@@ -30,8 +30,8 @@ def plan(mesh: Mesh, shape: Shape, src: str | Layout, dst: str | Layout,
     """Cheapest exact sequence of collectives that turns layout `src` into `dst`.
 
     `dtype` (default float32) sets the bytes a plan moves; `cost_model` (default
-    `CostModel()`, NCCL's figures; on a BoundMesh over gloo, `CostModel(backend="gloo")`)
-    the time it models. With `dst_mesh`, `dst` lives on that other mesh
+    `CostModel()`, NCCL's figures; `CostModel(backend="gloo")` for gloo's) the time it
+    models. With `dst_mesh`, `dst` lives on that other mesh
     (disjoint, overlapping or nested): see `meshcomm.planner.crossmesh`. `mesh` and
     `dst_mesh` may be BoundMeshes (anything whose `.mesh` is a Mesh): the plan is made for
     their mesh.
@@ -65,8 +65,6 @@ def _plan_and_memo(mesh: Any, shape: Any, src: Any, dst: Any, dtype: Any, cost_m
     if type(shape) is not tuple:
         shape = _as_shape(shape)
     if type(mesh) is not Mesh:
-        if cost_model is None:
-            cost_model = _backend_model(mesh)
         mesh = _unbound(mesh)
     if dst_mesh is not None and type(dst_mesh) is not Mesh:
         dst_mesh = _unbound(dst_mesh)
@@ -79,18 +77,6 @@ def _plan_and_memo(mesh: Any, shape: Any, src: Any, dst: Any, dtype: Any, cost_m
     except TypeError:                             # an unhashable argument: not kept
         pass
     return found
-
-
-# The default cost model of each backend but NCCL's (the default's own figures), for plans
-# on a BoundMesh made without a cost model.
-_BACKEND_COSTS = {name: CostModel(backend=name) for name in BACKEND_FIGURES if name != "nccl"}
-
-
-def _backend_model(mesh: object) -> CostModel | None:
-    """The cost model of a BoundMesh's backend (`CostModel(backend="gloo")` on a gloo mesh),
-    or None (the default: NCCL's figures) for NCCL, another backend or a plain value."""
-    backend = getattr(mesh, "backend", None)
-    return _BACKEND_COSTS.get(backend) if isinstance(backend, str) else None
 
 
 def _unbound(mesh: object) -> Mesh:

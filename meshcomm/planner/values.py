@@ -98,8 +98,7 @@ class CostModel:
     tuning model), so a plan of k rounds wins only where its bytes pay for the k - 1
     extra latencies. Those defaults are a guide, not a prediction of your network: a plan
     made without given figures prints no time (`models_time` is False); pass a CostModel
-    with your network's numbers to see modelled times. `plan()` on a BoundMesh without a
-    cost model takes its backend's figures.
+    with your network's numbers to see modelled times.
 
     `native` names the step kinds the backend runs as real collectives (NCCL and
     gloo run them all). The planner never uses a kind outside it: nothing is
