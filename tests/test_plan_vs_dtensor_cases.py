@@ -39,7 +39,10 @@ CASES = [
 def test_partial_sources_with_uneven_dims_move_no_more_than_dtensor(mesh, shape, src, dst,
                                                                     dtensor_bytes):
     m = mc.Mesh(mesh)
-    p = mc.plan(m, shape, src, dst)
+    # bytes alone: the default model's latency may take one step that receives more over
+    # DTensor's two or three collectives (`"(a u) v (c w) | sum(b)"` here: one direct
+    # delivery of 1,320 B against DTensor's 960 B in three transforms)
+    p = mc.plan(m, shape, src, dst, cost_model=mc.CostModel(latency_s=0.0))
     assert max(p.recv_bytes) <= dtensor_bytes, str(p)
     x = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
     res = execute(p, scatter(x, m, src))
