@@ -232,6 +232,7 @@ REFUSALS: dict[str, tuple[str, Any]] = {
     "colwise inside sp_input": ("llama", {"model.layers.*.mlp": "sp_input",
                                           "model.layers.*.mlp.up_proj": "colwise"}),
     "colwise_sp outside sp_input": ("llama", {"model.layers.*.mlp.up_proj": "colwise_sp"}),
+    "sp_input with nothing partial inside": ("llama", {"model.norm": "sp_input"}),
 }
 
 
@@ -298,6 +299,9 @@ def refused() -> dict[str, Any]:
      " (colwise_sp) leaves its input's gradient partial for an enclosing sp_input module to"
      " sum, but no module around it is sp_input. fix: give its block 'sp_input', or use"
      " 'colwise'"),
+    ("sp_input with nothing partial inside", "StyleError: parallelize: model.norm (sp_input)"
+     " gathers the sequence and reduce_scatters its gradient, which only a partial gradient"
+     " from a module inside it ('colwise_sp', 'colwise_fused_sp') makes right; it has none"),
 ])
 def test_parallelize_refuses_before_anything_is_split(refused: dict[str, Any], name: str,
                                                       message: str) -> None:

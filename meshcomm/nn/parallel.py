@@ -520,7 +520,9 @@ def _check_sequence_entries(modules: Mapping[str, nn.Module], targets: Mapping[s
     """A style that sums its input's gradient over the axis ("replicated": colwise,
     colwise_fused, colwise_gather) inside an `sp_input` module, which reduce_scatters that
     gradient again, would sum it twice; a style that leaves it partial ("local": the *_sp
-    ones) outside one would never sum it. Both train wrong without an error: refused."""
+    ones) outside one would never sum it; an `sp_input` module with no such style inside
+    gets its output's gradient whole on every rank and sums it over the axis again. All
+    three train wrong without an error: refused."""
     def style_of(name: str) -> str | None:
         tp = getattr(modules[name], TP_ATTR, None)
         return targets.get(name, None if tp is None else tp.style)
@@ -544,6 +546,18 @@ def _check_sequence_entries(modules: Mapping[str, nn.Module], targets: Mapping[s
                 f"parallelize: {name} ({style}) leaves its input's gradient partial for an"
                 " enclosing sp_input module to sum, but no module around it is sp_input."
                 f" fix: give its block 'sp_input', or use {style.removesuffix('_sp')!r}")
+    for outer in sorted(gathers):
+        inside = [n for n in modules if n.startswith(outer + ".")
+                  and (s := style_of(n)) is not None
+                  and STYLES[s.split("(")[0]].inputs == "local"]
+        if not inside:
+            raise StyleError(
+                f"parallelize: {outer} (sp_input) gathers the sequence and reduce_scatters"
+                " its gradient, which only a partial gradient from a module inside it"
+                " ('colwise_sp', 'colwise_fused_sp') makes right; it has none, so the"
+                " gradient arriving whole on every rank would be summed over the axis again."
+                " fix: give sp_input to the block whose first projections are colwise_sp,"
+                " and 'colwise_gather_sp' to an output layer that needs the whole sequence")
 
 
 def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],

@@ -84,6 +84,28 @@ class SequencePositions:
                                              mask, cache, positions)
         return (), named
 
+    def check_output(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     out: Any) -> None:
+        """The forward hook beside the pre-hook: the base model's last hidden state must
+        still be this rank's share of the sequence, batch first. A model that reshapes it by
+        the whole sequence's length (GPT2Model views it as (-1, whole sequence, hidden)
+        after its final norm) would fold the shares of several rows into one, silently:
+        refused here, before a loss is computed from it."""
+        ids = kwargs.get("input_ids")
+        hidden = getattr(out, "last_hidden_state", None)
+        if hidden is None and isinstance(out, (tuple, list)) and out:
+            hidden = out[0]
+        if not isinstance(ids, Tensor) or not isinstance(hidden, Tensor) or hidden.dim() < 2:
+            return
+        if hidden.shape[0] != ids.shape[0]:
+            raise ShapeError(
+                f"parallelize: {self.root} ({type(module).__name__}) returned a hidden state"
+                f" of shape {tuple(hidden.shape)} for {ids.shape[0]} rows of {ids.shape[-1]}"
+                f" tokens: the model reshaped this rank's share of the sequence by the whole"
+                f" sequence's length, mixing rows. Sequence parallelism cannot split this"
+                f" model's sequence below {self.root or 'the model'}. fix: use 'embedding'"
+                " and the styles without _sp for this model")
+
     def _check_length(self, name: str, t: Tensor, want: int, seq: int) -> None:
         if t.shape[-1] != want:
             raise ShapeError(
@@ -139,6 +161,8 @@ def install_sequence_hooks(hooks: list[tuple[nn.Module, Callable[..., Any]]]) ->
     """Register each pre-hook of `sequence_hooks` on its base model (once)."""
     for root, hook in hooks:
         root.register_forward_pre_hook(hook, with_kwargs=True)
+        if isinstance(hook, SequencePositions):
+            root.register_forward_hook(hook.check_output, with_kwargs=True)
         setattr(root, HOOK_ATTR, hook)
 
 

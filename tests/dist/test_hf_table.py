@@ -121,27 +121,27 @@ MIXTRAL_SP = {**{k: v for k, v in LLAMA_SP.items() if ".mlp" not in k},
 SEQUENCE_PARALLEL = {"llama": LLAMA_SP, "mistral": LLAMA_SP, "gemma2": LLAMA_SP,
                      "qwen3": {**LLAMA_SP, _L + "self_attn.[qk]_norm": "replicated_grad_sum"},
                      "mixtral": MIXTRAL_SP}
-# Fused projections have no sequence-parallel style: `colwise_fused` all_reduces its input's
-# gradient over tp, and the enclosing `sp_input` reduce_scatters it again (as plain
-# `colwise` there would): the gradient is summed twice and nothing raises.
-FUSED_SP_WRONG = ("silently wrong today: colwise_fused inside an sp_input module sums its"
-                  " input's gradient twice (there is no colwise_fused_sp; meshcomm raises"
-                  " nothing), so losses differ from step 2 on")
+# fused projections inside an sp_input block: colwise_fused_sp leaves the input's gradient
+# partial for the block's reduce_scatter (colwise_fused there is refused: summed twice)
 PHI3_SP = {**{k: v for k, v in LLAMA_SP.items() if "proj" not in k},
-           _L + "self_attn.qkv_proj": "colwise_fused", _L + "self_attn.o_proj": "rowwise_sp",
-           _L + "mlp.gate_up_proj": "colwise_fused(2)", _L + "mlp.down_proj": "rowwise_sp"}
-# GPT-2: the position table splits the sequence as the token table does; GPT2Model reshapes
-# its last hidden state to (-1, whole sequence, hidden) after ln_f, which would fold a split
-# (4, 3, 64) into (1, 12, 64) without an error, so ln_f gathers the sequence (sp_input);
-# no style gathers it after ln_f, and lm_head's replicated input sums the gradient that
-# sp_input reduce_scatters again (as colwise_fused does)
+           _L + "self_attn.qkv_proj": "colwise_fused_sp", _L + "self_attn.o_proj": "rowwise_sp",
+           _L + "mlp.gate_up_proj": "colwise_fused_sp(2)", _L + "mlp.down_proj": "rowwise_sp"}
+# GPT-2 cannot split its sequence: GPT2Model views its last hidden state as (-1, whole
+# sequence, hidden) after ln_f, which folds a split (4, 3, 64) into (1, 12, 64). Two plans
+# try, and each is refused (test_gpt2_under_sequence_parallelism_is_refused): ln_f as
+# sp_input (gathering before the view) has nothing inside that leaves its gradient partial,
+# so its reduce_scatter would sum a whole gradient again; ln_f as sp_params reaches the view,
+# which the base model's hook sees in the hidden state's shape before any loss.
 _H = "transformer.h.*."
-GPT2_SP = {"transformer.wte": "embedding_sp", "transformer.wpe": "embedding_sp",
-           _H + "ln_[12]": "sp_params", "transformer.ln_f": "sp_input",
-           _H + "attn": "sp_input", _H + "attn.c_attn": "colwise_fused",
-           _H + "attn.c_proj": "rowwise_sp", _H + "mlp": "sp_input",
-           _H + "mlp.c_fc": "colwise_sp", _H + "mlp.c_proj": "rowwise_sp",
-           "lm_head": "colwise_gather"}
+GPT2_SP_BLOCKS = {"transformer.wte": "embedding_sp", "transformer.wpe": "embedding_sp",
+                  _H + "ln_[12]": "sp_params", _H + "attn": "sp_input",
+                  _H + "attn.c_attn": "colwise_fused_sp", _H + "attn.c_proj": "rowwise_sp",
+                  _H + "mlp": "sp_input", _H + "mlp.c_fc": "colwise_sp",
+                  _H + "mlp.c_proj": "rowwise_sp"}
+GPT2_SP = {"gathered after ln_f": {**GPT2_SP_BLOCKS, "transformer.ln_f": "sp_input",
+                                   "lm_head": "colwise_gather"},
+           "gathered at lm_head": {**GPT2_SP_BLOCKS, "transformer.ln_f": "sp_params",
+                                   "lm_head": "colwise_gather_sp"}}
 
 
 @dataclass(frozen=True)
@@ -169,12 +169,7 @@ for _kind, _plan in HAND_WRITTEN.items():
         ROWS[f"{_kind} tp+fsdp auto"] = Row(_kind, "tp+fsdp", "auto")
 for _kind, _plan in SEQUENCE_PARALLEL.items():
     ROWS[f"{_kind} sp"] = Row(_kind, "sp", _plan)
-ROWS["phi3 sp"] = Row("phi3", "sp", PHI3_SP, (pytest.mark.xfail(strict=True,
-                                                                 reason=FUSED_SP_WRONG),))
-ROWS["gpt2 sp"] = Row("gpt2", "sp", GPT2_SP, (pytest.mark.xfail(
-    strict=True, reason=FUSED_SP_WRONG + "; and GPT2Model views its last hidden state by the"
-    " whole sequence's length after ln_f, where no style gathers the sequence: ln_f as"
-    " sp_input before a colwise_gather lm_head sums that gradient twice too"),))
+ROWS["phi3 sp"] = Row("phi3", "sp", PHI3_SP)
 
 
 def run_row(row: Row, rank: int, world: int) -> dict[str, Any]:
@@ -208,6 +203,9 @@ def worker(rank: int, world: int) -> dict[str, Any]:
     # Mixtral declares its experts split over tp (packed_colwise, moe_tp_experts)
     out["mixtral auto"] = outcome(lambda: mc.nn.parallelize(build("mixtral"),
                                                             mc.init_mesh("tp=4"), "auto"))
+    for how, plan in GPT2_SP.items():
+        out[f"gpt2 sp, {how}"] = outcome(lambda plan=plan: run_row(Row("gpt2", "sp", plan),
+                                                                   rank, world))
     return out
 
 
@@ -246,6 +244,18 @@ def test_each_row_trains_as_in_one_process(four: list[dict[str, Any]], name: str
         worst = max(errors, key=errors.__getitem__)
         assert errors[worst] <= RTOL, \
             f"{name}, rank {rank}: {worst} is {errors[worst]:.2e} off (relative)"
+
+
+def test_gpt2_under_sequence_parallelism_is_refused(four: list[dict[str, Any]]) -> None:
+    """Neither way of splitting GPT-2's sequence trains silently wrong: gathering after ln_f
+    is refused when the plan is read, and gathering at lm_head when the base model returns
+    the hidden state its view folded (before any loss)."""
+    for result in four:
+        after, at = result["gpt2 sp, gathered after ln_f"], result["gpt2 sp, gathered at lm_head"]
+        assert after.startswith("StyleError: parallelize: transformer.ln_f (sp_input) gathers"
+                                " the sequence"), after
+        assert at.startswith("ShapeError: parallelize: transformer (GPT2Model) returned a"
+                             " hidden state of shape (1, 12, 64) for 4 rows of 12 tokens"), at
 
 
 def test_mixtrals_own_plan_is_refused_before_anything_is_split(
