@@ -85,9 +85,18 @@ NAMED = [
     ("dp=2 tp=2", (16, 6), "zigzag(tp s) (dp d)", "s d", torch.float32),
     ("dp=2 tp=4", (19, 2), "zigzag(tp s) d", "s (dp d)", torch.float32),
 ]
+# Partial sources straight to their owners: one step with the default cost model's latency.
+DIRECT = [
+    ("dp=2 tp=2", (8, 6), "(b dp) h | sum(tp)", "(dp tp b) h", torch.float32),
+    ("a=2 b=2 c=2", (6, 10), "(b i) j | sum(c)", "(a i) (b j)", torch.float32),
+]
 KINDS = {"local", "all_gather", "all_gather_v", "reduce_scatter", "reduce_scatter_v",
          "all_reduce", "all_to_all", "collective_permute", "send_recv", "send_recv_reduce",
-         "send_recv_tree"}
+         "send_recv_tree", "send_recv_direct"}
+# The NAMED cases name the step each one reaches on bytes alone (trees among them: the
+# default model's latency takes one collective instead on these small tensors); the sample
+# and DIRECT plan with the default.
+BYTES_ONLY = mc.CostModel(latency_s=0.0)
 
 
 # -- the sample -------------------------------------------------------------------------
@@ -112,8 +121,8 @@ def sample(mesh_spec: str, n: int, seed: int) -> list[tuple[str, tuple[int, ...]
 
 # -- what every rank runs ----------------------------------------------------------------
 def step_kind(step: mc.Step) -> str:
-    if step.action == "tree":
-        return "send_recv_tree"
+    if step.action in ("tree", "direct"):
+        return f"send_recv_{step.action}"
     if step.kind == "send_recv" and step.op is not None:
         return "send_recv_reduce"
     return step.kind + ("_v" if step.dim is not None and step.kind != "local" else "")
@@ -126,7 +135,8 @@ def check_cases(bounds: dict[str, BoundMesh], cases: list[Any]) -> dict[str, Any
         bound = bounds[spec]
         mesh, rank = bound.mesh, bound.rank
         pos = mesh.position(rank)
-        p = mc.plan(mesh, shape, src, dst, dtype=dtype)
+        cm = BYTES_ONLY if cases[i] in NAMED else None
+        p = mc.plan(mesh, shape, src, dst, dtype=dtype, cost_model=cm)
         kinds |= {step_kind(s) for s in p.steps}
         locs = mc.sim.scatter(ints(shape, i, dtype), mesh, src)
         want = sim_execute(p, locs).outputs[pos]
@@ -135,7 +145,7 @@ def check_cases(bounds: dict[str, BoundMesh], cases: list[Any]) -> dict[str, Any
             even = all(infer_shape(mesh, p.src, tuple(x.shape), r) == shape
                        for r, x in zip(mesh.ranks, locs) if all(x.shape))
             got = mc.reshard(locs[pos], bound, src, dst, shape=None if even else shape,
-                             trace=trace)
+                             trace=trace, cost_model=cm)
         else:
             got = execute(p, locs[pos], bound, trace=trace)
         where = f"case {i} {spec} {shape} {dtype} \"{src}\" -> \"{dst}\" on rank {rank}"
@@ -173,7 +183,8 @@ def check_values(bound: BoundMesh) -> list[str]:
 
 def four_ranks(rank: int, world: int) -> dict[str, Any]:
     bound = mc.init_mesh("dp=2 tp=2")
-    cases = sample("dp=2 tp=2", SAMPLE_4, 4) + [c for c in NAMED if c[0] == "dp=2 tp=2"]
+    cases = sample("dp=2 tp=2", SAMPLE_4, 4) + [c for c in NAMED + DIRECT
+                                                if c[0] == "dp=2 tp=2"]
     report = check_cases({"dp=2 tp=2": bound}, cases)
     report["values"] = check_values(bound)
     return report
@@ -183,7 +194,7 @@ def eight_ranks(rank: int, world: int) -> dict[str, Any]:
     specs = ("dp=2 tp=4", "a=2 b=2 c=2")
     bounds = {spec: mc.init_mesh(spec) for spec in specs}
     cases = [c for k, spec in enumerate(specs) for c in sample(spec, SAMPLE_8, 8 + k)]
-    return check_cases(bounds, cases + [c for c in NAMED if c[0] in specs])
+    return check_cases(bounds, cases + [c for c in NAMED + DIRECT if c[0] in specs])
 
 
 # one spawn per world size; the tests read its report
@@ -194,7 +205,7 @@ eight = ranks_fixture(eight_ranks, 8)
 def test_reshard_equals_sim_and_counts_bytes_on_2x2(four: list[dict[str, Any]]) -> None:
     problems = [p for rep in four for p in rep["problems"]]
     assert not problems, "\n".join(problems[:5])
-    assert four[0]["cases"] == SAMPLE_4 + sum(c[0] == "dp=2 tp=2" for c in NAMED)
+    assert four[0]["cases"] == SAMPLE_4 + sum(c[0] == "dp=2 tp=2" for c in NAMED + DIRECT)
 
 
 def test_reshard_equals_sim_and_counts_bytes_on_2x4_and_2x2x2(
