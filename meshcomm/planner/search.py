@@ -2,8 +2,10 @@
 
 `single_plan` (cached) turns two layouts on one mesh into a Plan: Dijkstra with Pareto
 labels over planner states (A* on large meshes and long searches) for the path of least
-modelled time under a CostModel; ties go to fewer received bytes, then to the lower peak
-memory, then to native reductions over reducing send_recvs and trees, then to fewer steps.
+modelled time under a CostModel; ties go to the busiest rank's least total received bytes,
+then sent bytes, then to the lower peak memory, then to native reductions over reducing
+send_recvs and trees, then to fewer steps. `path_key` and `exact_moves` expose the key and
+the moves, so tests can compare the search's choice with the paths it considers.
 """
 
 from __future__ import annotations
