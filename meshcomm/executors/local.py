@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
         if step.dim is not None:
             start, length = chunk_range(0, x.shape[step.dim], g, pos)
             return x.narrow(step.dim, start, length).clone()
-        y = step.pre.apply(x) if step.pre else x
+        y = rearranged(step.pre, x) if step.pre else x
         return y[pos].clone()
     if step.action == "mark_partial":
         keep = step.op != "sum" or pos == 0
@@ -50,6 +50,41 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
         out = identity_like(x.new_empty(out_shape), step.op or "sum")
         return fill_reindexed(rank_transfers(step, rank), rank, x, out)
     raise AssertionError(f"unknown local action {step.action!r} in {step}")
+
+
+class Rearranging(Protocol):
+    """A step's `pre` or `post` (the planner's Rearrange), as read here."""
+
+    def __hash__(self) -> int: ...
+    @property
+    def split(self) -> tuple[tuple[int, ...] | None, ...]: ...
+    @property
+    def perm(self) -> tuple[int, ...]: ...
+    def apply(self, x: Tensor) -> Tensor: ...
+
+
+def rearranged(r: Rearranging, x: Tensor) -> Tensor:
+    """`r.apply(x)`, the same tensor, in one reshape where the rearrange permutes nothing and
+    else in a reshape, a permute and a reshape, their sizes worked out once per rearrange
+    and input shape (a cached step's call costs a dict lookup, not a pass over its factors)."""
+    if tracing() or torch.compiler.is_compiling():   # sizes may be symbolic: no cache key
+        return r.apply(x)
+    sizes, perm, out = _rearrange_sizes(r, tuple(x.shape))
+    if perm is None:
+        return x.reshape(out)
+    return x.reshape(sizes).permute(perm).reshape(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rearrange_sizes(r: Rearranging, shape: tuple[int, ...]
+                     ) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
+    """The split sizes, the permutation (None for none) and the output shape of `r` on a
+    tensor of `shape`, as `Rearrange.apply` makes them (run once on a meta tensor, which
+    checks the factors too)."""
+    sizes = tuple(n for d, factors in enumerate(r.split)
+                  for n in ((shape[d],) if factors is None else factors))
+    out = tuple(r.apply(torch.empty(shape, device="meta")).shape)
+    return sizes, None if r.perm == tuple(range(len(r.perm))) else r.perm, out
 
 
 def rank_transfers(step: Step, rank: int) -> list[Transfer]:

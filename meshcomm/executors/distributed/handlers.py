@@ -43,6 +43,7 @@ from ..local import (
     local_move,
     pack,
     rank_transfers,
+    rearranged,
     received,
     recv_splits,
     run_tree,
@@ -233,7 +234,7 @@ def _all_gather(step: Step, x: Tensor, run: Run) -> Out:
         return _all_gather_v(step, x, run)
     y, call = wire.all_gather(x.unsqueeze(0).contiguous(), run.group(step), wait=False)
     run.record(step, call, x.element_size())
-    return Later((y,), step.post.apply if step.post else _same)
+    return Later((y,), functools.partial(rearranged, step.post) if step.post else _same)
 
 
 def _all_gather_v(step: Step, x: Tensor, run: Run) -> Out:
@@ -252,7 +253,7 @@ def _reduce_scatter(step: Step, x: Tensor, run: Run) -> Out:
     if step.wire == "all_to_all":
         return _reduce_scatter_v(step, x, run)
     group = run.group(step)
-    y = (step.pre.apply(x) if step.pre else x).contiguous()
+    y = (rearranged(step.pre, x) if step.pre else x).contiguous()
     op = step.op or "sum"
     out, call = wire.reduce_scatter(y, _wire_op(op), group, wait=False)
     run.record(step, call, x.element_size())
@@ -286,9 +287,9 @@ def _all_reduce(step: Step, x: Tensor, run: Run) -> Out:
 
 
 def _all_to_all(step: Step, x: Tensor, run: Run) -> Out:
-    y = (step.pre.apply(x) if step.pre else x).contiguous()
+    y = (rearranged(step.pre, x) if step.pre else x).contiguous()
     out = _a2a(step, run, y)
-    return Later((out,), step.post.apply if step.post else _same)
+    return Later((out,), functools.partial(rearranged, step.post) if step.post else _same)
 
 
 def _permute(step: Step, x: Tensor, run: Run) -> Out:

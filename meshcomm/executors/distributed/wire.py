@@ -141,14 +141,15 @@ def _lazy(op: Callable[..., Tensor], *args: object) -> Tensor:
     it: an AsyncCollectiveTensor)."""
     with _BELOW_AUTOGRAD():
         y = op(*args)
-    return funcol.AsyncCollectiveTensor(y)  # type: ignore[no-untyped-call, no-any-return]
+    return funcol.AsyncCollectiveTensor(y)
 
 
 def all_reduce_single(x: Tensor, op: str, group: str) -> Tensor:
     """The functional all_reduce of `x` with `op` over group `group`."""
     if _direct(x):
         return _lazy(_ALL_REDUCE, x, op, group)
-    return funcol.all_reduce(x, op, group)
+    fn: Callable[..., Tensor] = funcol.all_reduce
+    return fn(x, op, group)
 
 
 def all_gather_single(x: Tensor, dim: int, group: str) -> Tensor:
@@ -180,20 +181,22 @@ def all_to_all_single(x: Tensor, out_splits: list[int] | None, in_splits: list[i
             out_splits = in_splits = [x.shape[0] // size] * size
         if out_splits is not None and in_splits is not None:
             return _lazy(_ALL_TO_ALL, x, out_splits, in_splits, group)
-    return funcol.all_to_all_single(x, out_splits, in_splits, group)
+    fn: Callable[..., Tensor] = funcol.all_to_all_single
+    return fn(x, out_splits, in_splits, group)
 
 
 def broadcast_single(x: Tensor, root: int, group: str) -> Tensor:
     """The functional broadcast of group position `root`'s `x` over group `group`."""
     if _direct(x):
         return _lazy(_BROADCAST, x, root, group)
-    return funcol.broadcast(x, root, group)
+    fn: Callable[..., Tensor] = funcol.broadcast
+    return fn(x, root, group)
 
 
 def _group_size(name: str) -> int:
     from torch.distributed import distributed_c10d as c10d
 
-    return int(c10d._get_group_size_by_name(name))
+    return int(c10d._get_group_size_by_name(c10d.GroupName(name)))
 
 
 def batch_p2p(kinds: Sequence[str], peers: Sequence[int], tensors: list[Tensor],
