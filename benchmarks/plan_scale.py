@@ -1,9 +1,12 @@
 """Planning speed at production scale (up to 4,096 ranks), meshcomm beside DTensor's planners.
 
 Run: `python benchmarks/plan_scale.py [--quick] [--limit-s S] [--reps N] [--json PATH]
-[--threads T] [--case ID ...] [--random N] [--random-limit-s S]` (`--quick`: 5 cases, 1
-rep, 20 s limit, 10 random transitions at 256 and at 1,024 ranks; it reports and never
-asserts a time).
+[--threads T] [--case ID ...] [--random N] [--random-limit-s S] [--random-small N]
+[--against PATH]` (`--quick`: 5 cases, 1 rep, 20 s limit, 10 random transitions at 256
+and at 1,024 ranks; it reports and never asserts a time). `--random-small N` and
+`--against PATH` run `plan_fuzz_time.py`'s sections after the rest (see there): the
+slowest of N random cold plans on <= 64 ranks, and the fixed small cases planned by
+another checkout and by this one in turn (the ratio of cold times).
 
 Random section (`--random N`, default 100 per world size): N transitions each on meshes of
 256, 1,024 and 4,096 ranks (`RANDOM_MESHES`) with production shapes (`RANDOM_SHAPES`),
@@ -683,6 +686,13 @@ def main(argv: list[str] | None = None) -> int:
                              " (default 100; --quick: 10 at 256 and 1,024; 0: none)")
     parser.add_argument("--random-limit-s", type=float, default=10.0,
                         help="time limit per cold call in the random section (default 10)")
+    parser.add_argument("--random-small", type=int, default=0, metavar="N",
+                        help="N random transitions on <= 64 ranks, one cold plan each, max"
+                             " printed (plan_fuzz_time.py; issue 39: max < 100 ms)")
+    parser.add_argument("--against", type=Path, default=None, metavar="PATH",
+                        help="a checkout of meshcomm (the last release): the fixed small"
+                             " cases planned cold by it and by this one in turn, ratio printed"
+                             " (plan_fuzz_time.py)")
     args = parser.parse_args(argv)
     limit_s = args.limit_s or (20.0 if args.quick else 60.0)
     reps = args.reps or (1 if args.quick else 5)
@@ -705,6 +715,14 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in random_lines(report["random"]) if "random" in report else []:
         print(line)
+    if args.random_small or args.against is not None:
+        import plan_fuzz_time as fuzz
+        if args.random_small:
+            report["random_small"] = fuzz.small_section(args.random_small, 64, limit_s)
+            print("\n".join(fuzz.small_lines(report["random_small"])))
+        if args.against is not None:
+            report["against"] = fuzz.against_section(args.against, 300, 3, limit_s)
+            print("\n".join(fuzz.against_lines(report["against"])))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")
