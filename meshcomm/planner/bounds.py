@@ -407,14 +407,16 @@ def row_ids(mask: torch.Tensor) -> torch.Tensor:
     rows' lexicographic order: the rows' bits packed into 63-bit words, each word numbered
     by `torch.unique`, and the numbers of the words so far combined with the next word's
     (one 1-D `unique` a word: `unique(dim=0)` is many times slower)."""
-    rows, cols = mask.shape
+    cols = mask.shape[1]
     words = -(-cols // 63)
-    padded = torch.zeros(rows, words * 63, dtype=torch.long)
-    padded[:, :cols] = mask
-    packed = (padded.reshape(rows, words, 63) << torch.arange(63)).sum(-1)
-    _, ids = torch.unique(packed[:, 0], return_inverse=True)
+
+    def packed(k: int) -> torch.Tensor:     # word k of every row (no padding: a tall mask)
+        part = mask[:, 63 * k:63 * (k + 1)]
+        return (part.long() << torch.arange(part.shape[1])).sum(-1)
+
+    _, ids = torch.unique(packed(0), return_inverse=True)
     for k in range(1, words):
-        kinds, word = torch.unique(packed[:, k], return_inverse=True)
+        kinds, word = torch.unique(packed(k), return_inverse=True)
         _, ids = torch.unique(ids * kinds.numel() + word, return_inverse=True)
     out: torch.Tensor = ids
     return out
