@@ -5,7 +5,9 @@ Run: `python benchmarks/reshard_vs_dtensor.py [--quick] [--json PATH] [--no-eigh
 Every case runs both ways in the same processes (4 ranks, then 8 unless --no-eight or
 --quick): a warm-up, then N iterations, each side after its own barrier; an iteration
 takes as long as its slowest rank, and a case reports the median over iterations and the
-ratio meshcomm / DTensor (under 1: meshcomm is faster). Both results are checked against
+ratio meshcomm / DTensor (under 1: meshcomm is faster); a tensor under 4 KiB is timed as 20
+calls back to back per iteration (its call is shorter than the ranks' spread leaving a
+barrier). Both results are checked against
 `mc.sim.scatter` of the global tensor. Layouts become DTensor placements with the mapper
 of `plan_vs_dtensor.py`, and DTensor's all_to_all runs as on GPUs (its gloo fallback is an
 all_gather; see that script), so both sides move what they would move with NCCL.
@@ -77,6 +79,8 @@ def suite(scale: int) -> list[Case]:
 
 
 QUICK_IDS = ("r01", "r02", "r03")
+TINY_BYTES = 2**12      # a global tensor under this many bytes is a tiny case ...
+TINY_CALLS = 20         # ... timed as this many calls back to back per iteration
 
 
 # -- helpers that run in every rank ---------------------------------------------------------
@@ -127,11 +131,22 @@ def _case_rank(case: Case, k: int, bound: Any, dmesh: Any, reps: int) -> dict[st
     ok = torch.equal(ours(), want) and torch.equal(theirs(), want)
     for _ in range(3):
         ours(), theirs()
+    # A tiny tensor's call takes less time than the ranks take to leave a barrier together
+    # (milliseconds, with more processes than cores): such a case times TINY_CALLS calls
+    # back to back per iteration, as a model step makes them, and reports the time per call.
+    calls = TINY_CALLS if math.prod(case.shape) * x.element_size() < TINY_BYTES else 1
+
+    def many(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                fn()
+        return run
+
     t_ours, t_theirs = [], []
     for _ in range(reps):   # interleaved, so drifts in machine load hit both sides alike
-        t_ours += _timed(ours, 1, dist.barrier)
-        t_theirs += _timed(theirs, 1, dist.barrier)
-    return {"ok": bool(ok), "meshcomm_s": t_ours, "dtensor_s": t_theirs}
+        t_ours += [t / calls for t in _timed(many(ours), 1, dist.barrier)]
+        t_theirs += [t / calls for t in _timed(many(theirs), 1, dist.barrier)]
+    return {"ok": bool(ok), "meshcomm_s": t_ours, "dtensor_s": t_theirs, "calls": calls}
 
 
 def _overhead_rank(bound: Any, reps: int) -> dict[str, float]:
@@ -280,6 +295,7 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
             p = mc.plan(mc.Mesh(case.mesh), case.shape, case.src, case.dst)
             ours, theirs = (_slowest([r[k] for r in res]) for k in ("meshcomm_s", "dtensor_s"))
             rows.append({**asdict(case), "world": world, "ok": all(r["ok"] for r in res),
+                         "calls_per_iteration": res[0]["calls"],
                          "meshcomm_steps": [s.kind for s in p.collectives],
                          "meshcomm_s": ours, "dtensor_s": theirs, "ratio": ours / theirs})
         if first:
@@ -301,7 +317,9 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
                "worst_case": max(rows, key=lambda r: r["ratio"])["id"],
                "cases_over_1.1": [r["id"] for r in rows if r["ratio"] > 1.1]}
     meta = {"torch": torch.__version__, "backend": "gloo", "reps": reps,
-            "timing": "per iteration the slowest rank, median over iterations",
+            "timing": "per iteration the slowest rank, median over iterations; a tensor"
+                      f" under {TINY_BYTES} B: {TINY_CALLS} calls back to back per"
+                      " iteration, time per call",
             "dtensor_all_to_all": "as on GPUs (plan_vs_dtensor._all_to_all_as_on_gpu)"}
     return {"meta": meta, "cases": rows, "summary": summary, **extras}
 
