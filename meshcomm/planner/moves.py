@@ -20,9 +20,10 @@ algorithm each collective is modelled with:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,18 @@ class Move:
     recv: tuple[int, ...] = ()
     rounds: int = 1                # all_to_alls of a tree step (`trees.tree_move`)
     merge_rounds: int = 0          # of those, the ones that combine partials
+    # `pre` and `post` not built yet: a generator defers them, as most moves are only priced
+    # (`with_rearranges` builds them for the moves a plan keeps).
+    rearranges: Callable[[], tuple[Rearrange | None, Rearrange | None]] | None = (
+        dataclasses.field(default=None, compare=False, repr=False))
+
+
+def with_rearranges(move: Move) -> Move:
+    """`move` with its local rearranges (`pre`, `post`) built."""
+    if move.rearranges is None:
+        return move
+    pre, post = move.rearranges()
+    return dataclasses.replace(move, pre=pre, post=post, rearranges=None)
 
 
 # -- rearranges ---------------------------------------------------------------------
@@ -143,6 +156,21 @@ def _rearrange(before: State, after: State, lead_in: tuple[Shard, ...],
     perm = tuple(flat_in.index(p) for p in flat_out)
     r = Rearrange(tuple(split), perm, tuple(merge))
     return None if r.is_identity else r
+
+
+RearrangeArgs = tuple[State, State, tuple[Shard, ...], tuple[Shard, ...], dict[AxisName, int]]
+
+
+def _later(pre: RearrangeArgs | None = None, post: RearrangeArgs | None = None
+           ) -> Callable[[], tuple[Rearrange | None, Rearrange | None]]:
+    """The `rearranges` of a move: `_rearrange` of `pre`'s and `post`'s arguments, when called."""
+    return functools.partial(_build, pre, post)
+
+
+def _build(pre: RearrangeArgs | None, post: RearrangeArgs | None
+           ) -> tuple[Rearrange | None, Rearrange | None]:
+    return (None if pre is None else _rearrange(*pre),
+            None if post is None else _rearrange(*post))
 
 
 # -- helpers -------------------------------------------------------------------------
@@ -215,9 +243,9 @@ def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
         shards.append(_shard_of(after.dims[d], axis))
         dims[axis] = d
         after = _set_dim(after, d, _without(after.dims[d], axis, mesh))
-    post = _rearrange(state, after, tuple(shards), (), dims)
     send, recv = gather_traffic(mesh, group, sizes)
-    return Move("all_gather", group, after, post=post, send=send, recv=recv)
+    return Move("all_gather", group, after, send=send, recv=recv,
+                rearranges=_later(post=(state, after, tuple(shards), (), dims)))
 
 
 def _even_target(dst: State, axis: AxisName) -> tuple[int, Shard] | None:
@@ -252,8 +280,8 @@ def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             d, shard = target
             after = _set_dim(state, d, even_dim(state.dims[d].size,
                                                 state.dims[d].shards + (shard,)))
-            pre = _rearrange(state, after, (), (shard,), {axis: d})
-            yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
+            yield Move("local", (axis,), after, action="slice", send=zeros, recv=zeros,
+                       rearranges=_later(pre=(state, after, (), (shard,), {axis: d})))
             if _fits(after_all.dims[d], shard):
                 after_all = _set_dim(after_all, d, even_dim(
                     after_all.dims[d].size, after_all.dims[d].shards + (shard,)))
@@ -265,9 +293,10 @@ def slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             yield Move("local", (axis,), after, action="slice", dim=chunk_d, send=zeros, recv=zeros)
     if len(together) > 1:
         axes = tuple(a for a, _, _ in together)
-        pre = _rearrange(state, after_all, (), tuple(s for _, _, s in together),
-                         {a: d for a, d, _ in together})
-        yield Move("local", axes, after_all, action="slice", pre=pre, send=zeros, recv=zeros)
+        pre = (state, after_all, (), tuple(s for _, _, s in together),
+               {a: d for a, d, _ in together})
+        yield Move("local", axes, after_all, action="slice", send=zeros, recv=zeros,
+                   rearranges=_later(pre=pre))
 
 
 def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
@@ -299,8 +328,8 @@ def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             continue
         d, shard = place
         after = _set_dim(state, d, even_dim(state.dims[d].size, state.dims[d].shards + (shard,)))
-        pre = _rearrange(state, after, (), (shard,), {axis: d})
-        yield Move("local", (axis,), after, action="slice", pre=pre, send=zeros, recv=zeros)
+        yield Move("local", (axis,), after, action="slice", send=zeros, recv=zeros,
+                   rearranges=_later(pre=(state, after, (), (shard,), {axis: d})))
 
 
 def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
@@ -322,10 +351,11 @@ def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
                                                    removed.dims[d2].shards + (shard2,)))
             if not is_chain(after.dims[d2].bounds()):
                 continue
-            pre = _rearrange(state, mid, (), ((shard2[0], shard2[1], tag),), {tag: d2})
-            post = _rearrange(mid, after, ((lo, hi, axis),), (), {axis: d1})
+            pre = (state, mid, (), ((shard2[0], shard2[1], tag),), {tag: d2})
+            post = (mid, after, ((lo, hi, axis),), (), {axis: d1})
             traffic = all_to_all_traffic(mesh, (axis,), sizes)
-            yield Move("all_to_all", (axis,), after, pre=pre, post=post, send=traffic, recv=traffic)
+            yield Move("all_to_all", (axis,), after, send=traffic, recv=traffic,
+                       rearranges=_later(pre, post))
 
 
 def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
@@ -403,9 +433,9 @@ def _reduce_scatters(state: State, dst: State, mesh: Mesh, group: tuple[AxisName
         after = _set_dim(after, d, even_dim(after.dims[d].size, after.dims[d].shards + (shard,)))
         shards.append(shard)
         dims[axis] = d
-    pre = _rearrange(state, after, (), tuple(shards), dims)
     send, recv = scatter_traffic(mesh, group, sizes, local_numels(after, mesh))
-    yield Move("reduce_scatter", group, after, op=state.op, pre=pre, send=send, recv=recv)
+    yield Move("reduce_scatter", group, after, op=state.op, send=send, recv=recv,
+               rearranges=_later(pre=(state, after, (), tuple(shards), dims)))
 
 
 def _reduce_where_it_fits(state: State, dst: State, mesh: Mesh, axis: AxisName,
@@ -430,9 +460,9 @@ def _reduce_where_it_fits(state: State, dst: State, mesh: Mesh, axis: AxisName,
             continue
         after = _set_dim(State(state.dims, left, op), d,
                          even_dim(dim.size, dim.shards + (shard,)))
-        pre = _rearrange(state, after, (), (shard,), {axis: d})
         send, recv = scatter_traffic(mesh, (axis,), sizes, local_numels(after, mesh))
-        yield Move("reduce_scatter", (axis,), after, op=state.op, pre=pre, send=send, recv=recv)
+        yield Move("reduce_scatter", (axis,), after, op=state.op, send=send, recv=recv,
+                   rearranges=_later(pre=(state, after, (), (shard,), {axis: d})))
 
 
 def partial_marks(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:

@@ -24,7 +24,7 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from . import bounds
 from .direct import direct_move
-from .moves import Move, expand
+from .moves import Move, expand, with_rearranges
 from .rank_transfers import blocks_of, resolved_axes
 from .states import State, from_layout, local_numels_tensor, to_layout
 from .transfers import reindex_move, send_recv_move, send_recv_targets
@@ -44,7 +44,7 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     state, layout = start, src
     src_held = local_numels_tensor(start, mesh).reshape(-1) * itemsize
     src_sizes = tuple(src_held.tolist())
-    for i, move in enumerate(moves):
+    for i, move in enumerate(map(with_rearranges, moves)):   # rearranges of kept moves only
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         steps.append(_step(move, state, layout, after, mesh, tuple(shape), itemsize, cost_model,
                            src_held if i else None))
