@@ -37,8 +37,9 @@ from ..sharded import distribute, reshard
 from .comms import Comm, format_comms
 
 # the training blocks plan steps of one collective call each (no tree steps): their plans run
-# every step, and a tree's rounds share no bucket
-ONE_CALL_PER_STEP = CostModel(trees=False)
+# every step, and a tree's rounds share no bucket. On bytes (no latency): their calls are
+# bucketed, so a latency is paid once per bucket, not once per tensor.
+ONE_CALL_PER_STEP = CostModel(trees=False, latency_s=0.0)
 
 
 @dataclass(frozen=True)

@@ -110,13 +110,16 @@ ROWS = [((8, 6), 0), ((10, 3), 0), ((3, 10), 1), ((3, 5), 0), ((2, 7), 0), ((1, 
         ((6,), 0), ((2, 3, 6), 1)]
 
 
+FSDP_LIKE = CostModel(trees=False, latency_s=0.0)
+
+
 def _rows_plans(src_of: Any, dst_of: Any) -> list[Any]:
     out = []
     for shape, d in ROWS:
         use = mc.Layout(" ".join(f"a{i}" for i in range(len(shape))))
         out.append(mc.plan(ROWS_MESH, shape, src_of(use, d), dst_of(use, d),
                            dtype=torch.float64,
-                           cost_model=CostModel(trees=False)))   # FSDP's plans (no trees)
+                           cost_model=FSDP_LIKE))   # as FSDP's plans: no trees, on bytes
     return out
 
 

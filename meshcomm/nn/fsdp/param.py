@@ -34,9 +34,11 @@ UNIT_ATTR = "_meshcomm_fsdp_unit"     # the attribute a fully_shard'ed module ho
 # FSDP2 pads, so does the unit: one collective per unit each way). HSDP adds the all_reduce
 # over the replicas (one call over all the replicate axes: one flattened group), which the
 # planner puts after the reduce_scatter except for tiny uneven parameters: those run their
-# own plan beside the unit's buffer.
-FSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter"))
-HSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter", "all_reduce"))
+# own plan beside the unit's buffer. Chosen on bytes (no latency): a unit's parameters share
+# one call per step, so a latency is paid once per unit, not once per parameter.
+FSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter"), latency_s=0.0)
+HSDP_PLANS = CostModel(trees=False, native=("all_gather", "reduce_scatter", "all_reduce"),
+                       latency_s=0.0)
 
 
 @dataclass(frozen=True)
