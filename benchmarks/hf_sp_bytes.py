@@ -35,6 +35,7 @@ from meshcomm.runtime.launch import run_ranks
 sys.path[:0] = [str(Path(__file__).parents[1] / "tests"),
                 str(Path(__file__).parents[1] / "tests" / "dist")]
 import test_hf_sp as sp  # noqa: E402  (the tiny configs and meshcomm's plan)
+from hf_tp_bytes import print_sides  # noqa: E402  (benchmarks/, beside this)
 
 MODELS = {"llama": {"num_key_value_heads": 4},
           "mistral": {"sliding_window": 4, "num_key_value_heads": 4}}
@@ -119,18 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = run_ranks(worker, args.world, timeout_s=args.timeout)[0]
     print(f"one sequence-parallel training step on tp={args.world}, rank 0 (bytes it sends)")
-    print(f"{'model':8} {'side':9} {'calls':>5} {'bytes':>9}  by kind (calls, bytes)"
-          f"{'':42} losses (one process)")
-    for kind in MODELS:
-        ref = " ".join(f"{v:.6f}" for v in one_process(kind))
-        for side in ("meshcomm", "torch"):
-            r = results[f"{kind} {side}"]
-            comm = r["comm"]
-            kinds = ", ".join(f"{k} {v['calls']} {v['sent']}"
-                              for k, v in sorted(comm["by_kind"].items()))
-            losses = " ".join(f"{v:.6f}" for v in r["losses"])
-            print(f"{kind:8} {side:9} {comm['calls']:5d} {comm['sent']:9d}  {kinds:62}"
-                  f" {losses} ({ref})")
+    print_sides(results, {kind: list(one_process(kind)) for kind in MODELS}, width=62)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -110,21 +110,27 @@ def main(argv: list[str] | None = None) -> int:
     world = mc.Mesh(args.mesh).size
     results = run_ranks(worker, world, args.mesh, timeout_s=args.timeout)[0]
     print(f"one training step on {args.mesh}, rank 0 (bytes this rank sends)")
-    print(f"{'model':8} {'side':9} {'calls':>5} {'bytes':>9}  by kind (calls, bytes)"
-          "                          losses (one process)")
-    for kind in MODELS:
-        ref = table.one_process(kind)["losses"][:2].tolist()
+    print_sides(results, {kind: table.one_process(kind)["losses"][:2].tolist()
+                          for kind in MODELS}, width=42)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def print_sides(results: dict[str, Any], refs: dict[str, list[float]], width: int) -> None:
+    """Per model (`refs`: its losses in one process), meshcomm's and torch's row: calls,
+    bytes, by kind, and losses beside one process's."""
+    print(f"{'model':8} {'side':9} {'calls':>5} {'bytes':>9}  {'by kind (calls, bytes)':{width}}"
+          " losses (one process)")
+    for kind, ref in refs.items():
         for side in ("meshcomm", "torch"):
             r = results[f"{kind} {side}"]
             comm = r["comm"]
             kinds = ", ".join(f"{k} {v['calls']} {v['sent']}"
                               for k, v in sorted(comm["by_kind"].items()))
             losses = " ".join(f"{v:.6f}" for v in r["losses"])
-            print(f"{kind:8} {side:9} {comm['calls']:5d} {comm['sent']:9d}  {kinds:42}"
+            print(f"{kind:8} {side:9} {comm['calls']:5d} {comm['sent']:9d}  {kinds:{width}}"
                   f" {losses} ({' '.join(f'{v:.6f}' for v in ref)})")
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def tokens() -> torch.Tensor:
     return x
 
 
-def train(model: Any, x: torch.Tensor, checkpointing: bool) -> list[torch.Tensor]:
+def train(model: Any, x: torch.Tensor, checkpointing: bool = False) -> list[torch.Tensor]:
     model.train()
     if checkpointing:      # transformers 5.x renamed gradient_checkpointing_enable
         getattr(model, "activation_checkpointing_enable",

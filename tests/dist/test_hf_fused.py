@@ -22,8 +22,10 @@ import meshcomm as mc
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed"
                                    " (pip install -e '.[test]' installs it)")
+# the one-process training loop (3 SGD steps) and the parameter gather of the other HF tests
+from test_hf import full, train  # noqa: E402
 
-BATCH, SEQ, STEPS, VOCAB = 4, 8, 3, 64
+BATCH, SEQ, VOCAB = 4, 8, 64          # 3 steps: test_hf.train
 PHI3_PLAN = {"model.embed_tokens": "embedding",
              "model.layers.*.self_attn.qkv_proj": "colwise_fused",
              "model.layers.*.self_attn.o_proj": "rowwise",
@@ -69,25 +71,6 @@ def build(kind: str) -> Any:
 
 def tokens() -> torch.Tensor:
     return torch.randint(1, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-
-
-def train(model: Any, x: torch.Tensor, checkpointing: bool = False) -> list[torch.Tensor]:
-    model.train()
-    if checkpointing:     # the fused owner's local sizes hold in the recomputed forward too
-        model.activation_checkpointing_enable()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return losses
-
-
-def full(p: Any) -> torch.Tensor:
-    return p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
 
 
 class Conv1D(nn.Module):
