@@ -72,7 +72,7 @@ def _pairs(value: float | Mapping[str, float] | tuple[tuple[str, float], ...]
 # 100 GB/s, below NVLink's and about an NDR InfiniBand link's (50 GB/s each way).
 BACKEND_FIGURES: dict[str, tuple[float, float]] = {
     "nccl": (10e-6, 100e9),
-    "gloo": (1.2e-3, 0.44e9),
+    "gloo": (1.0e-3, 1.0e9),
 }
 # The collectives a `CostModel(wires=...)` may time apart: every step's wire and "p2p", a
 # batch of point-to-point messages every member of a group posts together (a ring's shift).
