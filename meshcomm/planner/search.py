@@ -10,7 +10,6 @@ the moves, so tests can compare the search's choice with the paths it considers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -87,6 +86,7 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
           held: torch.Tensor | None) -> Step:
+    assert move.rearranges is None, "a plan's move runs with its rearranges built (with_rearranges)"
     live = _live(move, state, mesh).reshape(-1)
     live = live * itemsize + (held if held is not None else 0)
     peak = tuple(live.tolist())
@@ -302,20 +302,8 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
     moves.append(reindex_move(state, goal, mesh))
     moves.append(direct_move(state, goal, mesh))
     if trees:
-        moves.append(_with_least_rounds(tree_estimate(state, goal, mesh), state, goal, mesh))
+        moves.append(tree_estimate(state, goal, mesh))     # its rounds: trees.least_rounds
     yield from (m for m in moves if m is not None)
-
-
-def _with_least_rounds(move: Move | None, state: State, goal: State, mesh: Mesh
-                       ) -> Move | None:
-    """An estimated tree step with the fewest rounds any tree takes: a position receives one
-    value a round, so the partials combined at one rank at most double each round, and g
-    partials take ceil(log2 g) rounds at least. With a latency the estimate is then the
-    tree's least time, and trees that cannot pay for their rounds are never drawn."""
-    if move is None:
-        return None
-    g = mesh.group_size(resolved_axes(state, goal) or ())
-    return dataclasses.replace(move, rounds=max(1, (g - 1).bit_length()))
 
 
 def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, itemsize: int,
