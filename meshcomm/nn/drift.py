@@ -38,6 +38,7 @@ from ..core.mesh import AxisName
 from ..interop.runtime import device_mesh_of, is_dtensor, local_of, placements_of
 from ..runtime.bind import BoundMesh
 from ..runtime.checks import Disagreement, compare_values
+from .params import ShardedModule
 
 WATCH_ATTR = "_meshcomm_drift"   # the attribute a watched module holds its Watch in
 COMPARED = 3       # digest columns compared: has a gradient, sum of its bits, weighted sum
@@ -72,11 +73,15 @@ def digest(grad: Tensor | None) -> Tensor:
 def replicated(module: nn.Module, bound: BoundMesh, axis: AxisName
                ) -> list[tuple[str, nn.Parameter]]:
     """(name, parameter) of every parameter of `module` that trains and is replicated over
-    `axis`: a plain tensor, or a DTensor on `bound`'s mesh with `Replicate` on `axis` (a
-    fully_shard'ed one is sharded over its own axis only)."""
+    `axis`: a plain tensor (but not a `ShardedModule`'s parameter whose stored layout splits
+    it over `axis`: its local shard), or a DTensor on `bound`'s mesh with `Replicate` on
+    `axis` (a fully_shard'ed one is sharded over its own axis only)."""
+    split = {id(getattr(m, attr)) for m in module.modules() if isinstance(m, ShardedModule)
+             for attr, spec in m.specs.items()
+             if axis in spec.stored.sharded_axes(spec.mesh) and hasattr(m, attr)}
     out = []
     for name, p in module.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad or id(p) in split:     # a ShardedModule's shard over `axis`
             continue
         if is_dtensor(p):
             names = device_mesh_of(p).mesh_dim_names or ()

@@ -54,6 +54,19 @@ def test_equal_values_digest_alike_and_any_change_shows() -> None:
     assert total == pytest.approx(float(x.double().sum()))
 
 
+def test_a_sharded_modules_shards_are_not_compared_as_copies() -> None:
+    """A ShardedModule (ColumnParallelLinear) registers its local shard as a plain parameter:
+    split over tp, it differs by design and is not watched over tp; a norm beside it is."""
+    from meshcomm.nn.drift import replicated
+
+    bound = mc.nn.planning_mesh("fsdp=2 tp=2")
+    model = nn.Sequential(nn.LayerNorm(16),
+                          mc.nn.ColumnParallelLinear(bound, "fsdp_tp", torch.zeros(16, 32)))
+    watched = [name for name, _ in replicated(model, bound, "tp")]
+    assert watched == ["0.weight", "0.bias"]
+    assert [name for name, _ in replicated(model, bound, "fsdp")] == ["0.weight", "0.bias"]
+
+
 def test_the_message_names_the_first_parameter_a_few_others_and_the_fix() -> None:
     bound = mc.BoundMesh(mc.Mesh("dp=2 tp=2"), "gloo", torch.device("cpu"), 3, {}, True)
     watch = Watch(nn.Linear(1, 1), bound, "tp", ["replicated_grad_sum", "sp_params"])
