@@ -132,7 +132,21 @@ def _masks(root: nn.Module, dtype: torch.dtype, batch: int, seq: int, mask: Tens
     argument's batch and length: a stand-in with no elements gives the whole sequence's)."""
     from transformers.masking_utils import create_masks_for_generate
     whole = torch.empty((batch, seq, 0), dtype=dtype, device=positions.device)
-    return create_masks_for_generate(getattr(root, "config"), whole, mask, cache, positions)
+    return create_masks_for_generate(config=getattr(root, "config"), inputs_embeds=whole,
+                                     attention_mask=mask, cache=cache, position_ids=positions)
+
+
+MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", "cache", "position_ids")
+
+
+def _mask_builder_fits() -> bool:
+    """Whether the installed transformers builds masks as `_masks` calls it (5.x)."""
+    try:
+        from transformers.masking_utils import create_masks_for_generate
+    except ImportError:
+        return False
+    names = tuple(inspect.signature(create_masks_for_generate).parameters)
+    return names[:len(MASK_PARAMS)] == MASK_PARAMS
 
 
 def sequence_hooks(module: nn.Module, targets: Mapping[str, str], axis: str
@@ -192,6 +206,13 @@ def _check_model(root_name: str, root: nn.Module, emb: str, params: tuple[str, .
                  axis: str) -> None:
     what = (f"parallelize: {emb} ({SEQUENCE_EMBEDDING}) splits the sequence over {axis!r}"
             f" inside {root_name or 'the model'} ({type(root).__name__})")
+    if not _mask_builder_fits():
+        import transformers
+        raise StyleError(
+            f"{what}, but transformers {transformers.__version__} has no"
+            f" masking_utils.create_masks_for_generate({', '.join(MASK_PARAMS)}), which"
+            " meshcomm builds the whole sequence's masks with. fix: install transformers 5"
+            " (pip install -U transformers), or use 'embedding' and the styles without _sp")
     missing = [p for p in ("position_ids", "attention_mask") if p not in params]
     if missing:
         raise StyleError(
