@@ -204,6 +204,21 @@ def test_a_rowwise_split_input_after_an_unfused_gather_is_refused() -> None:
         mc.nn.tp_plan_of(Declared())
 
 
+def test_a_gathered_fused_projection_with_no_split_input_after_it_is_refused() -> None:
+    """colwise_fused leaves the output split for the owner's rowwise_split_input; a plan that
+    gathers a fused projection and has no such layer after it would hand on a share."""
+    config = transformers.Phi3Config(pad_token_id=0, bos_token_id=1, eos_token_id=1, **COMMON)
+    config.base_model_tp_plan = {k: v for k, v in config.base_model_tp_plan.items()
+                                 if not k.endswith("down_proj")}
+    phi3 = transformers.Phi3ForCausalLM(config)
+    with pytest.raises(StyleError, match=re.escape(
+            "parallelize: the model's plan gives the fused projection"
+            " 'model.layers.*.mlp.gate_up_proj' (colwise_gather_output) a gathered output, and"
+            " meshcomm's colwise_fused leaves it split for a rowwise_split_input layer of"
+            " model.layers.0.mlp, which the plan does not have; nothing was split.")):
+        mc.nn.tp_plan_of(phi3)
+
+
 def test_a_model_with_no_plan_is_refused() -> None:
     with pytest.raises(StyleError, match=re.escape(
             "parallelize: Linear declares no tensor-parallel plan")):

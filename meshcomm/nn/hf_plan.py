@@ -195,6 +195,7 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
     modules = dict(model.named_modules())
     out: dict[str, str] = {}
     fused_owners: set[str] = set()
+    gathered: dict[str, tuple[str, str]] = {}     # owner -> (pattern, style) of a gathered fused
     for pattern, hf_style in declared.items():
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if hf_style in _MISSING or (hf_style not in _SAME and hf_style not in _SPLIT_INPUT):
@@ -205,16 +206,28 @@ def tp_plan_of(model: nn.Module) -> dict[str, str]:
         if fused and hf_style in ("colwise", "colwise_gather_output", "colwise_rep"):
             out[pattern] = FUSED
             fused_owners.update(n.rpartition(".")[0] for n in fused)
+            if hf_style != "colwise":
+                gathered.update({n.rpartition(".")[0]: (pattern, hf_style) for n in fused})
         elif hf_style in _SAME:
             out[pattern] = _SAME[hf_style]
         else:
             out[pattern] = hf_style          # resolved below, once every fused owner is known
+    consumed: set[str] = set()
     for pattern, style in out.items():
         if style in _SPLIT_INPUT:
             names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
             if not names or any(n.rpartition(".")[0] not in fused_owners for n in names):
                 _refuse(pattern, style, names)
+            consumed.update(n.rpartition(".")[0] for n in names)
             out[pattern] = "rowwise"
+    for owner, (pattern, hf_style) in gathered.items():
+        if owner not in consumed:      # colwise_fused leaves the output split: none takes it
+            raise StyleError(
+                f"parallelize: the model's plan gives the fused projection {pattern!r}"
+                f" ({hf_style}) a gathered output, and meshcomm's colwise_fused leaves it split"
+                f" for a rowwise_split_input layer of {owner}, which the plan does not have;"
+                " nothing was split. fix: pass a plan of your own (mc.nn.STYLES), or shard"
+                " this model with fully_shard")
     return out
 
 
