@@ -115,7 +115,7 @@ class BoundMesh(Groups):
     def group_ranks(self, axes: tuple[AxisName, ...] | AxisName) -> tuple[int, ...]:
         """Global ranks of this rank's group over `axes`, in group order."""
         key = (axes,) if isinstance(axes, str) else tuple(axes)
-        return next(g for g in self.mesh.groups(*key) if self.rank in g)
+        return _group_ranks(self.mesh, self.rank, key)
 
     @functools.cached_property
     def device_mesh(self) -> DeviceMesh:
@@ -144,6 +144,13 @@ GROUP_DESC = "meshcomm:"   # + the axes: the description of every group meshcomm
 def default_backend() -> str:
     """nccl when CUDA is available, else gloo."""
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@functools.lru_cache(maxsize=4096)
+def _group_ranks(mesh: Mesh, rank: int, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
+    """`BoundMesh.group_ranks`, found once per mesh, rank and axes (it scans the mesh's
+    groups: O(world), so not on every call, e.g. check mode's per-backward comparisons)."""
+    return next(g for g in mesh.groups(*axes) if rank in g)
 
 
 def _ensure_world(backend: str, timeout_s: float | None) -> None:
