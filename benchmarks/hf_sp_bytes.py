@@ -35,7 +35,7 @@ from meshcomm.runtime.launch import run_ranks
 sys.path[:0] = [str(Path(__file__).parents[1] / "tests"),
                 str(Path(__file__).parents[1] / "tests" / "dist")]
 import test_hf_sp as sp  # noqa: E402  (the tiny configs and meshcomm's plan)
-from hf_tp_bytes import print_sides  # noqa: E402  (benchmarks/, beside this)
+from hf_tp_bytes import print_sides, step  # noqa: E402  (benchmarks/, beside this)
 
 MODELS = {"llama": {"num_key_value_heads": 4},
           "mistral": {"sliding_window": 4, "num_key_value_heads": 4}}
@@ -71,14 +71,6 @@ def torch_plan() -> dict[str, Any]:
                                                   use_local_output=False),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
-
-
-def step(model: Any, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
-    loss = model(input_ids=x, labels=x).loss
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
 
 
 def run(model: Any) -> dict[str, Any]:
