@@ -78,16 +78,34 @@ def test_the_hook_fills_global_positions_and_masks() -> None:
 
 
 def test_a_model_where_it_cannot_work_is_refused() -> None:
+    llama = build("llama eager")
+    llama.model.extra = torch.nn.Embedding(SEQ, 32)     # e.g. learned positions, added
+    msg = ("parallelize: model.embed_tokens (embedding_sp) splits the sequence over 'tp' inside"
+           " model (LlamaModel), but model.extra (an nn.Embedding beside it, e.g. positions or"
+           " token types) would look up the whole sequence and the model adds the two. fix:"
+           " give model.extra 'embedding_sp' too")
+    with pytest.raises(StyleError, match=re.escape(msg)):
+        hooked(llama)
+    assert hooked(llama, {"model.embed_tokens": "embedding_sp", "model.extra": "embedding_sp"})
+
+
+@pytest.mark.parametrize("plan", [{"transformer.wte": "embedding_sp"},
+                                  {"transformer.wte": "embedding_sp",
+                                   "transformer.wpe": "embedding_sp"}])
+def test_gpt2_is_refused_before_any_communication(plan: dict[str, str]) -> None:
+    """GPT2Model views its last hidden state by the whole sequence after ln_f, folding the
+    rows' shares together: refused when the plan is read, not after a forward's
+    collectives."""
     torch.manual_seed(0)
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4))
     msg = ("parallelize: transformer.wte (embedding_sp) splits the sequence over 'tp' inside"
-           " transformer (GPT2Model), but transformer.wpe (an nn.Embedding beside it, e.g."
-           " positions or token types) would look up the whole sequence and the model adds"
-           " the two. fix: give transformer.wpe 'embedding_sp' too")
+           " transformer (GPT2Model), whose forward views its last hidden state by the whole"
+           " sequence's length after its final norm (GPT2Model: .view(-1, whole sequence,"
+           " hidden)), which would fold this rank's share of several rows into one; nothing"
+           " was split. fix: use 'embedding' and the styles without _sp for this model")
     with pytest.raises(StyleError, match=re.escape(msg)):
-        hooked(gpt2, {"transformer.wte": "embedding_sp"})
-    assert hooked(gpt2, {"transformer.wte": "embedding_sp", "transformer.wpe": "embedding_sp"})
+        hooked(gpt2, plan)
 
 
 def test_a_call_where_it_cannot_work_raises_before_the_model_runs() -> None:

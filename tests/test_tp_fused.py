@@ -248,6 +248,11 @@ REFUSALS: dict[str, tuple[str, Any]] = {
                                           "model.layers.*.mlp.up_proj": "colwise"}),
     "colwise_sp outside sp_input": ("llama", {"model.layers.*.mlp.up_proj": "colwise_sp"}),
     "sp_input with nothing partial inside": ("llama", {"model.norm": "sp_input"}),
+    "gpt2 under sequence parallelism": ("gpt2", {
+        "transformer.wte": "embedding_sp", "transformer.wpe": "embedding_sp",
+        "transformer.h.*.attn": "sp_input", "transformer.h.*.attn.c_attn": "colwise_fused_sp",
+        "transformer.h.*.attn.c_proj": "rowwise_sp", "transformer.h.*.ln_[12]": "sp_params",
+        "transformer.ln_f": "sp_params", "lm_head": "colwise_gather_sp"}),
 }
 
 
@@ -317,6 +322,10 @@ def refused() -> dict[str, Any]:
     ("sp_input with nothing partial inside", "StyleError: parallelize: model.norm (sp_input)"
      " gathers the sequence and reduce_scatters its gradient, which only a partial gradient"
      " from a module inside it ('colwise_sp', 'colwise_fused_sp') makes right; it has none"),
+    ("gpt2 under sequence parallelism", "StyleError: parallelize: transformer.wte"
+     " (embedding_sp) splits the sequence over 'tp' inside transformer (GPT2Model), whose"
+     " forward views its last hidden state by the whole sequence's length after its final"
+     " norm"),
 ])
 def test_parallelize_refuses_before_anything_is_split(refused: dict[str, Any], name: str,
                                                       message: str) -> None:

@@ -23,7 +23,8 @@ The attention modules (`sp_input`) see the whole sequence, so whole-sequence pos
 masks are what they need. Nothing here communicates: the checks run before the embedding's
 reduce_scatter. A model that cannot work this way is refused when it is parallelized (a
 forward without `position_ids` or `attention_mask`, a layer type transformers has no mask
-for, another embedding added to the token embeddings but not split over the sequence), and
+for, another embedding added to the token embeddings but not split over the sequence, a
+base model that views its output by the whole sequence's length: `WHOLE_SEQUENCE_VIEW`), and
 a call that cannot (token embeddings passed in, positions or a padding mask of another
 length) raises before the model runs. Other models are left as they are.
 """
@@ -88,9 +89,11 @@ class SequencePositions:
                      out: Any) -> None:
         """The forward hook beside the pre-hook: the base model's last hidden state must
         still be this rank's share of the sequence, batch first. A model that reshapes it by
-        the whole sequence's length (GPT2Model views it as (-1, whole sequence, hidden)
-        after its final norm) would fold the shares of several rows into one, silently:
-        refused here, before a loss is computed from it."""
+        the whole sequence's length (as GPT2Model views it as (-1, whole sequence, hidden)
+        after its final norm) would fold the shares of several rows into one, silently. The
+        known ones (`WHOLE_SEQUENCE_VIEW`) are refused at `parallelize`, before any
+        communication; another is refused here, after its forward but before a loss is
+        computed from it (every rank alike, so none waits)."""
         ids = kwargs.get("input_ids")
         hidden = getattr(out, "last_hidden_state", None)
         if hidden is None and isinstance(out, (tuple, list)) and out:
@@ -137,6 +140,11 @@ def _masks(root: nn.Module, dtype: torch.dtype, batch: int, seq: int, mask: Tens
 
 
 MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", "cache", "position_ids")
+# base models (transformers 5) that view their last hidden state as (-1, whole sequence,
+# hidden) after the final norm: a split sequence would be folded across rows
+WHOLE_SEQUENCE_VIEW = frozenset({
+    "GPT2Model", "DecisionTransformerGPT2Model", "GPTNeoModel", "GPTBigCodeModel",
+    "ImageGPTModel", "OpenAIGPTModel", "BarkCausalModel", "BarkFineModel", "ClvpDecoder"})
 
 
 def _mask_builder_fits() -> bool:
@@ -213,6 +221,15 @@ def _check_model(root_name: str, root: nn.Module, emb: str, params: tuple[str, .
             f" masking_utils.create_masks_for_generate({', '.join(MASK_PARAMS)}), which"
             " meshcomm builds the whole sequence's masks with. fix: install transformers 5"
             " (pip install -U transformers), or use 'embedding' and the styles without _sp")
+    folds = next((c.__name__ for c in type(root).__mro__ if c.__name__ in WHOLE_SEQUENCE_VIEW),
+                 None)
+    if folds is not None:
+        raise StyleError(
+            f"{what}, whose forward views its last hidden state by the whole sequence's"
+            f" length after its final norm ({folds}: .view(-1, whole sequence, hidden)), which"
+            " would fold this rank's share of several rows into one; nothing was split. fix:"
+            " use 'embedding' and the styles without _sp for this model (tensor parallelism"
+            " without sequence parallelism)")
     missing = [p for p in ("position_ids", "attention_mask") if p not in params]
     if missing:
         raise StyleError(

@@ -9,8 +9,8 @@ model (meshcomm/nn/sequence.py) that gives it the whole sequence's positions and
 - Llama with a left-padded batch and its attention_mask, on dp=2 tp=2 under `fully_shard`;
 - the hook adds no collective: a step without position_ids makes the same calls as one
   given the global position_ids;
-- a model or a call where it cannot work raises a meshcomm error naming the fix (GPT-2's
-  position table left whole; token embeddings passed in; position_ids of one rank's share).
+- a model or a call where it cannot work raises a meshcomm error naming the fix (GPT-2, whose
+  base model views its output by the whole sequence; token embeddings passed in; position_ids of one rank's share).
 """
 
 from __future__ import annotations
@@ -109,9 +109,10 @@ def errors(bound: mc.BoundMesh) -> dict[str, str]:
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=4))
     try:
         mc.nn.parallelize(gpt2, bound, {"transformer.wte": "embedding_sp",
+                                       "transformer.wpe": "embedding_sp",
                                        "lm_head": "colwise_gather_sp"}, axis="tp")
     except StyleError as e:
-        out["gpt2 wpe whole"] = str(e)
+        out["gpt2"] = str(e)
     llama = build("llama", {})
     mc.nn.parallelize(llama, bound, SP, axis="tp")
     x = batch(False)[0]
@@ -194,8 +195,8 @@ def test_the_positions_hook_adds_no_collective(four: list[dict[str, Any]]) -> No
 def test_a_model_or_call_where_it_cannot_work_raises_a_meshcomm_error(
         four: list[dict[str, Any]]) -> None:
     got = four[0]["errors"]
-    assert re.search(r"transformer\.wpe \(an nn\.Embedding.*fix: give transformer\.wpe"
-                     r" 'embedding_sp' too", got["gpt2 wpe whole"])
+    assert re.search(r"inside transformer \(GPT2Model\), whose forward views its last hidden"
+                     r" state by the whole sequence's length.*nothing was split", got["gpt2"])
     assert "called without input_ids" in got["inputs_embeds"]
     assert "fix: pass input_ids" in got["inputs_embeds"]
     assert re.search(r"position_ids of shape \(1, 4\), whose last dim is not 16.*fix: pass"

@@ -131,7 +131,7 @@ PHI3_SP = {**{k: v for k, v in LLAMA_SP.items() if "proj" not in k},
 # try, and each is refused (test_gpt2_under_sequence_parallelism_is_refused): ln_f as
 # sp_input (gathering before the view) has nothing inside that leaves its gradient partial,
 # so its reduce_scatter would sum a whole gradient again; ln_f as sp_params reaches the view,
-# which the base model's hook sees in the hidden state's shape before any loss.
+# and GPT2Model is refused for it when the plan is read (sequence.WHOLE_SEQUENCE_VIEW).
 _H = "transformer.h.*."
 GPT2_SP_BLOCKS = {"transformer.wte": "embedding_sp", "transformer.wpe": "embedding_sp",
                   _H + "ln_[12]": "sp_params", _H + "attn": "sp_input",
@@ -247,15 +247,17 @@ def test_each_row_trains_as_in_one_process(four: list[dict[str, Any]], name: str
 
 
 def test_gpt2_under_sequence_parallelism_is_refused(four: list[dict[str, Any]]) -> None:
-    """Neither way of splitting GPT-2's sequence trains silently wrong: gathering after ln_f
-    is refused when the plan is read, and gathering at lm_head when the base model returns
-    the hidden state its view folded (before any loss)."""
+    """Neither way of splitting GPT-2's sequence trains silently wrong, and both are refused
+    when the plan is read, before any communication: gathering after ln_f for its sp_input,
+    gathering at lm_head for GPT2Model's view of its output by the whole sequence."""
     for result in four:
         after, at = result["gpt2 sp, gathered after ln_f"], result["gpt2 sp, gathered at lm_head"]
         assert after.startswith("StyleError: parallelize: transformer.ln_f (sp_input) gathers"
                                 " the sequence"), after
-        assert at.startswith("ShapeError: parallelize: transformer (GPT2Model) returned a"
-                             " hidden state of shape (1, 12, 64) for 4 rows of 12 tokens"), at
+        assert at.startswith("StyleError: parallelize: transformer.wte (embedding_sp) splits"
+                             " the sequence over 'tp' inside transformer (GPT2Model), whose"
+                             " forward views its last hidden state by the whole sequence's"
+                             " length"), at
 
 
 def test_mixtrals_own_plan_is_refused_before_anything_is_split(
