@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import meshcomm as mc
 from meshcomm.planner.crossmesh import _contributors_only
+from meshcomm.executors.landing import partials
 from meshcomm.executors.sim import execute, gather, scatter
 
 A = mc.Mesh("dp=2 tp=2")                              # ranks 0-3
@@ -29,8 +30,8 @@ def _outputs(plan: mc.Plan, res: mc.sim.SimResult) -> list[torch.Tensor]:
     return [res.outputs[plan.ranks.index(r)] for r in plan.dst_mesh.ranks]
 
 
-def _run(src_mesh, dst_mesh, shape, src, dst) -> mc.Plan:
-    p = mc.plan(src_mesh, shape, src, dst, dst_mesh=dst_mesh)
+def _run(src_mesh, dst_mesh, shape, src, dst, cost_model=None) -> mc.Plan:
+    p = mc.plan(src_mesh, shape, src, dst, dst_mesh=dst_mesh, cost_model=cost_model)
     x = torch.randn(shape)
     res = execute(p, scatter(x, src_mesh, src))
     assert res.send_bytes == p.send_bytes and res.recv_bytes == p.recv_bytes
@@ -71,13 +72,27 @@ def test_replicated_sources_share_the_sending():
     assert max(sends) == min(sends) == 16 * 4 * 4 // 4   # one block each: perfectly balanced
 
 
-def test_partial_source_is_reduced_on_the_source_mesh_first():
+def test_a_replicated_destination_of_a_partial_source_is_reduced_on_the_source_mesh_first():
+    # every destination rank needs the whole sum: its two partials straight from the
+    # holders would be 1 KiB each, reducing first and then sending the sum is 512 B (on
+    # bytes alone: with NCCL's default latency, worth 1 MB, the one step would win)
+    b = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
+    p = _run(A, b, (8, 16), "b s | sum(tp)", "b s", mc.CostModel(latency_s=0.0))
+    kinds = [s.kind for s in p.collectives]
+    assert kinds[0] in ("reduce_scatter", "all_reduce") and kinds[-1] == "send_recv"
+    assert p.steps[0].mesh == A and p.steps[-1].dst_mesh == b
+    assert max(p.recv_bytes) == 8 * 16 * 4
+
+
+def test_a_sharded_destination_of_a_partial_source_takes_the_partials_directly():
+    # each destination rank takes its 2 rows from a holder of each of the 2 partials and
+    # adds them: one step of 256 B each way, where reduce_scatter + transfer is two steps
     b = mc.Mesh("tp=4", ranks=[4, 5, 6, 7])
     p = _run(A, b, (8, 16), "b s | sum(tp)", "(tp b) s")
-    kinds = [s.kind for s in p.collectives]
-    assert kinds == ["reduce_scatter", "send_recv"]
-    assert p.bound_ratio == 1.0
-    assert p.steps[0].mesh == A and p.steps[-1].dst_mesh == b
+    (step,) = p.steps
+    assert (step.kind, step.action, step.dst_mesh) == ("send_recv", "direct", b)
+    assert p.recv_bytes == (0,) * 4 + (2 * 2 * 16 * 4,) * 4
+    assert max(p.send_bytes) == 2 * 2 * 16 * 4
 
 
 def test_a_pending_sum_destination_is_sent_once_per_group():
@@ -166,8 +181,9 @@ def test_every_cross_plan_is_exact(case):
                 got[torch.meshgrid(*[torch.tensor(ix) for ix in t.dst_index], indexing="ij")] += 1
             elif t.dst == r:
                 got += 1
-        # ranks past the first of a pending sum/max/min group hold the identity: no data
-        want = 0 if r in idle else 1
+        # ranks past the first of a pending sum/max/min group hold the identity: no data;
+        # a direct delivery brings every element once from each partial
+        want = 0 if r in idle else partials(transfer)
         assert bool((got == want).all()), f"rank {r} gets some elements twice or never"
     if mc.Layout(src).reduce_op is None:
         assert p.recv_bytes == p.lower_bound_bytes

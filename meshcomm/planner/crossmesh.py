@@ -14,8 +14,12 @@ This module never communicates. A plan between meshes has up to three phases:
    sent twice); a pending avg is delivered to all and marked locally.
 
 Meshes may be disjoint, overlapping or nested. Byte tuples are per rank of
-both meshes, ascending (`Plan.ranks`). Partial sources are always reduced on
-the source mesh: a pending value cannot be split across meshes of other sizes.
+both meshes, ascending (`Plan.ranks`). A partial source has one more candidate:
+its partials delivered straight to their owners on the destination mesh, each
+destination rank taking the part of its block from one holder of each partial and
+reducing them in group order (`direct.cross_direct_transfers`, one step, no
+reduction on the source mesh). Every candidate is priced by the same cost model and
+the cheapest wins (`_key`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from . import search
 from .pairs import cross_traffic, lazy_cross
 from .rank_transfers import cross_blocks_of
 from .states import from_layout, local_numels
+from .direct import cross_direct_transfers
 from .transfers import assign, cross_blocks
 from .values import CostModel, Plan, Step, Transfer
 
@@ -47,17 +52,17 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
     # sum/max/min: only the first member of each reduction group receives the values, the
     # others hold the identity; avg: all receive, and a local step marks the reduction.
     landing = _strip(dst) if dst.reduce_op in (None, "avg") else dst
-    best: tuple[tuple[float, int, int, int, int], tuple[Step, ...]] | None = None
+    candidates = []
     for staged in _resolved_candidates(mesh, shape, src):
         first = search.single_plan(mesh, shape, dtype, src, staged, cost_model)
         steps = tuple(_reindex(s, mesh, ranks, mesh) for s in first.steps)
         steps += (_transfer_step(mesh, dst_mesh, ranks, shape, staged, landing, itemsize,
                                  cost_model),)
-        key = _key(steps)
-        if best is None or key < best[0]:
-            best = (key, steps)
-    assert best is not None, f"no candidate layout to resolve {src} on {mesh!r}"
-    steps = best[1]
+        candidates.append(steps)
+    direct = _direct_step(mesh, dst_mesh, ranks, shape, src, landing, itemsize, cost_model)
+    if direct is not None:
+        candidates.append((direct,))
+    steps = min(candidates, key=_key)   # the first of equal keys: the older plans win ties
     if dst.reduce_op == "avg":  # every member holds the value: delivered to all, then marked
         steps += (_mark_step(dst_mesh, ranks, shape, landing, dst, itemsize),)
     send = tuple(sum(s.send_bytes[i] for s in steps) for i in range(len(ranks)))
@@ -150,6 +155,34 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
             send[pos[t.src]] += t.numel * itemsize
             recv[pos[t.dst]] += t.numel * itemsize
     return _send_recv(mesh, dst_mesh, before, after, transfers, send, recv, peak, cost_model)
+
+
+def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
+                 landing: Layout, itemsize: int, cost_model: CostModel) -> Step | None:
+    """The transfer that delivers `src`'s pending partials straight to the owners of
+    `landing` (action "direct": each receiver reduces them in group order), or None where
+    `src` has nothing pending to add up (over more than one rank)."""
+    if src.reduce_op is None or mesh.group_size(src.partial_axes) == 1:
+        return None
+    start = from_layout(_strip(src), mesh, shape)
+    goal = from_layout(landing, dst_mesh, shape)
+    resolve = tuple(a for a in mesh.axis_names if a in src.partial_axes)
+    found = cross_direct_transfers(start, goal, mesh, dst_mesh, resolve,
+                                   tuple(_contributors_only(dst_mesh, landing)))
+    pos = {r: i for i, r in enumerate(ranks)}
+    transfers = tuple(sorted(found, key=lambda t: (pos[t.src], pos[t.dst])))
+    send, recv = [0] * len(ranks), [0] * len(ranks)
+    for t in transfers:
+        if t.src != t.dst:
+            send[pos[t.src]] += t.numel * itemsize
+            recv[pos[t.dst]] += t.numel * itemsize
+    g = mesh.group_size(resolve)
+    ins = dict(zip(mesh.ranks, local_numels(start, mesh)))
+    outs = dict(zip(dst_mesh.ranks, local_numels(goal, dst_mesh)))
+    # a receiver holds its g partials of its block, then their reduction
+    peak = tuple((ins.get(r, 0) + (g + 1) * outs.get(r, 0)) * itemsize for r in ranks)
+    step = _send_recv(mesh, dst_mesh, src, landing, transfers, send, recv, peak, cost_model)
+    return dataclasses.replace(step, action="direct", op=src.reduce_op)
 
 
 def _send_recv(mesh: Mesh, dst_mesh: Mesh, before: Layout, after: Layout,

@@ -11,6 +11,12 @@ blocks that cover the tensor, so each element arrives once per partial. A rank r
 g times its block, less what it holds of it itself; it sends each member of its group
 what that member needs of its block. One round, one latency: where a reduction tree
 receives less but takes several rounds, a cost model with latency weighs the two.
+
+Between two meshes (`cross_direct_transfers`) the same delivery is listed as transfers:
+for each partial, its holders on the source mesh give every destination rank its block
+(one holder per element, the least loaded first), and the destination rank reduces the
+g partials in group order. The transfer between meshes cannot add up what it receives,
+so without it a partial source is reduced on the source mesh first.
 """
 
 from __future__ import annotations
@@ -19,11 +25,14 @@ import functools
 
 import torch
 
-from ..core.mesh import Mesh
+from ..core.errors import PlanError
+from ..core.mesh import AxisName, Mesh
 from .blocks import own_and_need, summed_overlap
 from .moves import Move
 from .rank_transfers import direct_axes, resolved_axes
 from .states import State
+from .transfers import assign, cross_blocks
+from .values import Transfer
 
 
 @functools.lru_cache(maxsize=1024)
@@ -42,3 +51,29 @@ def direct_move(state: State, goal: State, mesh: Mesh) -> Move | None:
     sent = summed_overlap(state, goal, mesh, frozenset(axes), in_need=True) - own
     return Move("send_recv", axes, goal, action="direct", op=state.op, indexed=True,
                 send=tuple(sent.tolist()), recv=tuple(recv.tolist()))
+
+
+def cross_direct_transfers(start: State, goal: State, mesh: Mesh, dst_mesh: Mesh,
+                           resolve: tuple[AxisName, ...], idle: tuple[int, ...]
+                           ) -> tuple[Transfer, ...]:
+    """The transfers that give every rank of `dst_mesh` (but those in `idle`, which hold the
+    identity of a pending reduction of `goal`) its `goal` block once from each of the g
+    partials pending over `resolve` on `mesh`; `start` is the source without its pending
+    reduction (the blocks the holders hold). A rank in both meshes keeps what it holds of
+    its own block (a transfer to itself, no bytes)."""
+    have, need, atoms = cross_blocks(start, goal, mesh, dst_mesh)
+    for r in idle:
+        need[r] = tuple(() for _ in start.dims)
+    by_partial: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]] = {}
+    for r in mesh.ranks:
+        coords = mesh.coords(r)
+        by_partial.setdefault(tuple(coords[a] for a in resolve), {})[r] = have[r]
+    out: list[Transfer] = []
+    for holders in by_partial.values():
+        found = assign(holders, need, atoms, lambda s, r: True)
+        if found is None:
+            raise PlanError(f"cannot deliver the partials of {start} on {mesh!r} to {goal} on"
+                            f" {dst_mesh!r}: some block has no holder; this is a meshcomm bug,"
+                            " please report it")
+        out += found
+    return tuple(out)

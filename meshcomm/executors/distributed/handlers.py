@@ -36,8 +36,8 @@ from ...core.layout import Layout
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, divide, op_reduce
 from ...planner.values import Plan, Step, Transfer
+from ..landing import combine, unpacked
 from ..local import (
-    assemble,
     block,
     exchange,
     local_move,
@@ -49,7 +49,6 @@ from ..local import (
     run_tree,
     send_buffer,
     tree_run,
-    unpack,
 )
 from ..steps import Wire
 from . import wire
@@ -575,7 +574,7 @@ def transfer(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
             for t in ts:
                 parts.append((t, buf[at:at + t.numel]))
                 at += t.numel
-        return assemble(parts, shape, step.op, held, fresh=not own)   # received: ours alone
+        return combine(step, parts, shape, held, fresh=not own)   # received: ours alone
     return Later((posted,), land)
 
 
@@ -652,8 +651,8 @@ def _transfer_traced(step: Step, x: Tensor | None, plan: Plan, dst: Groups,
     if not dst.in_mesh:
         return Later((posted,), landed)
     shape = step.after.local_shape(dst.mesh, plan.shape, rank)
-    return Later((posted,), lambda *got: unpack(mine, ranks, rank, landed(*got), shape,
-                                                step.op))
+    return Later((posted,), lambda *got: unpacked(step, mine, ranks, rank, landed(*got),
+                                                  shape))
 
 
 def _union_group(ranks: tuple[int, ...]) -> wire.Group:

@@ -15,6 +15,7 @@ from ...core.errors import MeshMismatchError, ShapeError
 from ...core.mesh import Mesh
 from ...core.reduce_ops import chunk_sizes, op_reduce
 from ...planner.values import Plan, Step
+from ..landing import unpacked
 from ..local import (
     exchange,
     local_move,
@@ -24,7 +25,6 @@ from ..local import (
     run_tree,
     send_buffer,
     tree_run,
-    unpack,
 )
 from . import collectives as coll
 from .collectives import SimResult
@@ -235,7 +235,8 @@ def _spread(mesh: Mesh, ranks: tuple[int, ...], values: tuple[int, ...]) -> tupl
 
 def _transfer(step: Step, plan: Plan,
               held: dict[int, Tensor]) -> tuple[dict[int, Tensor], SimResult]:
-    """The send_recv between meshes, simulated as one uneven all_to_all over both meshes."""
+    """The send_recv between meshes, simulated as one uneven all_to_all over both meshes;
+    a direct delivery's receivers reduce the partials in group order (`landing`)."""
     ranks = plan.ranks
     empty = torch.empty(0, dtype=plan.dtype)
     mine = {r: rank_transfers(step, r) for r in ranks}
@@ -244,7 +245,7 @@ def _transfer(step: Step, plan: Plan,
                           input_splits=[p[1] for p in packed])
     dst_mesh = step.dst_mesh
     assert dst_mesh is not None, f"a transfer step needs dst_mesh: {step}"
-    out = {r: unpack(mine[r], ranks, r, res.outputs[ranks.index(r)],
-                         step.after.local_shape(dst_mesh, plan.shape, r), step.op)
+    out = {r: unpacked(step, mine[r], ranks, r, res.outputs[ranks.index(r)],
+                       step.after.local_shape(dst_mesh, plan.shape, r))
            for r in dst_mesh.ranks}
     return out, res
