@@ -15,7 +15,7 @@ from conftest import in_fresh_interpreter
 
 import meshcomm as mc
 from meshcomm.errors import StyleError
-from meshcomm.nn.hf_plan import LocalSizes, fused_parts
+from meshcomm.nn.hf_plan import LocalSizes, fused_parts, unknown_fused
 from meshcomm.nn.parallel import FusedRows, parse_style
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
@@ -24,8 +24,27 @@ COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_la
               num_attention_heads=8, num_key_value_heads=4)
 
 
+class OwnMLP(torch.nn.Module):
+    """An MLP meshcomm has never read, with a module named as transformers names a fused
+    gate and up projection: its layout is not guessed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(32, 128, bias=False)
+        self.down_proj = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x)[..., ::2])   # interleaved, not halves
+
+
 def model(kind: str) -> Any:
     torch.manual_seed(0)
+    if kind == "own mlp":
+        return torch.nn.Sequential(OwnMLP())
+    if kind == "codegen":     # qkv_proj interleaves q, v, k by groups: not q | k | v
+        return transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
+            vocab_size=64, n_positions=8, n_ctx=8, n_embd=32, n_layer=1, n_head=4,
+            rotary_dim=4, bos_token_id=1, eos_token_id=1))
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=64, n_positions=8, n_embd=32, n_layer=1, n_head=4))
@@ -117,10 +136,30 @@ def test_fused_parts_come_from_the_model() -> None:
     c_attn = fused_parts(gpt2, "transformer.h.0.attn.c_attn", gpt2.transformer.h[0].attn.c_attn)
     assert c_attn is not None and c_attn.parts == (32, 32, 32)
     assert dict(c_attn.attrs)["split_size"] == 32
+    class Phi3Own(type(phi3.model.layers[0].mlp)):      # a subclass is its base
+        pass
+    phi3.model.layers[0].mlp.__class__ = Phi3Own
+    assert fused_parts(phi3, "model.layers.0.mlp.gate_up_proj",
+                       phi3.model.layers[0].mlp.gate_up_proj) == up
     llama = model("llama")
     assert fused_parts(llama, "model.layers.0.self_attn.q_proj",
                        llama.model.layers[0].self_attn.q_proj) is None
     assert fused_parts(gpt2, "transformer.h.0.mlp.c_fc", gpt2.transformer.h[0].mlp.c_fc) is None
+
+
+def test_a_fused_name_under_an_owner_meshcomm_has_not_read_gets_no_parts() -> None:
+    """The name alone is not a layout: CodeGen's qkv_proj is q, v, k interleaved by groups,
+    and an MLP of one's own may interleave gate and up."""
+    codegen = model("codegen")
+    name = "transformer.h.0.attn.qkv_proj"
+    assert fused_parts(codegen, name, codegen.get_submodule(name)) is None
+    assert unknown_fused(codegen, name) == "CodeGenAttention"
+    own = model("own mlp")
+    assert fused_parts(own, "0.gate_up_proj", own[0].gate_up_proj) is None
+    assert unknown_fused(own, "0.gate_up_proj") == "OwnMLP"
+    phi3 = model("phi3")
+    assert unknown_fused(phi3, "model.layers.0.mlp.gate_up_proj") is None
+    assert unknown_fused(phi3, "model.layers.0.mlp.down_proj") is None
 
 
 def test_local_sizes_hold_while_the_owner_runs_and_never_touch_the_shared_config() -> None:
@@ -248,6 +287,11 @@ REFUSALS: dict[str, tuple[str, Any]] = {
                                           "model.layers.*.mlp.up_proj": "colwise"}),
     "colwise_sp outside sp_input": ("llama", {"model.layers.*.mlp.up_proj": "colwise_sp"}),
     "sp_input with nothing partial inside": ("llama", {"model.norm": "sp_input"}),
+    "fused on an unread owner, no parts": ("codegen", {"transformer.h.*.attn.qkv_proj":
+                                                       "colwise_fused"}),
+    "colwise on an unread owner's fused name": ("own mlp", {"0.gate_up_proj": "colwise"}),
+    "explicit parts on an unread owner (taken)": ("codegen", {
+        "transformer.h.*.attn.qkv_proj": "colwise_fused(12)"}),
     "gpt2 under sequence parallelism": ("gpt2", {
         "transformer.wte": "embedding_sp", "transformer.wpe": "embedding_sp",
         "transformer.h.*.attn": "sp_input", "transformer.h.*.attn.c_attn": "colwise_fused_sp",
@@ -322,6 +366,19 @@ def refused() -> dict[str, Any]:
     ("sp_input with nothing partial inside", "StyleError: parallelize: model.norm (sp_input)"
      " gathers the sequence and reduce_scatters its gradient, which only a partial gradient"
      " from a module inside it ('colwise_sp', 'colwise_fused_sp') makes right; it has none"),
+    ("fused on an unread owner, no parts", "StyleError: parallelize:"
+     " transformer.h.0.attn.qkv_proj (colwise_fused): its owner CodeGenAttention is not one"
+     " whose layout meshcomm knows (it knows Phi3Attention, Phi4MultimodalAttention); fix:"
+     " name them"),
+    ("colwise on an unread owner's fused name", "StyleError: parallelize: 0.gate_up_proj is"
+     " named as transformers names a fused projection (parts such as q, k, v or gate, up in"
+     " one weight), but its owner OwnMLP is not one whose layout meshcomm knows (it knows"
+     " DiaMLP, Dots3NoteAudioMLP, EsmFold2SwiGLU, Glm4MLP, Glm4vTextMLP, GlmImageTextMLP,"
+     " GlmMLP, GlmOcrTextMLP, MiniMaxM3VLDenseMLP, Phi3MLP, Phi4MultimodalAudioMLP,"
+     " Phi4MultimodalMLP), so 'colwise' might give each rank whole parts instead of a slice"
+     " of every part; nothing was split. fix: if its output rows are its parts one after"
+     " another, name their sizes, e.g. '0.gate_up_proj': 'colwise_fused(64, 16, 16)'; else"
+     " leave it and the layer that takes its output out of the plan"),
     ("gpt2 under sequence parallelism", "StyleError: parallelize: transformer.wte"
      " (embedding_sp) splits the sequence over 'tp' inside transformer (GPT2Model), whose"
      " forward views its last hidden state by the whole sequence's length after its final"
@@ -331,3 +388,9 @@ def test_parallelize_refuses_before_anything_is_split(refused: dict[str, Any], n
                                                       message: str) -> None:
     assert refused[name]["error"].startswith(message), refused[name]["error"]
     assert refused[name]["unchanged"]
+
+
+def test_explicit_parts_on_an_owner_meshcomm_has_not_read_are_taken(
+        refused: dict[str, Any]) -> None:
+    """The user's own `colwise_fused(...)` is the layout meshcomm does not guess."""
+    assert refused["explicit parts on an unread owner (taken)"]["error"] == "none"

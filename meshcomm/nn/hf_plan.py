@@ -6,10 +6,12 @@ transformers is never imported: models are told by their class names and fields,
 Two things live here, both about what a model says of itself:
 
 - `fused_parts(root, name, module)`: the parts (q, k, v; gate, up) a fused projection's
-  output rows are made of, found from the module's owner and the model config, and the
-  owner's attributes that hold the global sizes its own code splits the output by (GPT-2's
-  `split_size`, Phi-3's `num_attention_heads`): `LocalSizes` gives them their per-rank values
-  while the owner runs, so the model's own `.split` / slicing works on local sizes.
+  output rows are made of, for owners whose layout was read in transformers' code
+  (`FUSED_OWNERS`; another owner's parts are never guessed: `unknown_fused`), found from
+  the module's owner and the model config, and the owner's attributes that hold the global
+  sizes its own code splits the output by (GPT-2's `split_size`, Phi-3's
+  `num_attention_heads`): `LocalSizes` gives them their per-rank values while the owner
+  runs, so the model's own `.split` / slicing works on local sizes.
 - `tp_plan_of(model)`: the model's declared plan (`model.tp_plan`: the class's `_tp_plan`
   and the config's `base_model_tp_plan`, merged by transformers) in meshcomm styles; an
   entry with no meshcomm style raises StyleError naming the module and the style.
@@ -60,15 +62,39 @@ def _heads(owner: nn.Module, root: nn.Module) -> tuple[int, int, int] | None:
     return heads, int(kv), int(size)
 
 
+# The owners (transformers 5.24, read in their modeling code) whose fused projection's output
+# rows are parts stacked one after another, by the projection's attribute name. A subclass
+# counts as its base (matched along the MRO); any other owner's parts are not guessed.
+FUSED_OWNERS: Mapping[str, frozenset[str]] = {
+    # c_attn (Conv1D): q | k | v, each `split_size` wide, cut by `.split(self.split_size)`
+    "c_attn": frozenset({"GPT2Attention", "DecisionTransformerGPT2Attention"}),
+    # qkv_proj: q | k | v, cut at config.num_attention_heads * head_dim and
+    # num_key_value_heads * head_dim (grouped-query sizes)
+    "qkv_proj": frozenset({"Phi3Attention", "Phi4MultimodalAttention"}),
+    # gate_up_proj: two equal halves, cut by `.chunk(2, dim=-1)`
+    "gate_up_proj": frozenset({
+        "Phi3MLP", "Phi4MultimodalMLP", "Phi4MultimodalAudioMLP", "GlmMLP", "Glm4MLP",
+        "Glm4vTextMLP", "GlmImageTextMLP", "GlmOcrTextMLP", "DiaMLP", "EsmFold2SwiGLU",
+        "Dots3NoteAudioMLP", "MiniMaxM3VLDenseMLP"}),
+}
+
+
+def _known_owner(owner: nn.Module, attr: str) -> bool:
+    known = FUSED_OWNERS.get(attr, frozenset())
+    return any(c.__name__ in known for c in type(owner).__mro__)
+
+
 def fused_parts(root: nn.Module, name: str, module: nn.Module) -> Fused | None:
-    """The parts of `module` (named `name` in `root`) if its model declares it fused: GPT-2's
-    `attn.c_attn` (q, k, v of the model width), Phi-3's `self_attn.qkv_proj` (q, k, v with
-    grouped-query sizes from the config) and `mlp.gate_up_proj` (gate, up); None otherwise."""
+    """The parts of `module` (named `name` in `root`) if its owner is one whose fused layout
+    meshcomm knows (`FUSED_OWNERS`): GPT-2's `attn.c_attn` (q, k, v of the model width),
+    Phi-3's `self_attn.qkv_proj` (q, k, v with grouped-query sizes from the config) and
+    `mlp.gate_up_proj` (gate, up: halves); None otherwise (see `unknown_fused`)."""
     owner_name, _, attr = name.rpartition(".")
     owner = root.get_submodule(owner_name)
-    kind = type(owner).__name__
+    if not _known_owner(owner, attr):
+        return None
     width = int(getattr(module, "nf", 0) or getattr(module, "out_features", 0))
-    if attr == "c_attn" and kind.startswith("GPT2") and hasattr(owner, "split_size"):
+    if attr == "c_attn" and hasattr(owner, "split_size"):
         split, heads = int(getattr(owner, "split_size")), int(getattr(owner, "num_heads"))
         n = width // split
         return Fused((split,) * n, owner_name, (("split_size", split), ("num_heads", heads),
@@ -85,6 +111,18 @@ def fused_parts(root: nn.Module, name: str, module: nn.Module) -> Fused | None:
     if attr == "gate_up_proj" and width % 2 == 0 and width:
         return Fused((width // 2, width // 2))
     return None
+
+
+def unknown_fused(root: nn.Module, name: str) -> str | None:
+    """The class of the owner of `name` when the module is named as transformers names fused
+    projections (`FUSED_OWNERS`' keys: c_attn, qkv_proj, gate_up_proj) but its owner is not
+    one whose layout meshcomm knows (CodeGen's qkv_proj interleaves q, v and k by groups,
+    MiniMax's by heads, Zamba2 adds an adapter to gate_up_proj's output); else None."""
+    owner_name, _, attr = name.rpartition(".")
+    if attr not in FUSED_OWNERS:
+        return None
+    owner = root.get_submodule(owner_name)
+    return None if _known_owner(owner, attr) else type(owner).__name__
 
 
 class LocalSizes:

@@ -60,7 +60,7 @@ from ..interop.placements import to_placements
 from ..interop.runtime import is_dtensor, local_of, wrap
 from ..runtime.bind import BoundMesh, require_bound
 from .drift import watch
-from .hf_plan import Fused, LocalSizes, fused_parts, tp_plan_of
+from .hf_plan import FUSED_OWNERS, Fused, LocalSizes, fused_parts, tp_plan_of, unknown_fused
 from .moves import Entry, Exit
 from .sequence import install_sequence_hooks, sequence_hooks
 from .tensor_parallel import VocabRows
@@ -499,8 +499,9 @@ def _read_plan(module: nn.Module, modules: Mapping[str, nn.Module], plan: Mappin
             if hasattr(m, TP_ATTR) or name in targets:
                 raise StyleError(f"parallelize: {name} matches two patterns of the plan")
             declared = fused_parts(module, name, m) if _kind_fits(m, nn.Linear) else None
+            unknown = unknown_fused(module, name) if declared is None else None
             if STYLES[style].fused:
-                fused[name] = _fused_rows(name, m, text, numbers, declared, size)
+                fused[name] = _fused_rows(name, m, text, numbers, declared, size, unknown)
                 if declared is not None and declared.attrs:
                     owners[declared.owner] = _local_sizes(declared, name, size, axis)
             elif declared is not None and STYLES[style].outputs == "split":
@@ -510,6 +511,16 @@ def _read_plan(module: nn.Module, modules: Mapping[str, nn.Module], plan: Mappin
                     f" of sizes {declared.parts} stacked along its output), so {style!r}"
                     " would give each rank whole parts instead of a slice of every part;"
                     f" fix: give {pattern!r} the style {fix!r}")
+            elif unknown is not None and STYLES[style].outputs == "split":
+                raise StyleError(
+                    f"parallelize: {name} is named as transformers names a fused projection"
+                    f" (parts such as q, k, v or gate, up in one weight), but its owner"
+                    f" {unknown} is not one whose layout meshcomm knows"
+                    f" ({_known_owners(name)}), so {style!r} might give each rank whole parts"
+                    " instead of a slice of every part; nothing was split. fix: if its output"
+                    " rows are its parts one after another, name their sizes, e.g."
+                    f" {pattern!r}: 'colwise_fused(64, 16, 16)'; else leave it and the layer"
+                    " that takes its output out of the plan (fully_shard shards them)")
             targets[name] = style
     _check_sequence_entries(modules, targets)
     return targets, fused, owners
@@ -560,8 +571,13 @@ def _check_sequence_entries(modules: Mapping[str, nn.Module], targets: Mapping[s
                 " and 'colwise_gather_sp' to an output layer that needs the whole sequence")
 
 
+def _known_owners(name: str) -> str:
+    """The owner classes whose fused module `name`'s attribute meshcomm knows, as text."""
+    return "it knows " + ", ".join(sorted(FUSED_OWNERS.get(name.rpartition(".")[2], ())))
+
+
 def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],
-                declared: Fused | None, n: int) -> FusedRows:
+                declared: Fused | None, n: int, unknown: str | None = None) -> FusedRows:
     """The parts of fused module `name` over `n` ranks: as `text` numbers them, else as its
     model declares them; checked against its output width and `n`."""
     width = _out_features(m)
@@ -576,11 +592,14 @@ def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],
     elif declared is not None:
         parts = declared.parts
     else:
+        known = (f"its owner {unknown} is not one whose layout meshcomm knows"
+                 f" ({_known_owners(name)})" if unknown is not None else
+                 "its model declares no parts for it (meshcomm knows those of GPT-2's c_attn"
+                 " and Phi-3's qkv_proj and gate_up_proj: hf_plan.FUSED_OWNERS)")
         raise StyleError(
-            f"parallelize: {name} ({text}): its model declares no parts for it (meshcomm"
-            " knows GPT-2's c_attn and Phi-3's qkv_proj and gate_up_proj); fix: name them,"
-            " 'colwise_fused(2)' for 2 equal parts or 'colwise_fused(64, 16, 16)' with the"
-            " output size of each part, in order")
+            f"parallelize: {name} ({text}): {known}; fix: name them, 'colwise_fused(2)' for 2"
+            " equal parts or 'colwise_fused(64, 16, 16)' with the output size of each part,"
+            " in order")
     if declared is not None and parts != declared.parts:
         raise StyleError(f"parallelize: {name} ({text}): parts {parts}, but its model"
                          f" declares {declared.parts}; fix: write 'colwise_fused'")
