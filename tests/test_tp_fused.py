@@ -45,6 +45,10 @@ def model(kind: str) -> Any:
         return transformers.CodeGenForCausalLM(transformers.CodeGenConfig(
             vocab_size=64, n_positions=8, n_ctx=8, n_embd=32, n_layer=1, n_head=4,
             rotary_dim=4, bos_token_id=1, eos_token_id=1))
+    if kind == "phi3 attention without config":   # its code reads self.config
+        phi3 = model("phi3")
+        del phi3.model.layers[0].self_attn.config
+        return phi3
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=64, n_positions=8, n_embd=32, n_layer=1, n_head=4))
@@ -290,6 +294,8 @@ REFUSALS: dict[str, tuple[str, Any]] = {
     "fused on an unread owner, no parts": ("codegen", {"transformer.h.*.attn.qkv_proj":
                                                        "colwise_fused"}),
     "colwise on an unread owner's fused name": ("own mlp", {"0.gate_up_proj": "colwise"}),
+    "an owner without the sizes it splits by": ("phi3 attention without config", {
+        "model.layers.*.self_attn.qkv_proj": "colwise_fused"}),
     "explicit parts on an unread owner (taken)": ("codegen", {
         "transformer.h.*.attn.qkv_proj": "colwise_fused(12)"}),
     "gpt2 under sequence parallelism": ("gpt2", {
@@ -379,6 +385,11 @@ def refused() -> dict[str, Any]:
      " of every part; nothing was split. fix: if its output rows are its parts one after"
      " another, name their sizes, e.g. '0.gate_up_proj': 'colwise_fused(64, 16, 16)'; else"
      " leave it and the layer that takes its output out of the plan"),
+    ("an owner without the sizes it splits by", "StyleError: parallelize:"
+     " model.layers.0.self_attn.qkv_proj is fused and its owner model.layers.0.self_attn"
+     " (Phi3Attention) splits its output by config.num_attention_heads, which meshcomm makes"
+     " this rank's share while it runs, but it has no config; nothing was split. fix: give"
+     " model.layers.0.self_attn its config as transformers builds it"),
     ("gpt2 under sequence parallelism", "StyleError: parallelize: transformer.wte"
      " (embedding_sp) splits the sequence over 'tp' inside transformer (GPT2Model), whose"
      " forward views its last hidden state by the whole sequence's length after its final"

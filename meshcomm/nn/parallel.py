@@ -503,7 +503,8 @@ def _read_plan(module: nn.Module, modules: Mapping[str, nn.Module], plan: Mappin
             if STYLES[style].fused:
                 fused[name] = _fused_rows(name, m, text, numbers, declared, size, unknown)
                 if declared is not None and declared.attrs:
-                    owners[declared.owner] = _local_sizes(declared, name, size, axis)
+                    owners[declared.owner] = _local_sizes(declared, name, size, axis,
+                                                          modules[declared.owner])
             elif declared is not None and STYLES[style].outputs == "split":
                 fix = "colwise_fused_sp" if STYLES[style].inputs == "local" else "colwise_fused"
                 raise StyleError(
@@ -613,8 +614,23 @@ def _fused_rows(name: str, m: nn.Module, text: str, numbers: tuple[int, ...],
     return FusedRows(parts, n)
 
 
-def _local_sizes(declared: Fused, name: str, n: int, axis: str
+def _local_sizes(declared: Fused, name: str, n: int, axis: str, owner: nn.Module
                  ) -> tuple[tuple[str, int], ...]:
+    """The owner's attributes that `LocalSizes` makes local: each must be there (a dotted
+    one, `config.num_attention_heads`, on the object its first part names) and divide."""
+    for path, _ in declared.attrs:
+        held: Any = owner
+        for i, part in enumerate(path.split(".")):
+            if not hasattr(held, part):
+                what = ".".join(path.split(".")[:i + 1])
+                raise StyleError(
+                    f"parallelize: {name} is fused and its owner {declared.owner}"
+                    f" ({type(owner).__name__}) splits its output by {path}, which"
+                    f" meshcomm makes this rank's share while it runs, but it has no {what};"
+                    f" nothing was split. fix: give {declared.owner} its {what} as"
+                    " transformers builds it (the model's config), or leave the projection"
+                    " and the layer that takes its output out of the plan")
+            held = getattr(held, part)
     bad = [f"{a}={v}" for a, v in declared.attrs if v % n]
     if bad:
         raise ShapeError(f"parallelize: {name} is fused and {declared.owner} splits its"
