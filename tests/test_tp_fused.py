@@ -170,10 +170,12 @@ def test_local_sizes_hold_while_the_owner_runs_and_never_touch_the_shared_config
     phi3 = model("phi3")
     attn = phi3.model.layers[0].self_attn
     seen = []
-    local = LocalSizes((("config.num_attention_heads", 8), ("num_key_value_heads", 4)), 4)
+    local = LocalSizes(attn, (("config.num_attention_heads", 8), ("num_key_value_heads", 4)), 4)
     local.pre(attn, ())
     seen.append((attn.config.num_attention_heads, attn.num_key_value_heads))
     assert attn.config is not phi3.config and phi3.config.num_attention_heads == 8
+    assert isinstance(attn.config, type(phi3.config))
+    assert attn.config.hidden_size == phi3.config.hidden_size
     local.post(attn, (), None)
     seen.append((attn.config.num_attention_heads, attn.num_key_value_heads))
     assert seen == [(2, 1), (8, 4)] and attn.config is phi3.config
@@ -181,6 +183,48 @@ def test_local_sizes_hold_while_the_owner_runs_and_never_touch_the_shared_config
     local.pre(attn, ())            # ... is undone by the next one first
     local.post(attn, (), None)
     assert (attn.config, attn.num_key_value_heads) == (phi3.config, 4)
+
+
+def test_local_sizes_copy_nothing_per_forward_and_see_later_config_changes() -> None:
+    """The config a running owner sees is made once, when it is wrapped: every forward gets
+    the same one, and a change to the shared config after that shows through it."""
+    phi3 = model("phi3")
+    attn = phi3.model.layers[0].self_attn
+    local = LocalSizes(attn, (("config.num_attention_heads", 8),), 4)
+    views = []
+    for implementation in ("eager", "sdpa"):
+        phi3.config._attn_implementation = implementation
+        local.pre(attn, ())
+        views.append(attn.config)
+        assert (attn.config._attn_implementation, attn.config.num_attention_heads) == \
+            (implementation, 2)
+        local.post(attn, (), None)
+    assert views[0] is views[1]
+    assert phi3.config.num_attention_heads == 8
+
+
+def test_a_fused_forward_does_not_work_out_its_rows_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which rows of every part this rank takes is worked out once, when the module is
+    wrapped; a forward only narrows and concatenates."""
+    from meshcomm.nn.parallel import _TP
+
+    bound = mc.nn.planning_mesh("tp=4")
+    layer = torch.nn.Linear(4, 16)
+    tp = _TP(layer, "qkv", "colwise_fused", bound, "tp", FusedRows((8, 4, 4), 4))
+    asked: list[int] = []
+    rows = FusedRows.rows
+    monkeypatch.setattr(FusedRows, "rows", lambda self, i: asked.append(i) or rows(self, i))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(2):
+            args, kwargs = tp.pre(layer, (x,), {})
+            out = tp.post(layer, args, layer.forward(*args, **kwargs))
+            assert out is not None
+    assert asked == []
+    assert out.shape == (2, 4)
+    want = layer(x)                              # whole: rank 0's rows 0-1, 8, 12
+    assert torch.equal(out, want[:, [0, 1, 8, 12]])
 
 
 def test_the_plan_of_phi3_splits_its_fused_projections_part_by_part() -> None:

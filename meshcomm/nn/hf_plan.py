@@ -11,7 +11,8 @@ Two things live here, both about what a model says of itself:
   the module's owner and the model config, and the owner's attributes that hold the global
   sizes its own code splits the output by (GPT-2's `split_size`, Phi-3's
   `num_attention_heads`): `LocalSizes` gives them their per-rank values while the owner
-  runs, so the model's own `.split` / slicing works on local sizes.
+  runs (a config's through a `ConfigView`, made once), so the model's own `.split` /
+  slicing works on local sizes.
 - `tp_plan_of(model)`: the model's declared plan (`model.tp_plan`: the class's `_tp_plan`
   and the config's `base_model_tp_plan`, merged by transformers) in meshcomm styles; an
   entry with no meshcomm style raises StyleError naming the module and the style.
@@ -19,8 +20,8 @@ Two things live here, both about what a model says of itself:
 
 from __future__ import annotations
 
-import copy
 import fnmatch
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -126,32 +127,87 @@ def unknown_fused(root: nn.Module, name: str) -> str | None:
 
 
 class LocalSizes:
-    """Forward hooks of an owner of fused projections: while it runs, its attributes that
-    hold global sizes (`Fused.attrs`) hold this rank's share (`size // n`); a dotted
-    `config.x` swaps in a shallow copy of the config for the call, so the model's config,
-    shared by every layer, never changes. `post` runs even when the forward raises."""
+    """Forward hooks of `owner`, an owner of fused projections: while it runs, its attributes
+    that hold global sizes (`Fused.attrs`) hold this rank's share (`size // n`). A dotted
+    `config.x` is read from a `ConfigView` made once here, which holds the shares and reads
+    every other field from the shared config (so a later change to it is seen): the model's
+    config, shared by every layer, never changes, and a forward copies nothing. `post` runs
+    even when the forward raises."""
 
-    def __init__(self, attrs: tuple[tuple[str, int], ...], n: int) -> None:
-        self.attrs, self.n = attrs, n
+    def __init__(self, owner: nn.Module, attrs: tuple[tuple[str, int], ...], n: int) -> None:
+        self.n = n
+        self.plain = tuple((a, size // n) for a, size in attrs if "." not in a)
+        self.views: dict[str, Any] = {}        # field (config) -> its view while owner runs
+        dotted: dict[str, dict[str, int]] = {}
+        for path, size in attrs:
+            if "." in path:
+                field, attr = path.split(".", 1)
+                dotted.setdefault(field, {})[attr] = size // n
+        for field, local in sorted(dotted.items()):
+            self.views[field] = config_view(getattr(owner, field), local)
         self.saved: list[tuple[str, Any]] = []
 
     def pre(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.post(module, args, None)       # nothing is left over, but be sure
-        configs = {a.split(".", 1)[0] for a, _ in self.attrs if "." in a}
-        for field in sorted(configs):
-            self.saved.append((field, getattr(module, field)))
-            setattr(module, field, copy.copy(getattr(module, field)))
-        for path, size in self.attrs:
-            owner, attr = (module, path) if "." not in path else (
-                getattr(module, path.split(".", 1)[0]), path.split(".", 1)[1])
-            if "." not in path:
-                self.saved.append((path, getattr(module, path)))
-            setattr(owner, attr, size // self.n)
+        for field, view in self.views.items():
+            shared = getattr(module, field)
+            if shared is not object.__getattribute__(view, "_meshcomm_shared"):
+                view = self.views[field] = config_view(     # the owner got another config
+                    shared, object.__getattribute__(view, "_meshcomm_local"))
+            self.saved.append((field, shared))
+            setattr(module, field, view)
+        for attr, size in self.plain:
+            self.saved.append((attr, getattr(module, attr)))
+            setattr(module, attr, size)
 
     def post(self, module: nn.Module, args: tuple[Any, ...], out: Any) -> None:
         for attr, value in reversed(self.saved):
             setattr(module, attr, value)
         self.saved = []
+
+
+class ConfigView:
+    """A model config as one owner sees it while it runs: the names in `_meshcomm_local`
+    hold this rank's sizes; every other attribute is the shared config's, read (and
+    written) through. An instance is of a subclass of the shared config's class
+    (`config_view`), so `isinstance` checks still hold."""
+
+    def __getattribute__(self, name: str) -> Any:
+        local = object.__getattribute__(self, "_meshcomm_local")
+        if name in local:
+            return local[name]
+        return getattr(object.__getattribute__(self, "_meshcomm_shared"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        local = object.__getattribute__(self, "_meshcomm_local")
+        if name in local:
+            local[name] = value
+        else:
+            setattr(object.__getattribute__(self, "_meshcomm_shared"), name, value)
+
+
+@functools.lru_cache(maxsize=256)
+def _view_class(cls: type[Any]) -> type[Any]:
+    """The class of a view of a `cls` config: one per config class (a subclass of it)."""
+    return type(f"Local{cls.__name__}", (ConfigView, cls), {"__module__": __name__})
+
+
+def config_view(shared: Any, local: Mapping[str, int]) -> Any:
+    """A `ConfigView` of `shared` whose attributes `local` hold the given values (also under
+    the names a transformers config maps them to, its `attribute_map`).
+
+    >>> class Config:
+    ...     heads, width = 8, 32
+    >>> view = config_view(Config(), {"heads": 2})
+    >>> view.heads, view.width, isinstance(view, Config)
+    (2, 32, True)
+    """
+    names = dict(getattr(shared, "attribute_map", None) or {})
+    values = {**local, **{names[k]: v for k, v in local.items() if k in names}}
+    view: Any = object.__new__(_view_class(shared.__class__))
+    object.__setattr__(view, "_meshcomm_local", values)
+    object.__setattr__(view, "_meshcomm_shared", shared)
+    return view
 
 
 # transformers' style names -> meshcomm's (None: no meshcomm style; see _refuse)

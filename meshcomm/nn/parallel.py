@@ -188,12 +188,17 @@ class FusedRows:
     def take(self, t: Tensor, dim: int, index: int) -> Tensor:
         """Rank `index`'s rows of every part of `t` along `dim`, concatenated in part order
         (autograd gives the rest of `t` a zero gradient)."""
-        return torch.cat([t.narrow(dim, a, b - a) for a, b in self.rows(index)], dim=dim)
+        return take_rows(t, dim, self.rows(index))
 
     def layouts(self, axis: AxisName, mesh: Mesh, ndim: int) -> tuple[Layout, ...]:
         """The layout of each part of an output of `ndim` dims: its last dim split over
         `axis` ("d0 d1 (tp d2)"); the local output is these parts side by side."""
         return (_split_at(ndim, -1, axis, mesh),) * len(self.parts)
+
+
+def take_rows(t: Tensor, dim: int, rows: tuple[tuple[int, int], ...]) -> Tensor:
+    """The (start, stop) ranges `rows` of `t` along `dim`, concatenated in order."""
+    return torch.cat([t.narrow(dim, a, b - a) for a, b in rows], dim=dim)
 
 
 def parse_style(text: str, pattern: str | None = None) -> tuple[str, tuple[int, ...]]:
@@ -281,8 +286,9 @@ class _TP:
                  axis: str, rows: FusedRows | None = None) -> None:
         self.module, self.name, self.axis = module, name, axis
         self.style = style if rows is None else f"{style}({','.join(map(str, rows.parts))})"
-        self.rows = rows                   # a fused style's parts; None for the others
         self.index = bound.mesh.coords(bound.rank)[axis]
+        # a fused style's rows of every part that this rank takes (None for the others)
+        self.rows = None if rows is None else rows.rows(self.index)
         # Activations and their gradients differ across the other axes (each dp rank has
         # its batch): their plans run on the tp slice, which knows no other axis.
         self.bound = bound.sub(axis)
@@ -330,7 +336,7 @@ class _TP:
                 if p is not None:
                     self.swapped.setdefault(attr, p)
                     dim = 1 if self.conv1d and attr == "weight" else 0
-                    params[attr] = self.rows.take(p, dim, self.index)
+                    params[attr] = take_rows(p, dim, self.rows)
         if self.conv1d:    # its forward shapes the output by `nf`: this rank's columns
             setattr(module, "nf", params["weight"].shape[1])
         # the input: the first positional argument, or the first tensor passed by keyword
@@ -643,7 +649,7 @@ def _localize(owner: nn.Module, attrs: tuple[tuple[str, int], ...], n: int) -> N
     """While `owner` runs, its attributes `attrs` hold this rank's sizes (`LocalSizes`)."""
     if hasattr(owner, LOCAL_ATTR):
         return
-    local = LocalSizes(attrs, n)
+    local = LocalSizes(owner, attrs, n)
     setattr(owner, LOCAL_ATTR, local)
     owner.register_forward_pre_hook(local.pre)
     owner.register_forward_hook(local.post, always_call=True)
