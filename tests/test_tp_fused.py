@@ -123,8 +123,11 @@ def test_fused_rows_give_each_rank_a_slice_of_every_part() -> None:
     held = sorted(r for i in range(4) for a, b in rows.rows(i) for r in range(a, b))
     assert held == list(range(16))
     assert str(rows) == "colwise_fused(8,4,4)"
-    mesh = mc.Mesh("dp=2 tp=4")
-    assert rows.layouts("tp", mesh, 3) == (mc.Layout("d0 d1 (tp d2)"),) * 3
+
+
+def test_fused_rows_offer_what_docs_api_describes() -> None:
+    """rows, take and the style text: nothing that only tests would call."""
+    assert sorted(n for n in vars(FusedRows) if not n.startswith("_")) == ["rows", "take"]
 
 
 def test_fused_parts_come_from_the_model() -> None:

@@ -190,11 +190,6 @@ class FusedRows:
         (autograd gives the rest of `t` a zero gradient)."""
         return take_rows(t, dim, self.rows(index))
 
-    def layouts(self, axis: AxisName, mesh: Mesh, ndim: int) -> tuple[Layout, ...]:
-        """The layout of each part of an output of `ndim` dims: its last dim split over
-        `axis` ("d0 d1 (tp d2)"); the local output is these parts side by side."""
-        return (_split_at(ndim, -1, axis, mesh),) * len(self.parts)
-
 
 def take_rows(t: Tensor, dim: int, rows: tuple[tuple[int, int], ...]) -> Tensor:
     """The (start, stop) ranges `rows` of `t` along `dim`, concatenated in order."""
