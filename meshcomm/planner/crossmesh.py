@@ -59,10 +59,11 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
         steps += (_transfer_step(mesh, dst_mesh, ranks, shape, staged, landing, itemsize,
                                  cost_model),)
         candidates.append(steps)
-    direct = _direct_step(mesh, dst_mesh, ranks, shape, src, landing, itemsize, cost_model)
-    if direct is not None:
-        candidates.append((direct,))
     steps = min(candidates, key=_key)   # the first of equal keys: the older plans win ties
+    direct = _direct_step(mesh, dst_mesh, ranks, shape, src, landing, itemsize, cost_model,
+                          _key(steps)[0])
+    if direct is not None and _key((direct,)) < _key(steps):
+        steps = (direct,)
     if dst.reduce_op == "avg":  # every member holds the value: delivered to all, then marked
         steps += (_mark_step(dst_mesh, ranks, shape, landing, dst, itemsize),)
     send = tuple(sum(s.send_bytes[i] for s in steps) for i in range(len(ranks)))
@@ -158,17 +159,26 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
 
 
 def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
-                 landing: Layout, itemsize: int, cost_model: CostModel) -> Step | None:
+                 landing: Layout, itemsize: int, cost_model: CostModel,
+                 to_beat: float) -> Step | None:
     """The transfer that delivers `src`'s pending partials straight to the owners of
     `landing` (action "direct": each receiver reduces them in group order), or None where
-    `src` has nothing pending to add up (over more than one rank)."""
-    if src.reduce_op is None or mesh.group_size(src.partial_axes) == 1:
+    `src` has nothing pending to add up (over more than one rank) or where it cannot take
+    less than `to_beat` seconds: a receiver takes its block once from each of the g
+    partials, all but the one it may hold itself, which bounds its time from below before
+    any transfer is listed (listing them costs as much as the reduce-first plans)."""
+    g = mesh.group_size(src.partial_axes)
+    if src.reduce_op is None or g == 1:
         return None
     start = from_layout(_strip(src), mesh, shape)
     goal = from_layout(landing, dst_mesh, shape)
+    idle = set(_contributors_only(dst_mesh, landing))
+    sizes = zip(dst_mesh.ranks, local_numels(goal, dst_mesh))
+    least = max((n * (g - (r in mesh)) for r, n in sizes if r not in idle), default=0)
+    if round(cost_model.time(("*",), least * itemsize), 15) > round(to_beat, 15):
+        return None
     resolve = tuple(a for a in mesh.axis_names if a in src.partial_axes)
-    found = cross_direct_transfers(start, goal, mesh, dst_mesh, resolve,
-                                   tuple(_contributors_only(dst_mesh, landing)))
+    found = cross_direct_transfers(start, goal, mesh, dst_mesh, resolve, tuple(sorted(idle)))
     pos = {r: i for i, r in enumerate(ranks)}
     transfers = tuple(sorted(found, key=lambda t: (pos[t.src], pos[t.dst])))
     send, recv = [0] * len(ranks), [0] * len(ranks)
