@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from ..core.mesh import Mesh
 from ..core.positions import block_flat
 from ..core.reduce_ops import divide, identity_like, op_reduce
 from ..core.untraced import tracing, untraced
-from ..planner.values import Step, Transfer
+from ..planner.values import Rearrange, Step, Transfer
 
 Index = tuple[Sequence[int], ...]   # per dim: positions (a range where they are one run)
 
@@ -52,18 +52,7 @@ def local_move(step: Step, x: Tensor, pos: int, g: int, out_shape: tuple[int, ..
     raise AssertionError(f"unknown local action {step.action!r} in {step}")
 
 
-class Rearranging(Protocol):
-    """A step's `pre` or `post` (the planner's Rearrange), as read here."""
-
-    def __hash__(self) -> int: ...
-    @property
-    def split(self) -> tuple[tuple[int, ...] | None, ...]: ...
-    @property
-    def perm(self) -> tuple[int, ...]: ...
-    def apply(self, x: Tensor) -> Tensor: ...
-
-
-def rearranged(r: Rearranging, x: Tensor) -> Tensor:
+def rearranged(r: Rearrange, x: Tensor) -> Tensor:
     """`r.apply(x)`, the same tensor, in one reshape where the rearrange permutes nothing and
     else in a reshape, a permute and a reshape, their sizes worked out once per rearrange
     and input shape (a cached step's call costs a dict lookup, not a pass over its factors)."""
@@ -76,7 +65,7 @@ def rearranged(r: Rearranging, x: Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _rearrange_sizes(r: Rearranging, shape: tuple[int, ...]
+def _rearrange_sizes(r: Rearrange, shape: tuple[int, ...]
                      ) -> tuple[tuple[int, ...], tuple[int, ...] | None, tuple[int, ...]]:
     """The split sizes, the permutation (None for none) and the output shape of `r` on a
     tensor of `shape`, as `Rearrange.apply` makes them (run once on a meta tensor, which

@@ -37,7 +37,7 @@ from ..core.errors import ReplicaDriftError
 from ..core.mesh import AxisName
 from ..interop.runtime import device_mesh_of, is_dtensor, local_of, placements_of
 from ..runtime.bind import BoundMesh
-from ..runtime.checks import Disagreement, compare_values
+from ..runtime.checks import Disagreement, compare_values, ranks_text
 from .params import ShardedModule
 
 WATCH_ATTR = "_meshcomm_drift"   # the attribute a watched module holds its Watch in
@@ -154,7 +154,7 @@ class Watch:
         return (f"check mode: at step {self.passes} (backward pass {self.passes} through"
                 f" {type(self.module).__name__} since parallelize), the gradient of {name},"
                 f" which is replicated over {self.axis}, differs between the ranks that hold"
-                f" its copies ({_ranks(group)}): {found.describe(_show)}{also}. The optimizer"
+                f" its copies ({ranks_text(group)}): {found.describe(_show)}{also}. The optimizer"
                 " would make the copies drift apart.\n"
                 f"  fix: sum its gradient over {self.axis}: {where}. A parameter used on"
                 f" activations split over {self.axis} (a per-head norm between colwise and"
@@ -167,10 +167,6 @@ def _show(row: tuple[int, ...]) -> str:
         return "no gradient"
     total = torch.tensor([row[3]], dtype=torch.int64).view(torch.float64).item()
     return f"gradient sum {total:.9g}"
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def watch(module: nn.Module, bound: BoundMesh, axis: AxisName, fixes: Sequence[str]) -> None:

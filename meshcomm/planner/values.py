@@ -20,7 +20,7 @@ from ..core.errors import PlanError
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from .explain import format_plan
-from .rearrange import Rearrange
+from .rearrange import Rearrange as Rearrange  # re-exported: executors import values only
 
 STEP_KINDS = ("local", "all_gather", "reduce_scatter", "all_reduce", "all_to_all",
               "collective_permute", "send_recv")

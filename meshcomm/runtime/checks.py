@@ -213,7 +213,7 @@ def _compare(group: Group, ranks: Sequence[int], mine: Fingerprint, what: str
 def _broken(err: RuntimeError, what: str, ranks: Sequence[int]) -> CollectiveError:
     kind = CollectiveTimeout if "timed out" in str(err).lower() else CollectiveError
     return kind(f"{what}: check mode could not compare the call across the group"
-                f" ({_ranks_text(ranks)}): a rank of the group died, hangs, or never made"
+                f" ({ranks_text(ranks)}): a rank of the group died, hangs, or never made"
                 f" this call. cause: {type(err).__name__}: {str(err).strip()}\n  fix: look"
                 " for a rank that failed earlier or skipped this call (its own error comes"
                 " first)")
@@ -232,7 +232,7 @@ class Disagreement(NamedTuple):
     def describe(self, show: Callable[[tuple[int, ...]], str]) -> str:
         """Each class of ranks and what `show` makes of its row: "ranks 0, 2: ...; rank 1:
         ..."."""
-        return "; ".join(f"{_ranks_text(ranks)}: {show(row)}"
+        return "; ".join(f"{ranks_text(ranks)}: {show(row)}"
                          for ranks, row in zip(self.classes, self.rows))
 
 
@@ -296,8 +296,8 @@ def mismatch_message(what: str, ranks: Sequence[int], rows: Sequence[Sequence[in
     ref = order[0]
     lines = [f"{what}: {_differ(classes[d], shown[d], classes[ref], shown[ref])}"
              for d in order[1:]]
-    width = max(len(_ranks_text(classes[d])) for d in order) + 1
-    lines += [f"  {(_ranks_text(classes[d]) + ':').ljust(width)} "
+    width = max(len(ranks_text(classes[d])) for d in order) + 1
+    lines += [f"  {(ranks_text(classes[d]) + ':').ljust(width)} "
               + " ".join(f"{k}={v}" if k != "call" else v for k, v in shown[d]) for d in order]
     shapes = {dict(shown[d]).get("shape") for d in order}
     if len(shapes) > 1 and None not in shapes and all(
@@ -317,15 +317,15 @@ def _differ(ranks: list[int], fields: Fields, ref_ranks: list[int], ref: Fields)
     mine, theirs = dict(fields), dict(ref)
     for failed, values, others in ((ranks, mine, ref_ranks), (ref_ranks, theirs, ranks)):
         if "error" in values:     # see raise_together
-            return (f"{_ranks_text(failed)} raised {values['error']} before communicating;"
-                    f" {_ranks_text(others)} raise with it instead of waiting for it")
+            return (f"{ranks_text(failed)} raised {values['error']} before communicating;"
+                    f" {ranks_text(others)} raise with it instead of waiting for it")
     if mine.get("call") != theirs.get("call"):
         keys = ["call"]
     else:
         keys = [k for k in mine if k in theirs and mine[k] != theirs[k]]
     if not keys:
-        return (f"{_ranks_text(ranks)} asked for a different {mine.get('call', 'call')} than"
-                f" {_ranks_text(ref_ranks)} (it differs past the part of the call that is"
+        return (f"{ranks_text(ranks)} asked for a different {mine.get('call', 'call')} than"
+                f" {ranks_text(ref_ranks)} (it differs past the part of the call that is"
                 " shown, e.g. in the plan's steps)")
     call = theirs.get("call", "")
 
@@ -333,12 +333,12 @@ def _differ(ranks: list[int], fields: Fields, ref_ranks: list[int], ref: Fields)
         if keys == ["call"]:
             return values.get("call", "?")
         return f"{call} " + ", ".join(f"{k}={values[k]}" for k in keys[:3])
-    return f"{_ranks_text(ranks)} asked for {ask(mine)} but {_ranks_text(ref_ranks)} asked for" \
+    return f"{ranks_text(ranks)} asked for {ask(mine)} but {ranks_text(ref_ranks)} asked for" \
            f" {ask(theirs)}"
 
 
-def _ranks_text(ranks: Sequence[int]) -> str:
-    """'rank 3', 'ranks 0-2', 'ranks 0, 2, 5-7'."""
+def ranks_text(ranks: Sequence[int]) -> str:
+    """Ranks as messages name them: 'rank 3', 'ranks 0-2', 'ranks 0, 2, 5-7'."""
     runs: list[list[int]] = []
     for r in sorted(ranks):
         if runs and r == runs[-1][-1] + 1:

@@ -20,9 +20,8 @@ import torch
 
 import meshcomm as mc
 from meshcomm.runtime.bind import check_default
-from meshcomm.runtime.checks import (FINGERPRINT_BYTES, TEXT_BYTES, _ranks_text,
-                                                   checking, decode, encode, mismatch_message,
-                                                   reshard_fields)
+from meshcomm.runtime.checks import (FINGERPRINT_BYTES, TEXT_BYTES, checking, decode, encode,
+                                     mismatch_message, ranks_text, reshard_fields)
 
 from conftest import outcome, run_scaled, scaled, set_group_timeout
 
@@ -57,10 +56,10 @@ def test_the_environment_variable_is_the_meshes_default(monkeypatch: pytest.Monk
 
 
 def test_ranks_text() -> None:
-    assert _ranks_text([3]) == "rank 3"
-    assert _ranks_text([2, 0, 1]) == "ranks 0-2"
-    assert _ranks_text([0, 1]) == "ranks 0, 1"
-    assert _ranks_text([0, 2, 5, 6, 7]) == "ranks 0, 2, 5-7"
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([2, 0, 1]) == "ranks 0-2"
+    assert ranks_text([0, 1]) == "ranks 0, 1"
+    assert ranks_text([0, 2, 5, 6, 7]) == "ranks 0, 2, 5-7"
 
 
 def rows_for(*fields_per_rank: tuple[tuple[str, str], ...]) -> list[list[int]]:

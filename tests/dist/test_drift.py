@@ -192,7 +192,7 @@ def drift_message(step: int, name: str, group: str, module: str) -> str:
             f" tp, differs between the ranks that hold its copies ({group}): ")
 
 
-TP_GROUPS = {"tp unsummed": ["ranks 0, 1, 2, 3"] * 4,                 # tp=4
+TP_GROUPS = {"tp unsummed": ["ranks 0-3"] * 4,                        # tp=4
              "fsdp unsummed": ["ranks 0, 1"] * 2 + ["ranks 2, 3"] * 2}  # dp=2 tp=2
 
 
