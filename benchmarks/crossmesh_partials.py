@@ -37,11 +37,11 @@ AXES = ("dp", "tp", "cp", "sp", "pp", "ep")
 SIZES = (1, 2, 2, 2, 3, 4, 4)
 DIM_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 64)
 OPS = ("sum", "sum", "avg", "max", "min")
-Case = tuple[str, int, str, int, tuple[int, ...], str, str, str]
+Case = tuple[str, list[int], str, list[int], tuple[int, ...], str, str, str]
 ISSUE: list[Case] = [
-    ("sp=4", 0, "cp=4 ep=3 dp=4", 0, (4, 8, 12), "a b c | sum(sp)", "a (cp b) (c dp ep)",
-     "int64"),
-    ("tp=2 sp=1", 0, "tp=2", 0, (4,), "a | sum(sp)", "(tp a)", "float32"),
+    ("sp=4", list(range(4)), "cp=4 ep=3 dp=4", list(range(48)), (4, 8, 12), "a b c | sum(sp)",
+     "a (cp b) (c dp ep)", "int64"),
+    ("tp=2 sp=1", [0, 1], "tp=2", [0, 1], (4,), "a | sum(sp)", "(tp a)", "float32"),
 ]
 
 
@@ -54,13 +54,13 @@ def named_cases() -> list[Case]:
     for _, s, d, shape, src, dst, dtype in NAMED:
         if "|" in src:
             a, b = MESHES[s], MESHES[d]
-            out.append((_spec(a), a.ranks[0], _spec(b), b.ranks[0], tuple(shape), src, dst,
+            out.append((_spec(a), list(a.ranks), _spec(b), list(b.ranks), tuple(shape), src, dst,
                         str(dtype).removeprefix("torch.")))
     return out
 
 
 def _spec(mesh: Any) -> str:
-    return " ".join(f"{a}={n}" for a, n in mesh.axes)
+    return " ".join(f"{a}={n}" for a, n in mesh.axes.items())
 
 
 def random_cases(count: int, seed: int) -> list[Case]:
@@ -101,7 +101,7 @@ def random_cases(count: int, seed: int) -> list[Case]:
         except mc.errors.MeshcommError:
             continue
         dtype = "float32" if op == "avg" or rng.random() < 0.6 else "int64"
-        out.append((a, 0, b, first, shape, src, dst, dtype))
+        out.append((a, list(src_mesh.ranks), b, list(dst_mesh.ranks), shape, src, dst, dtype))
     return out
 
 
@@ -134,11 +134,12 @@ def worker(root: str, cases_path: str) -> None:
         if clear_memos is not None:
             clear_memos()
 
+    # import every module planning needs (meshcomm imports its planner at the first plan)
+    mc.plan(mc.Mesh("w=2"), (4,), "a | sum(w)", "(q a)", dst_mesh=mc.Mesh("q=2", ranks=[2, 3]))
     for line in sys.stdin:
-        a, first_a, b, first_b, shape, src, dst, dtype = cases[int(line)]
-        ma, mb = mc.Mesh(a), mc.Mesh(b)
-        src_mesh = mc.Mesh(dict(ma.axes), ranks=range(first_a, first_a + ma.size))
-        dst_mesh = mc.Mesh(dict(mb.axes), ranks=range(first_b, first_b + mb.size))
+        a, ranks_a, b, ranks_b, shape, src, dst, dtype = cases[int(line)]
+        src_mesh = mc.Mesh(dict(mc.Mesh(a).axes), ranks=ranks_a)
+        dst_mesh = mc.Mesh(dict(mc.Mesh(b).axes), ranks=ranks_b)
         clear()
         gc.collect()
         try:

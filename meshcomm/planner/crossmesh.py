@@ -37,8 +37,8 @@ from . import search
 from .pairs import cross_traffic, lazy_cross
 from .rank_transfers import cross_blocks_of
 from .states import from_layout, local_numels
-from .direct import cross_direct_transfers
-from .transfers import assign, cross_blocks
+from .direct import cross_direct_transfers, cross_held
+from .transfers import assign
 from .values import CostModel, Plan, Step, Transfer
 
 
@@ -142,7 +142,8 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
         return dataclasses.replace(
             _send_recv(mesh, dst_mesh, before, after, (), send, recv, peak, cost_model),
             blocks_of=cross_blocks_of(before, after, mesh, dst_mesh, tuple(shape)))
-    have, need, atoms = cross_blocks(start, goal, mesh, dst_mesh)
+    have, need, atoms = cross_held(start, goal, mesh, dst_mesh)
+    need = dict(need)
     for r in _contributors_only(dst_mesh, after):
         need[r] = tuple(() for _ in shape)   # holds the identity of the pending op
     found = assign(have, need, atoms, lambda s, r: True)

@@ -31,7 +31,7 @@ from .blocks import own_and_need, summed_overlap
 from .moves import Move
 from .rank_transfers import direct_axes, resolved_axes
 from .states import State
-from .transfers import assign, cross_blocks
+from .transfers import Blocks, assign, cross_blocks
 from .values import Transfer
 
 
@@ -53,6 +53,15 @@ def direct_move(state: State, goal: State, mesh: Mesh) -> Move | None:
                 send=tuple(sent.tolist()), recv=tuple(recv.tolist()))
 
 
+@functools.lru_cache(maxsize=64)
+def cross_held(start: State, goal: State, mesh: Mesh, dst_mesh: Mesh
+               ) -> tuple[Blocks, Blocks, list[list[tuple[int, ...]]]]:
+    """`transfers.cross_blocks` of a move between two meshes, found once: a partial source's
+    plain transfer (from the source without its reduction) and its direct delivery read the
+    same blocks. Read-only: a caller that changes `need` copies it first."""
+    return cross_blocks(start, goal, mesh, dst_mesh)
+
+
 def cross_direct_transfers(start: State, goal: State, mesh: Mesh, dst_mesh: Mesh,
                            resolve: tuple[AxisName, ...], idle: tuple[int, ...]
                            ) -> tuple[Transfer, ...]:
@@ -61,10 +70,9 @@ def cross_direct_transfers(start: State, goal: State, mesh: Mesh, dst_mesh: Mesh
     partials pending over `resolve` on `mesh`; `start` is the source without its pending
     reduction (the blocks the holders hold). A rank in both meshes keeps what it holds of
     its own block (a transfer to itself, no bytes)."""
-    have, need, atoms = cross_blocks(start, goal, mesh, dst_mesh)
-    for r in idle:
-        need[r] = tuple(() for _ in start.dims)
-    by_partial: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]] = {}
+    have, need, atoms = cross_held(start, goal, mesh, dst_mesh)
+    need = {r: tuple(() for _ in start.dims) if r in idle else ix for r, ix in need.items()}
+    by_partial: dict[tuple[int, ...], Blocks] = {}
     for r in mesh.ranks:
         coords = mesh.coords(r)
         by_partial.setdefault(tuple(coords[a] for a in resolve), {})[r] = have[r]
