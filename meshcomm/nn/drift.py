@@ -21,6 +21,11 @@ The digest is exact and does not depend on reduction order: the gradient's bits 
 integers (after -0.0 becomes 0.0 and every NaN one NaN, so equal values digest alike),
 summed plainly and weighted by position, modulo 2**64. Any difference in one element
 changes it; two changes cancel only with a chance of about 2**-64.
+
+Bit for bit is the default. Nondeterministic kernels can make equal gradients differ in
+their last bits, so `parallelize(..., drift_rtol=..., drift_atol=...)` may allow a
+difference: the parameters whose digests differ are then compared by value
+(`Watch.spread_beyond`), and only those further apart than the tolerance raise.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ..core.mesh import AxisName
 from ..interop.runtime import device_mesh_of, is_dtensor, local_of, placements_of
 from ..runtime.bind import BoundMesh
 from ..runtime.checks import Disagreement, compare_values, ranks_text
+from ..runtime.collectives import all_reduce
 from .params import ShardedModule
 
 WATCH_ATTR = "_meshcomm_drift"   # the attribute a watched module holds its Watch in
@@ -96,8 +102,9 @@ class Watch:
     replicated parameters' gradients are compared over `axis`."""
 
     def __init__(self, module: nn.Module, bound: BoundMesh, axis: AxisName,
-                 fixes: Sequence[str]) -> None:
+                 fixes: Sequence[str], rtol: float = 0.0, atol: float = 0.0) -> None:
         self.module, self.bound, self.axis, self.fixes = module, bound, axis, tuple(fixes)
+        self.rtol, self.atol = rtol, atol     # both 0: bit for bit
         self.passes = 0          # backward passes checked
         self.queued = -1         # the backward pass (autograd graph task) queued for, if any
 
@@ -130,10 +137,49 @@ class Watch:
             return
         table = torch.stack([digest(p.grad).to(self.bound.device) for _, p in params])
         names = [name for name, _ in params]
-        found = compare_values(self.bound, self.axis, names, table, COMPARED,
-                               f"gradients of replicated parameters over {self.axis}")
+        what = f"gradients of replicated parameters over {self.axis}"
+        found = compare_values(self.bound, self.axis, names, table, COMPARED, what)
+        if found is not None and (self.rtol or self.atol):
+            beyond = [i for i, far in zip(found.items, self.spread_beyond(
+                [params[i][1] for i in found.items])) if far]
+            found = None if not beyond else compare_values(
+                self.bound, self.axis, [names[i] for i in beyond], table[beyond], COMPARED,
+                what)
+            if found is not None:
+                found = found._replace(items=tuple(beyond[i] for i in found.items))
         if found is not None:
             raise ReplicaDriftError(self.message(names, found))
+
+    def spread_beyond(self, params: Sequence[nn.Parameter]) -> list[bool]:
+        """For each of `params` (parameters whose gradients' digests differ over the axis),
+        whether the ranks' gradients differ by more than the tolerance
+        somewhere: |max - min| > atol + rtol * max(|max|, |min|) over the ranks, element by
+        element, or a gradient on some ranks only, or a NaN on some ranks only. One
+        all_reduce(max) over the axis of (x, -x), x every gradient in float64 with its
+        NaNs and whether it is there, so every rank gets the same answer."""
+        parts = []
+        for p in params:
+            g = p.grad      # none here: zeros of the parameter's size, so every rank's match
+            x = (local_of(p) if is_dtensor(p) else p).detach() if g is None else (
+                local_of(g) if is_dtensor(g) else g).detach()
+            x = torch.view_as_real(x) if x.is_complex() else x
+            x = (x if g is not None else torch.zeros_like(x)).to(
+                device=self.bound.device, dtype=torch.float64).flatten()
+            nan = x.isnan()
+            flags = torch.tensor([float(g is not None)], dtype=torch.float64, device=x.device)
+            parts.append(torch.cat([flags, x.masked_fill(nan, 0.0), nan.to(torch.float64)]))
+        sizes = [len(x) for x in parts]
+        flat = torch.cat(parts)
+        both = all_reduce(torch.cat([flat, -flat]), self.bound, self.axis, op="max",
+                          check=False)
+        out = []
+        for hi, lo in zip(torch.split(both[:len(flat)], sizes),
+                          torch.split(-both[len(flat):], sizes)):
+            allowed = self.atol + self.rtol * torch.maximum(hi.abs(), lo.abs())
+            n = (len(hi) - 1) // 2     # presence, values, NaN flags: exact but values
+            exact = torch.cat([hi[:1] - lo[:1], hi[1 + n:] - lo[1 + n:]])
+            out.append(bool(exact.any()) or bool(((hi - lo) > allowed)[1:1 + n].any()))
+        return out
 
     def message(self, names: Sequence[str], found: Disagreement) -> str:
         name = names[found.items[0]]
@@ -169,13 +215,15 @@ def _show(row: tuple[int, ...]) -> str:
     return f"gradient sum {total:.9g}"
 
 
-def watch(module: nn.Module, bound: BoundMesh, axis: AxisName, fixes: Sequence[str]) -> None:
+def watch(module: nn.Module, bound: BoundMesh, axis: AxisName, fixes: Sequence[str],
+          rtol: float = 0.0, atol: float = 0.0) -> None:
     """Check mode: compare the gradients of `module`'s parameters replicated over `axis`
     across that axis after every backward pass through it (once per module, however many
     times it is parallelized). `fixes`: the styles that sum a module's gradients over the
-    axis, named in the error."""
+    axis, named in the error. `rtol`, `atol`: how far copies may differ (`spread_beyond`);
+    both 0, the default: bit for bit."""
     if hasattr(module, WATCH_ATTR) or bound.mesh.axis_size(axis) == 1:   # 1: no copies
         return
-    w = Watch(module, bound, axis, fixes)
+    w = Watch(module, bound, axis, fixes, rtol, atol)
     setattr(module, WATCH_ATTR, w)
     module.register_forward_hook(w.after_forward)

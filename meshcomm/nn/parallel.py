@@ -397,7 +397,8 @@ class _TP:
 
 
 def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | str, *,
-                axis: str = "tp") -> nn.Module:
+                axis: str = "tp", drift_rtol: float = 0.0, drift_atol: float = 0.0
+                ) -> nn.Module:
     """Split the weights of the modules `plan` names over `axis` and wrap their forward
     (tensor parallelism); returns `module`, changed in place.
 
@@ -411,7 +412,9 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
     declares fused (`fused_parts`) is refused. Apply it before
     `fully_shard`, which then shards the split weights over its own axis. In check mode
     (`init_mesh(..., check=True)`) the gradients of the parameters left replicated over
-    `axis` are compared across it after every backward (`drift.py`).
+    `axis` are compared across it after every backward (`drift.py`), bit for bit unless
+    `drift_rtol` / `drift_atol` allow copies to differ by `atol + rtol * |gradient|` per
+    element (for nondeterministic kernels; see docs/errors.md § Check mode).
     """
     mesh = require_bound(mesh, "parallelize")
     if not mesh.in_mesh:
@@ -421,6 +424,10 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
     if axis not in mesh.mesh.axis_names:
         raise MeshAxisError(f"parallelize(axis={axis!r}): not an axis of {mesh.mesh!r}; fix:"
                             f" one of {list(mesh.mesh.axis_names)}")
+    for name, tol in (("drift_rtol", drift_rtol), ("drift_atol", drift_atol)):
+        if not (isinstance(tol, (int, float)) and 0 <= tol < float("inf")):
+            raise StyleError(f"parallelize({name}={tol!r}): a tolerance is a finite number"
+                             " >= 0 (0, the default: gradients compared bit for bit)")
     if isinstance(plan, str):
         if plan != AUTO:
             raise StyleError(f"parallelize: plan {plan!r} is neither a mapping of module"
@@ -439,7 +446,8 @@ def parallelize(module: nn.Module, mesh: BoundMesh, plan: Mapping[str, str] | st
     install_sequence_hooks(positions)
     if mesh.check:     # check mode: replicated parameters' gradients compared (drift.py)
         sums = [k for k, s in STYLES.items() if s.grad_sum and s.kind is nn.Module]
-        watch(module, mesh, axis, sorted(sums, key=lambda k: "sp" in k.split("_")))
+        watch(module, mesh, axis, sorted(sums, key=lambda k: "sp" in k.split("_")),
+              float(drift_rtol), float(drift_atol))
     return module
 
 
