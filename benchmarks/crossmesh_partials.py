@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import statistics
@@ -48,7 +47,7 @@ ISSUE: list[Case] = [
 def named_cases() -> list[Case]:
     """Issue 39's cases and the partial sources of tests/dist/test_crossmesh_runtime.py."""
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "dist")]
-    from test_crossmesh_runtime import NAMED, MESHES
+    from test_crossmesh_runtime import MESHES, NAMED
 
     out = list(ISSUE)
     for _, s, d, shape, src, dst, dtype in NAMED:

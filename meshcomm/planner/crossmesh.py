@@ -34,10 +34,10 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from ..core.notation import Dim, Factor, Pattern
 from . import search
+from .direct import cross_direct_transfers, cross_held
 from .pairs import cross_traffic, lazy_cross
 from .rank_transfers import cross_blocks_of
 from .states import from_layout, local_numels
-from .direct import cross_direct_transfers, cross_held
 from .transfers import assign
 from .values import CostModel, Plan, Step, Transfer
 
