@@ -41,8 +41,14 @@ launches and collective calls; a count that grows with N is a per-rank loop in t
 A mode sees a DTensor's op once, at the DTensor level (DTensor runs its local ops inside
 that one call), so PyTorch's counts of DTensor code are lower than what it launches. The ratio is meshcomm over PyTorch
 (below 1: meshcomm spends less host time); "growth" is a library's time at the largest N
-over its time at 8 ranks. `--quick` runs H = 60 (uneven shards at every N), 2 blocks, N in 8 and 128, 2 steps: it checks
-that everything runs and prints the table, not the numbers.
+over its time at 8 ranks; "own" growth is the same for the step's time less the time
+inside the backend's collective ops (c10d and functional-collective ops, timed in separate
+steps under a dispatch mode): the fake group's own work, which grows with N (it copies one
+slice per peer for an all_gather, or an all_to_all with split sizes), taken out. "lines"
+counts the lines of meshcomm's own Python one step runs (`sys.settrace`): exact where times
+are noisy, and a count that grows with N is a loop over ranks.
+`--quick` runs H = 60 (uneven shards at every N), 2 blocks, N in 8 and 128, 2 steps: it
+checks that everything runs and prints the table, not the numbers.
 """
 
 from __future__ import annotations
@@ -110,6 +116,63 @@ class _OpCount(TorchDispatchMode):
                            ) -> Any:
         self.ops += 1
         return func(*args, **(kwargs or {}))
+
+
+class _BackendTime(TorchDispatchMode):
+    """Seconds spent inside the process group's collective ops (namespaces c10d and
+    _c10d_functional, waits included) run under it: on the fake backend, its own host work
+    (an all_gather or an all_to_all with split sizes copies one slice per peer, O(N))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **(kwargs or {}))
+        t0 = time.perf_counter()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.s += time.perf_counter() - t0
+
+
+def backend_time(step: Callable[[], None], repeat: int) -> float:
+    """Median seconds of one step inside the backend's collective ops (`_BackendTime`): the
+    step's time less this is the library's own host work."""
+    times = []
+    for _ in range(repeat):
+        with _BackendTime() as mode:
+            step()
+        sync()
+        times.append(mode.s)
+    return statistics.median(times)
+
+
+PACKAGE = str(Path(mc.__file__).parent)
+
+
+def python_lines(step: Callable[[], None]) -> int:
+    """Lines of meshcomm's own Python one step runs (line events under `sys.settrace`, a
+    loop's every pass counted): unlike a time, exact, so a count that grows with N is a
+    per-rank loop in meshcomm's step."""
+    count = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename.startswith(PACKAGE) else None
+
+    sys.settrace(calls)
+    try:
+        step()
+    finally:
+        sys.settrace(None)
+    return count
 
 
 def op_count(step: Callable[[], None]) -> int:
@@ -313,36 +376,54 @@ def run(ranks: list[int], hidden: int, blocks: int, repeat: int,
             continue
         for n in ranks:
             start_world(n)
-            times, ops = {}, {}
+            times, ops, backend = {}, {}, {}
             for lib, build in (("pytorch", theirs), ("meshcomm", ours)):
                 step = build(n, hidden, blocks)
                 times[lib] = step_time(step, repeat)
                 ops[lib] = op_count(step)
+                backend[lib] = backend_time(step, repeat)
+                if lib == "meshcomm":
+                    lines = python_lines(step)
             rows.append({"block": name, "ranks": n, "pytorch_s": times["pytorch"],
                          "meshcomm_s": times["meshcomm"],
                          "ratio": times["meshcomm"] / times["pytorch"],
-                         "pytorch_ops": ops["pytorch"], "meshcomm_ops": ops["meshcomm"]})
+                         "pytorch_ops": ops["pytorch"], "meshcomm_ops": ops["meshcomm"],
+                         "pytorch_backend_s": backend["pytorch"],
+                         "meshcomm_backend_s": backend["meshcomm"], "meshcomm_lines": lines})
             print(f"{name:16s} {n:6d}  pytorch {times['pytorch'] * 1e3:9.1f} ms"
-                  f" ({ops['pytorch']} ops)  meshcomm {times['meshcomm'] * 1e3:9.1f} ms"
-                  f" ({ops['meshcomm']} ops)  ratio {rows[-1]['ratio']:.2f}x", flush=True)
+                  f" ({ops['pytorch']} ops, backend {backend['pytorch'] * 1e3:.1f} ms)"
+                  f"  meshcomm {times['meshcomm'] * 1e3:9.1f} ms ({ops['meshcomm']} ops,"
+                  f" backend {backend['meshcomm'] * 1e3:.1f} ms, {lines} lines)"
+                  f"  ratio {rows[-1]['ratio']:.2f}x",
+                  flush=True)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| block | ranks | PyTorch | meshcomm | ratio | tensor ops (PyTorch / meshcomm) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| block | ranks | PyTorch | meshcomm | ratio | tensor ops (PyTorch / meshcomm)"
+             " | meshcomm's Python lines |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['block']} | {r['ranks']:,} | {r['pytorch_s'] * 1e3:.1f} ms"
                      f" | {r['meshcomm_s'] * 1e3:.1f} ms | {r['ratio']:.2f}x"
-                     f" | {r['pytorch_ops']} / {r['meshcomm_ops']} |")
-    lines += ["", "| block | PyTorch growth | meshcomm growth |", "|---|---|---|"]
+                     f" | {r['pytorch_ops']} / {r['meshcomm_ops']}"
+                     f" | {r.get('meshcomm_lines', '')} |")
+    lines += ["", "| block | PyTorch growth | meshcomm growth | PyTorch own | meshcomm own |",
+              "|---|---|---|---|---|"]
     for block in dict.fromkeys(r["block"] for r in rows):
         mine = [r for r in rows if r["block"] == block]
         lo, hi = mine[0], mine[-1]
         lines.append(f"| {block} ({lo['ranks']:,} -> {hi['ranks']:,}) |"
                      f" {hi['pytorch_s'] / lo['pytorch_s']:.2f}x |"
-                     f" {hi['meshcomm_s'] / lo['meshcomm_s']:.2f}x |")
+                     f" {hi['meshcomm_s'] / lo['meshcomm_s']:.2f}x |"
+                     f" {_own(hi, 'pytorch') / _own(lo, 'pytorch'):.2f}x |"
+                     f" {_own(hi, 'meshcomm') / _own(lo, 'meshcomm'):.2f}x |")
     return "\n".join(lines)
+
+
+def _own(row: dict[str, Any], lib: str) -> float:
+    """A library's own host time of a row: its step less the time inside the backend's
+    collective ops (at least a microsecond)."""
+    return max(row[f"{lib}_s"] - row.get(f"{lib}_backend_s", 0.0), 1e-6)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -178,6 +178,8 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.calls.append(_collective(_KINDS[name], args, out))
         elif func.namespace == "_c10d_functional" and name == "batch_p2p_ops":
             self.calls.append(_p2p(args))
+        elif func.namespace == "c10d" and name == "alltoall_base_":
+            self.calls.append(_all_to_all_base(args))
         # these hand back their input on a device; their meta kernels make a new tensor
         same = (storage_key(args[0]) if func.namespace == "_c10d_functional"
                 and name in _PASS_THROUGH and isinstance(args[0], torch.Tensor) else None)
@@ -237,6 +239,20 @@ def _collective(kind: str, args: Any, out: Any) -> Collective:
         splits = (tuple(s * row for s in args[2]), tuple(s * row for s in args[1]))
     call = Wire(kind, size, _position(group_name), numel_in, numel_out, *splits)
     return Collective(kind, group, size, call.sent * item, call.received * item)
+
+
+def _all_to_all_base(args: Any) -> Collective:
+    """An eager all_to_all as meshcomm's wire posts it: the process group's own call
+    (output, input, group, split lists in rows, empty for even splits), as the functional
+    op makes it."""
+    out, x, pg, out_splits, in_splits = args[:5]
+    name = dist.ProcessGroup.unbox(pg).group_name
+    size, group = _group(name)
+    row = math.prod(x.shape[1:]) if x.dim() > 1 else 1
+    call = Wire("all_to_all", size, _position(name), x.numel(), out.numel(),
+                tuple(s * row for s in in_splits), tuple(s * row for s in out_splits))
+    item = x.element_size()
+    return Collective("all_to_all", group, size, call.sent * item, call.received * item)
 
 
 def _p2p(args: Any) -> Collective:

@@ -55,6 +55,16 @@ def chunk_sizes(n: int, g: int) -> tuple[int, ...]:
     return tuple(min((j + 1) * c, n) - min(j * c, n) for j in range(g))
 
 
+def chunk_size(n: int, g: int, pos: int) -> int:
+    """`chunk_sizes(n, g)[pos]` in O(1): what a per-call byte count needs of one position.
+
+    >>> [chunk_size(5, 4, p) for p in range(4)]
+    [2, 2, 1, 0]
+    """
+    c = -(-n // g)
+    return min((pos + 1) * c, n) - min(pos * c, n)
+
+
 def _add(a: Tensor, b: Tensor) -> Tensor:
     return torch.add(a, b)
 
@@ -92,6 +102,26 @@ def op_reduce(tensors: Sequence[Tensor], op: str) -> Tensor:
     acc: Tensor = reduce(step, tensors[1:], first.clone())  # a left fold: ((t0 op t1) op t2)
     return divide(acc, len(tensors)) if op == "avg" else acc
 
+
+
+def op_reduce_rows(stacked: Tensor, op: str) -> Tensor:
+    """`op_reduce` of the slices of `stacked` along dim 0, bit for bit: one tensor call
+    where no order can change the result (integer and bool dtypes: sums wrap, max and min
+    pick), else the same left fold over views of `stacked` (floating sums are not
+    associative, and every executor folds in group order).
+
+    >>> op_reduce_rows(torch.tensor([[1, 5], [3, 2], [2, 2]]), "sum").tolist()
+    [6, 9]
+    """
+    dtype = stacked.dtype
+    if stacked.dim() == 0 or stacked.shape[0] <= 1 or dtype.is_floating_point or dtype.is_complex:
+        return op_reduce(list(stacked.unbind(0)) if stacked.dim() else [], op)
+    check_op("op_reduce", op, dtype)
+    if dtype == torch.bool:          # torch.add of bools is "or", maximum "or", minimum "and"
+        return stacked.all(0) if op == "min" else stacked.any(0)
+    if op == "sum":
+        return stacked.sum(0, dtype=dtype)
+    return stacked.amax(0) if op == "max" else stacked.amin(0)
 
 def divide(x: Tensor, n: int) -> Tensor:
     """`x / n` for an avg, complex tensors part by part (torch's complex division by a real

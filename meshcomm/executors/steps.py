@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.reduce_ops import chunk_sizes
+from ..core.reduce_ops import chunk_size
 from ..planner.values import WIRES
 
 KINDS: dict[str, tuple[str, ...]] = WIRES
@@ -90,7 +90,7 @@ class Wire:
         raise AssertionError(f"unknown collective {self.kind!r}")
 
     def _ring(self) -> int:
-        c = chunk_sizes(self.numel_in, self.group)[self.pos]
+        c = chunk_size(self.numel_in, self.group, self.pos)   # O(1): per call
         return (self.numel_in - c) + (self.group - 1) * c
 
 

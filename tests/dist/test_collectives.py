@@ -185,7 +185,14 @@ class Wire(torch.utils._python_dispatch.TorchDispatchMode):
         from torch.distributed import distributed_c10d as c10d
 
         name = func._opname
-        if func.namespace == "_c10d_functional" and name in COLLECTIVE_OPS:
+        if func.namespace == "c10d" and name == "alltoall_base_":
+            # wire's eager all_to_all: the process group's own call (output, input, group,
+            # split lists, empty for even splits), as the functional op makes it
+            x, pg, ins = args[1], torch.distributed.ProcessGroup.unbox(args[2]), args[4]
+            row = x[0].numel() * x.element_size() if x.shape[0] else 0
+            own = ins[pg.rank()] if ins else x.shape[0] // pg.size()
+            self.calls.append(("all_to_all_single", (x.shape[0] - own) * row))
+        elif func.namespace == "_c10d_functional" and name in COLLECTIVE_OPS:
             x = args[0] if name != "batch_p2p_ops" else None
             if name == "all_to_all_single":
                 me = c10d._resolve_process_group(args[3]).rank()

@@ -20,7 +20,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import NamedTuple, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -34,10 +34,13 @@ from ...core.errors import (
 )
 from ...core.layout import Layout
 from ...core.mesh import Mesh
-from ...core.reduce_ops import chunk_sizes, divide, op_reduce
+from ...core.reduce_ops import chunk_sizes, divide, op_reduce_rows
+from ...core.untraced import tracing
 from ...planner.values import Plan, Step, Transfer
 from ..landing import combine, unpacked
 from ..local import (
+    Exchange,
+    TreeRun,
     block,
     exchange,
     local_move,
@@ -156,6 +159,29 @@ def local_shape(layout: Layout, mesh: Mesh, shape: tuple[int, ...], rank: int
     return layout.local_shape(mesh, shape, rank)
 
 
+T = TypeVar("T")
+_MEMO: dict[tuple[int, str], tuple[Step, object, object]] = {}
+
+
+def per_step(step: Step, what: str, key: object, build: Callable[[], T]) -> T:
+    """`build()` (`what` of `step` on this rank), worked out once per step and `key` (the
+    rank, shapes, device: what it depends on besides the step) and kept by the step's
+    identity: a prepared or memoized plan's steps live as long as the plan, so each call
+    after the first is one dict lookup and a compare of `key`, whatever the group size.
+    (An lru_cache keyed on the step would hash it, and with it its per-rank byte tuples:
+    O(ranks) per call.) Traced, nothing is kept: the values may hold the trace's tensors."""
+    if tracing() or torch.compiler.is_compiling():
+        return build()
+    hit = _MEMO.get((id(step), what))
+    if hit is not None and hit[0] is step and hit[1] == key:
+        return hit[2]  # type: ignore[return-value]
+    value = build()
+    if len(_MEMO) >= 4096:
+        _MEMO.clear()
+    _MEMO[(id(step), what)] = (step, key, value)
+    return value
+
+
 def check_local(plan: Plan, local: Tensor, bound: Groups) -> None:
     """Raise before any communication if `local` or `bound` do not fit the plan on this rank."""
     # the common case in a few compares: a bound mesh of the plan's, this rank in it, a
@@ -236,16 +262,39 @@ def _all_gather(step: Step, x: Tensor, run: Run) -> Out:
     return Later((y,), functools.partial(rearranged, step.post) if step.post else _same)
 
 
-def _all_gather_v(step: Step, x: Tensor, run: Run) -> Out:
-    """Blocks differ in size along `step.dim`: one all_to_all sending the block to everyone."""
-    name, g, pos = run.group(step)
+class _Splits(NamedTuple):
+    """An uneven collective's all_to_all on this rank, in elements of a flat buffer: what
+    it receives from and sends to each position (worked out once per step, `per_step`)."""
+
+    recv: tuple[int, ...]
+    send: tuple[int, ...]
+    rows: tuple[int, ...]        # the rows along the step's dim (gathered, or chunked)
+    total: int = 0               # the rows gathered
+
+
+def _gather_splits(step: Step, run: Run, shape: tuple[int, ...]) -> _Splits:
+    """An uneven all_gather's splits: every member's block (each member's local shape:
+    O(group) work, once), this rank's sent to each; `shape` is the moved block's."""
     mesh, d = run.bound.mesh, step.dim
     assert d is not None, f"an uneven all_gather names its dim: {step}"
-    sizes = [step.before.local_shape(mesh, run.shape, r)[d] for r in run.members(step)]
+    _, g, pos = run.group(step)
+    row = math.prod(shape[1:])
+    rows = tuple(step.before.local_shape(mesh, run.shape, r)[d] for r in run.members(step))
+    return _Splits(tuple(n * row for n in rows), (rows[pos] * row,) * g, rows, sum(rows))
+
+
+def _all_gather_v(step: Step, x: Tensor, run: Run) -> Out:
+    """Blocks differ in size along `step.dim`: one all_to_all sending the block to everyone."""
+    g = run.group(step).size
+    d = step.dim
+    assert d is not None, f"an uneven all_gather names its dim: {step}"
     block = x.movedim(d, 0).contiguous()
-    buf = block.repeat((g,) + (1,) * (block.dim() - 1))
-    y = _a2a(step, run, buf, sizes, [sizes[pos]] * g)
-    return Later((y,), lambda y: y.movedim(0, d))
+    shape = tuple(block.shape)
+    sp = per_step(step, "gather", (run.bound.rank, shape),
+                  lambda: _gather_splits(step, run, shape))
+    buf = block.reshape(1, -1).expand(g, -1).reshape(-1)    # the block, g times
+    y = _a2a(step, run, buf, sp.recv, sp.send)
+    return Later((y,), lambda y: y.view(sp.total, *shape[1:]).movedim(0, d))
 
 
 def _reduce_scatter(step: Step, x: Tensor, run: Run) -> Out:
@@ -261,20 +310,28 @@ def _reduce_scatter(step: Step, x: Tensor, run: Run) -> Out:
     return Later((out,), lambda out: out.squeeze(0))
 
 
+def _scatter_splits(g: int, pos: int, shape: tuple[int, ...]) -> _Splits:
+    """An uneven reduce_scatter's splits: torch.chunk chunks of the moved input's rows
+    (`shape`), chunk p to position p; this position's chunk from each."""
+    row = math.prod(shape[1:])
+    rows = chunk_sizes(shape[0], g)
+    return _Splits((rows[pos] * row,) * g, tuple(n * row for n in rows), rows)
+
+
 def _reduce_scatter_v(step: Step, x: Tensor, run: Run) -> Out:
     """torch.chunk-sized chunks along `step.dim`: an all_to_all, then the reduction in group
-    order (`op_reduce`, as the simulator), so the result is bit-identical to it."""
+    order (`op_reduce_rows`: `op_reduce`'s bits, as the simulator's) of the g chunks
+    received, stacked in one buffer."""
     _, g, pos = run.group(step)
     d = step.dim
     assert d is not None, f"an uneven reduce_scatter names its dim: {step}"
-    sizes = list(chunk_sizes(x.shape[d], g))
-    y = _a2a(step, run, x.movedim(d, 0).contiguous(), [sizes[pos]] * g, sizes)
-    c = sizes[pos]
-
-    def reduce(y: Tensor) -> Tensor:
-        return op_reduce([y.narrow(0, j * c, c) for j in range(g)],
-                         step.op or "sum").movedim(0, d)
-    return Later((y,), reduce)
+    rows = x.movedim(d, 0).contiguous()
+    shape = tuple(rows.shape)
+    sp = per_step(step, "scatter", (run.bound.rank, shape),
+                  lambda: _scatter_splits(g, pos, shape))
+    y = _a2a(step, run, rows.reshape(-1), sp.recv, sp.send)
+    chunk = (g, sp.rows[pos], *shape[1:])
+    return Later((y,), lambda y: op_reduce_rows(y.view(chunk), step.op or "sum").movedim(0, d))
 
 
 def _all_reduce(step: Step, x: Tensor, run: Run) -> Out:
@@ -296,11 +353,8 @@ def _permute(step: Step, x: Tensor, run: Run) -> Out:
     each of its destinations and receives from its source; one that receives nothing gets
     zeros, as in the simulator. A pair from a position to itself is a local copy."""
     _, g, pos = run.group(step)
-    members = run.members(step)
-    dests = [dst for src, dst in step.pairs if src == pos]
-    source = next((src for src, dst in step.pairs if dst == pos), None)
-    out_shape = tuple(x.shape) if source is None else step.before.local_shape(
-        run.bound.mesh, run.shape, members[source])
+    dests, source, out_shape = per_step(step, "permute", (run.bound.rank, tuple(x.shape)),
+                                        lambda: _permute_ends(step, run, pos, tuple(x.shape)))
     flat = x.contiguous().reshape(-1)
     out = flat.new_empty(math.prod(out_shape))
     sends = [(flat, d) for d in dests if d != pos]
@@ -316,18 +370,45 @@ def _permute(step: Step, x: Tensor, run: Run) -> Out:
     return Later((posted,), lambda got: got.view(out_shape))
 
 
-def _send_recv(step: Step, x: Tensor, run: Run) -> Out:
+def _permute_ends(step: Step, run: Run, pos: int, shape: tuple[int, ...]
+                  ) -> tuple[tuple[int, ...], int | None, tuple[int, ...]]:
+    """A permute's destinations of this position, its source (None: none), and the shape
+    it receives (its source's shard): O(pairs) work, once per step (`per_step`)."""
+    dests = tuple(dst for src, dst in step.pairs if src == pos)
+    source = next((src for src, dst in step.pairs if dst == pos), None)
+    out_shape = shape if source is None else step.before.local_shape(
+        run.bound.mesh, run.shape, run.members(step)[source])
+    return dests, source, out_shape
+
+
+class _Exchanged(NamedTuple):
+    """A send_recv on this rank: its Exchange, its output shape, and its split lists as
+    tuples (None where even), handed to every call as they are."""
+
+    ex: Exchange
+    out_shape: tuple[int, ...]
+    recv: tuple[int, ...] | None
+    send: tuple[int, ...] | None
+
+
+def _exchanged(step: Step, run: Run, device: torch.device) -> _Exchanged:
     mesh, rank = run.bound.mesh, run.bound.rank
-    if step.action == "tree":
-        return _tree(step, x, run)
     in_shape = step.before.local_shape(mesh, run.shape, rank)   # static under torch.compile
     out_shape = step.after.local_shape(mesh, run.shape, rank)
-    ex = exchange(step, rank, run.members(step), mesh, in_shape, out_shape, x.device)
+    ex = exchange(step, rank, run.members(step), mesh, in_shape, out_shape, device)
     if ex.even:   # equal splits: none passed (torch checks a split list per member)
-        y = _a2a(step, run, send_buffer(ex, x))
-    else:
-        y = _a2a(step, run, send_buffer(ex, x), ex.recv_splits, ex.send_splits)
-    return Later((y,), lambda y: received(ex, y, out_shape, step.op))
+        return _Exchanged(ex, out_shape, None, None)
+    return _Exchanged(ex, out_shape, tuple(ex.recv_splits), tuple(ex.send_splits))
+
+
+def _send_recv(step: Step, x: Tensor, run: Run) -> Out:
+    if step.action == "tree":
+        return _tree(step, x, run)
+    # the exchange, its splits and shapes: O(group) work once per step, rank and device
+    got = per_step(step, "send_recv", (run.bound.rank, run.shape, x.device),
+                   lambda: _exchanged(step, run, x.device))
+    y = _a2a(step, run, send_buffer(got.ex, x), got.recv, got.send)
+    return Later((y,), lambda y: received(got.ex, y, got.out_shape, step.op))
 
 
 def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
@@ -335,7 +416,8 @@ def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
     call with the rounds' bytes summed (the plan counts the step's bytes)."""
     mesh, rank = run.bound.mesh, run.bound.rank
     out_shape = step.after.local_shape(mesh, run.shape, rank)
-    tree = tree_run(step, rank, run.members(step), x.device)
+    tree: TreeRun = per_step(step, "tree", (rank, x.device),
+                             lambda: tree_run(step, rank, run.members(step), x.device))
     moved = [0, 0]
 
     def exchange(r: int, buffers: list[Tensor]) -> list[Tensor]:
@@ -352,8 +434,8 @@ def _tree(step: Step, x: Tensor, run: Run) -> Tensor:
     return y
 
 
-def _a2a(step: Step, run: Run, rows: Tensor, out_splits: list[int] | None = None,
-         in_splits: list[int] | None = None) -> Tensor:
+def _a2a(step: Step, run: Run, rows: Tensor, out_splits: Sequence[int] | None = None,
+         in_splits: Sequence[int] | None = None) -> Tensor:
     """all_to_all_single of `rows` along dim 0 over the step's group, recorded as measured."""
     y, call = wire.all_to_all(rows, run.group(step), out_splits, in_splits, wait=False)
     run.record(step, call, rows.element_size())
