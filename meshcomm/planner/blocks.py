@@ -317,19 +317,85 @@ def rank_blocks(dim: DimState, mesh: Mesh) -> Tensor:
 def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
     """Per rank (mesh order), elements of its `dst` block that it holds in `state`, and
     the size of its `dst` block."""
-    own = torch.ones(mesh.size, dtype=torch.long)
-    need = torch.ones(mesh.size, dtype=torch.long)
-    for a, b in zip(state.dims, dst.dims):
+    own: int | Tensor = 1
+    need: int | Tensor = 1
+    for a, b in zip(state.dims, dst.dims):   # ints where every rank is alike
         own = own * _rank_counts(a, b, mesh)
-        need = need * block_sizes(b, mesh)[rank_blocks(b, mesh)]
-    return own, need
+        need = need * _rank_sizes(b, mesh)
+    return _per_rank(own, mesh), _per_rank(need, mesh)
+
+
+def _per_rank(value: int | Tensor, mesh: Mesh) -> Tensor:
+    return value if isinstance(value, Tensor) else torch.full((mesh.size,), value,
+                                                              dtype=torch.long)
 
 
 @functools.lru_cache(maxsize=4096)
-def _rank_counts(a: DimState, b: DimState, mesh: Mesh) -> Tensor:
+def _rank_counts(a: DimState, b: DimState, mesh: Mesh) -> int | Tensor:
     """Per rank, the size of its block of `a` ∩ its block of `b` (states of a search share
-    most dims, so each pair is counted once). Cached: callers must not modify it."""
+    most dims, so each pair is counted once), as one int where every rank is alike. Counted
+    from each rank's coordinates, never through tables of blocks (`counts_at`) where both
+    dims are even or both chunked. Cached: callers must not modify it."""
+    if b.is_local or a == b:
+        return _rank_sizes(a, mesh)
+    if a.is_local:
+        return _rank_sizes(b, mesh)
+    if a.size and a.chunks and b.chunks:   # two intervals per rank
+        (sa, ea), (sb, eb) = _rank_chunks(a, mesh), _rank_chunks(b, mesh)
+        return (torch.minimum(ea, eb) - torch.maximum(sa, sb)).clamp(min=0)
+    if not a.chunks and not b.chunks and a.size:
+        points = sorted(set(a.bounds()) | set(b.bounds()))
+        if not any(y % x for x, y in zip(points, points[1:])):
+            return _digit_counts(a, b, points, mesh)
     return counts_at(a, b, mesh, rank_blocks(a, mesh), rank_blocks(b, mesh))
+
+
+def _digit_counts(a: DimState, b: DimState, points: list[int], mesh: Mesh) -> int | Tensor:
+    """`_rank_counts` of two even dims on one mixed radix (`points` chain): per elementary
+    digit, its base where both blocks leave it free, 1 where one does, else whether the
+    two ranks' values agree (as `counts_at` does with `digit_rows`)."""
+    out: int | Tensor = 1
+    for unit, top in zip(points, points[1:]):
+        va, vb = _digit_value(a, unit, top, mesh), _digit_value(b, unit, top, mesh)
+        if va is None and vb is None:
+            out = out * (top // unit)
+        elif va is not None and vb is not None:
+            out = out * (va == vb).long()
+    return out
+
+
+def _digit_value(dim: DimState, unit: int, top: int, mesh: Mesh) -> Tensor | None:
+    """Per rank, the value its block of even `dim` fixes on digit [unit, top), or None
+    where the dim leaves that digit free."""
+    for lo, hi, axis in dim.shards:
+        if lo <= unit and top <= hi:
+            coord = coords_table(mesh)[:, mesh.axis_names.index(axis)]
+            return (coord // (unit // lo)) % (top // unit)
+    return None
+
+
+def _rank_sizes(dim: DimState, mesh: Mesh) -> int | Tensor:
+    """Per rank, the size of its block of `dim` (`block_sizes` at `rank_blocks`); one int
+    for an even dim."""
+    if not dim.chunks:
+        return dim.size // math.prod(hi // lo for lo, hi, _ in dim.shards) if dim.size else 0
+    start, stop = _rank_chunks(dim, mesh)
+    return stop - start
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_chunks(dim: DimState, mesh: Mesh) -> tuple[Tensor, Tensor]:
+    """Per rank, the [start, stop) of its block of chunk `dim` (`intervals` at `rank_blocks`):
+    the nested `torch.chunk`s on each rank's coordinates."""
+    coords = coords_table(mesh)
+    start = torch.zeros(mesh.size, dtype=torch.long)
+    length = torch.full((mesh.size,), dim.size, dtype=torch.long)
+    for axis in dim.chunks:
+        n, c = mesh.axis_size(axis), coords[:, mesh.axis_names.index(axis)]
+        step = (length + n - 1) // n
+        lo, hi = torch.minimum(c * step, length), torch.minimum((c + 1) * step, length)
+        start, length = start + lo, hi - lo
+    return start, start + length
 
 
 def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisName],

@@ -388,8 +388,10 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
 
 @functools.lru_cache(maxsize=64)
 def _transpose_pairs(g: int) -> tuple[tuple[int, int], ...]:
-    """(source, destination) of each position of a g x g grid in its transpose."""
-    return tuple((j * g + i, i * g + j) for i in range(g) for j in range(g))
+    """(source, destination) of each position of a g x g grid in its transpose: position
+    k = i g + j receives from j g + i (the tuples built in C, by `zip`)."""
+    k = torch.arange(g * g)
+    return tuple(zip(((k % g) * g + k // g).tolist(), range(g * g)))
 
 
 def _drop_partial(state: State,

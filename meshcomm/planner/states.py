@@ -174,9 +174,26 @@ def _dim_pattern(dim: DimState, name: str, taken: set[str]) -> Dim:
     return Dim(tuple(factors))
 
 
+def uniform_numel(state: State) -> int | None:
+    """The elements every rank holds in `state` where all hold as many (no uneven dim, or
+    an empty one), else None."""
+    n = 1
+    for dim in state.dims:
+        if dim.size == 0:
+            return 0
+        if dim.chunks:
+            n = -1
+        elif n > 0:
+            n *= dim.size // math.prod(s[1] // s[0] for s in dim.shards)
+    return n if n >= 0 else None
+
+
 @functools.lru_cache(maxsize=16384)
 def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
     """Elements each rank holds in `state`, in mesh order."""
+    n = uniform_numel(state)
+    if n is not None:
+        return (n,) * mesh.size
     return tuple(local_numels_tensor(state, mesh).reshape(-1).tolist())
 
 
@@ -184,6 +201,9 @@ def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
 def local_numels_tensor(state: State, mesh: Mesh) -> torch.Tensor:
     """`local_numels` as a tensor of the mesh's shape (chunk chains counted for all ranks
     at once, as nested `torch.chunk`s of coordinate tensors)."""
+    n = uniform_numel(state)
+    if n is not None:
+        return torch.full(mesh.shape, n, dtype=torch.long)
     out = torch.ones(mesh.shape, dtype=torch.long)
     for dim in state.dims:
         if not dim.chunks:
