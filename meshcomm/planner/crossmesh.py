@@ -150,13 +150,22 @@ def _transfer_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Sh
     if found is None:
         raise PlanError(f"cannot move {before} on {mesh!r} to {after} on {dst_mesh!r}: some"
                         " block has no holder; this is a meshcomm bug, please report it")
+    return _send_recv(mesh, dst_mesh, before, after, *_listed(found, ranks, itemsize), peak,
+                      cost_model)
+
+
+def _listed(found: tuple[Transfer, ...], ranks: tuple[int, ...], itemsize: int
+            ) -> tuple[tuple[Transfer, ...], list[int], list[int]]:
+    """`found` in (sender, receiver) order of `ranks`, and per rank the bytes it sends and
+    receives (what a rank keeps for itself moves nothing)."""
+    pos = {r: i for i, r in enumerate(ranks)}
     transfers = tuple(sorted(found, key=lambda t: (pos[t.src], pos[t.dst])))
     send, recv = [0] * len(ranks), [0] * len(ranks)
     for t in transfers:
         if t.src != t.dst:
             send[pos[t.src]] += t.numel * itemsize
             recv[pos[t.dst]] += t.numel * itemsize
-    return _send_recv(mesh, dst_mesh, before, after, transfers, send, recv, peak, cost_model)
+    return transfers, send, recv
 
 
 def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
@@ -180,19 +189,12 @@ def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shap
         return None
     resolve = tuple(a for a in mesh.axis_names if a in src.partial_axes)
     found = cross_direct_transfers(start, goal, mesh, dst_mesh, resolve, tuple(sorted(idle)))
-    pos = {r: i for i, r in enumerate(ranks)}
-    transfers = tuple(sorted(found, key=lambda t: (pos[t.src], pos[t.dst])))
-    send, recv = [0] * len(ranks), [0] * len(ranks)
-    for t in transfers:
-        if t.src != t.dst:
-            send[pos[t.src]] += t.numel * itemsize
-            recv[pos[t.dst]] += t.numel * itemsize
-    g = mesh.group_size(resolve)
     ins = dict(zip(mesh.ranks, local_numels(start, mesh)))
     outs = dict(zip(dst_mesh.ranks, local_numels(goal, dst_mesh)))
     # a receiver holds its g partials of its block, then their reduction
     peak = tuple((ins.get(r, 0) + (g + 1) * outs.get(r, 0)) * itemsize for r in ranks)
-    step = _send_recv(mesh, dst_mesh, src, landing, transfers, send, recv, peak, cost_model)
+    step = _send_recv(mesh, dst_mesh, src, landing, *_listed(found, ranks, itemsize), peak,
+                      cost_model)
     return dataclasses.replace(step, action="direct", op=src.reduce_op)
 
 
