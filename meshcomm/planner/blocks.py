@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..core.layout import chunk_range
 from ..core.mesh import AxisName, Mesh
-from .states import DimState, State
+from .states import DimState, State, chunk_spans
 
 Digit = tuple[int, int, int]    # (lo, hi, value): (i // lo) % (hi // lo) == value
 
@@ -383,19 +383,9 @@ def _rank_sizes(dim: DimState, mesh: Mesh) -> int | Tensor:
     return stop - start
 
 
-@functools.lru_cache(maxsize=4096)
 def _rank_chunks(dim: DimState, mesh: Mesh) -> tuple[Tensor, Tensor]:
-    """Per rank, the [start, stop) of its block of chunk `dim` (`intervals` at `rank_blocks`):
-    the nested `torch.chunk`s on each rank's coordinates."""
-    coords = coords_table(mesh)
-    start = torch.zeros(mesh.size, dtype=torch.long)
-    length = torch.full((mesh.size,), dim.size, dtype=torch.long)
-    for axis in dim.chunks:
-        n, c = mesh.axis_size(axis), coords[:, mesh.axis_names.index(axis)]
-        step = (length + n - 1) // n
-        lo, hi = torch.minimum(c * step, length), torch.minimum((c + 1) * step, length)
-        start, length = start + lo, hi - lo
-    return start, start + length
+    """Per rank, the [start, stop) of its block of chunk `dim` (`intervals` at `rank_blocks`)."""
+    return chunk_spans(dim, mesh)
 
 
 def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisName],
@@ -417,8 +407,7 @@ def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisNam
         if len(mine) == len(dim.axes):
             # every block of `dim` in turn: they partition the dim, so the overlaps with
             # the fixed block add up to that block's size
-            fixed_dim = a if in_need else b
-            out = out * block_sizes(fixed_dim, mesh)[rank_blocks(fixed_dim, mesh)]
+            out = out * _rank_sizes(a if in_need else b, mesh)
             continue
         other = combos(mesh, mine)
         index = torch.zeros(mesh.size, len(other), dtype=torch.long)

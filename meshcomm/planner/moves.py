@@ -52,6 +52,7 @@ from .states import (
     even_dim,
     is_chain,
     local_numels,
+    local_numels_tensor,
     to_layout,
 )
 from .traffic import (
@@ -213,7 +214,8 @@ def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
             if dim.chunks:
                 if axis == dim.chunks[-1]:
                     after = _set_dim(state, d, _without(dim, axis, mesh))
-                    send, recv = gather_traffic(mesh, (axis,), sizes)
+                    send, recv = gather_traffic(mesh, (axis,), sizes,
+                                                local_numels_tensor(state, mesh))
                     yield Move("all_gather", (axis,), after, dim=d, send=send, recv=recv)
                 continue
             even.append(axis)
@@ -243,7 +245,7 @@ def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
         shards.append(_shard_of(after.dims[d], axis))
         dims[axis] = d
         after = _set_dim(after, d, _without(after.dims[d], axis, mesh))
-    send, recv = gather_traffic(mesh, group, sizes)
+    send, recv = gather_traffic(mesh, group, sizes, local_numels_tensor(state, mesh))
     return Move("all_gather", group, after, send=send, recv=recv,
                 rearranges=_later(post=(state, after, tuple(shards), (), dims)))
 

@@ -200,22 +200,35 @@ def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
 @functools.lru_cache(maxsize=16384)
 def local_numels_tensor(state: State, mesh: Mesh) -> torch.Tensor:
     """`local_numels` as a tensor of the mesh's shape (chunk chains counted for all ranks
-    at once, as nested `torch.chunk`s of coordinate tensors)."""
+    at once, as nested `torch.chunk`s of coordinates: `chunk_spans`)."""
     n = uniform_numel(state)
     if n is not None:
         return torch.full(mesh.shape, n, dtype=torch.long)
-    out = torch.ones(mesh.shape, dtype=torch.long)
+    even = 1
+    out: torch.Tensor | None = None
     for dim in state.dims:
         if not dim.chunks:
-            out = out * (dim.size // math.prod(s[1] // s[0] for s in dim.shards))
+            even *= dim.size // math.prod(s[1] // s[0] for s in dim.shards)
             continue
-        length = torch.full(mesh.shape, dim.size, dtype=torch.long)
-        for a in dim.chunks:
-            n = mesh.axis_size(a)
-            view = [1] * len(mesh.shape)
-            view[mesh.axis_names.index(a)] = n
-            coord = torch.arange(n).view(view)
-            step = (length + n - 1) // n
-            length = torch.minimum((coord + 1) * step, length) - torch.minimum(coord * step, length)
-        out = out * length
-    return out
+        start, stop = chunk_spans(dim, mesh)
+        out = stop - start if out is None else out * (stop - start)
+    assert out is not None, f"{state} has no uneven dim, yet its ranks differ"
+    return (out * even).reshape(mesh.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_spans(dim: DimState, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per rank (flat, mesh order), the [start, stop) of its block of chunk `dim`: nested
+    `torch.chunk`s, major first, on each rank's coordinates. (Search states share most
+    dims, so each is counted once.) Cached: callers must not modify them."""
+    start = torch.zeros(mesh.shape, dtype=torch.long)
+    length = torch.full(mesh.shape, dim.size, dtype=torch.long)
+    for a in dim.chunks:
+        n = mesh.axis_size(a)
+        view = [1] * len(mesh.shape)
+        view[mesh.axis_names.index(a)] = n
+        coord = torch.arange(n).view(view)
+        step = (length + n - 1) // n
+        lo = torch.minimum(coord * step, length)
+        start, length = start + lo, torch.minimum((coord + 1) * step, length) - lo
+    return start.reshape(-1), (start + length).reshape(-1)

@@ -38,12 +38,15 @@ def axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
     return tuple(mesh.axis_names.index(a) for a in axes)
 
 
-def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
-                    sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...],
+                   mine: torch.Tensor | None = None
+                   ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """`mine`: `sizes` as a tensor of the mesh's shape, where the caller has it."""
     g = mesh.group_size(axes)
     if uniform(sizes):
         return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
-    mine = on_mesh(mesh, sizes)
+    if mine is None:
+        mine = on_mesh(mesh, sizes)
     total = mine.sum(axis_dims(mesh, axes), keepdim=True)
     return (tuple(((g - 1) * mine).reshape(-1).tolist()),
             tuple((total - mine).reshape(-1).tolist()))

@@ -201,11 +201,17 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     A sender s sends each twin r of its group what r needs of s's block: a sum over the
     group of products of per-dim intersection tables, counted for all ranks at once.
     """
+    send, recv = _pair_traffic(state, dst, mesh)
+    return tuple(send.tolist()), tuple(recv.tolist())
+
+
+def _pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
+    """`pair_traffic` as tensors (flat, mesh order)."""
     own, need = own_and_need(state, dst, mesh)
     # Sender p's receivers are p with its coordinates on the axes sharding `state`
     # replaced by any values.
     sent = summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True)
-    return tuple((sent - own).tolist()), tuple((need - own).tolist())
+    return sent - own, need - own
 
 
 @functools.lru_cache(maxsize=1024)
@@ -236,15 +242,16 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     axes = in_mesh_order(mesh, sharding_axes(state))
     if not exact:
         return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
-    send, recv = pair_traffic(state, dst, mesh)
-    if max(send) > max(recv):     # twins send more than anyone receives: rotate them?
+    send_t, _ = _pair_traffic(state, dst, mesh)   # what each receives: `recv`, above
+    most = int(send_t.max())
+    if most > max(recv):     # twins send more than anyone receives: rotate them?
         turn = rotation(state, mesh)
         if turn is not None and mesh.size * mesh.group_size(turn[0]) <= ROTATE_LIMIT:
             spread = rotated_sends(state, dst, mesh, *turn)
-            if max(spread) < max(send):
+            if max(spread) < most:
                 return Move("send_recv", in_mesh_order(mesh, {*turn[0], *turn[1]}), dst,
                             action="rotate", indexed=True, send=spread, recv=recv)
-    return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
+    return Move("send_recv", axes, dst, indexed=True, send=tuple(send_t.tolist()), recv=recv)
 
 
 # -- rotated twins: the sending spread over replicas --------------------------------------
