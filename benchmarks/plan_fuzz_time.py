@@ -42,7 +42,27 @@ SMALL_SIZES = (1, 2, 2, 2, 3, 4, 4, 5, 8)
 DIM_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 24, 64, 96, 128)
 OPS = ("sum", "avg", "max", "min")
 TARGET_MAX_MS = 100.0     # issue 39: no plan over 100 ms on meshes of <= 64 ranks
-Case = tuple[str, tuple[int, ...], str, str]    # mesh spec, shape, src, dst
+CROSS_SIZES = (1, 2, 2, 2, 3, 4, 4)
+# mesh spec, shape, src, dst; between two meshes also the destination mesh, as
+# "spec@first" (its ranks first, first + 1, ...; the source mesh's start at 0)
+Case = tuple[str, tuple[int, ...], str, str] | tuple[str, tuple[int, ...], str, str, str]
+# issue 39's cases between two meshes
+CROSS_ISSUE: list[Case] = [
+    ("sp=4", (4, 8, 12), "a b c | sum(sp)", "a (cp b) (c dp ep)", "cp=4 ep=3 dp=4@0"),
+    ("tp=2 sp=1", (4,), "a | sum(sp)", "(tp a)", "tp=2@0"),
+]
+
+
+def meshes(case: Case) -> tuple[Any, Any]:
+    """The source mesh of `case`, and its destination mesh (None on one mesh)."""
+    import meshcomm as mc
+
+    if len(case) == 4:
+        return mc.Mesh(case[0]), None
+    spec, first = case[4].rsplit("@", 1)
+    axes = dict(mc.Mesh(spec).axes)
+    return mc.Mesh(case[0]), mc.Mesh(axes, ranks=range(int(first), int(first) + math.prod(
+        axes.values())))
 
 
 def random_small(count: int, seed: int, most: int = 64) -> list[Case]:
@@ -80,6 +100,64 @@ def random_small(count: int, seed: int, most: int = 64) -> list[Case]:
     return out
 
 
+def random_cross(count: int, seed: int, most: int = 32) -> list[Case]:
+    """`count` valid transitions between two meshes of at most `most` ranks each (1 to 3
+    axes from `SMALL_AXES`, sizes from `CROSS_SIZES`; the destination's first rank drawn so
+    that the meshes are disjoint, overlap or nest), 1 to 3 dims (sizes from `DIM_SIZES`), a
+    source with any pending op or none and a destination with the same op or none, drawn
+    from `random.Random(seed)` with `meshcomm.testing.random_layout`."""
+    import meshcomm as mc
+    from meshcomm.testing import random_layout
+
+    rng = random.Random(seed)
+    out: list[Case] = []
+
+    def spec() -> str:
+        names = rng.sample(SMALL_AXES, rng.randint(1, 3))
+        return " ".join(f"{a}={rng.choice(CROSS_SIZES)}" for a in names)
+
+    while len(out) < count:
+        a, b = spec(), spec()
+        src_mesh, size_b = mc.Mesh(a), mc.Mesh(b).size
+        if src_mesh.size > most or size_b > most:
+            continue
+        case_b = f"{b}@{rng.randint(0, src_mesh.size)}"
+        ndim = rng.randint(1, 3)
+        shape = tuple(rng.choice(DIM_SIZES) for _ in range(ndim))
+        if math.prod(shape) > 1 << 20:
+            continue
+        _, dst_mesh = meshes((a, shape, "", "", case_b))
+        if dst_mesh == src_mesh:
+            continue
+        src = random_layout(rng, src_mesh, ndim, OPS, name_inside=0.3, sized=0.1)
+        op = mc.Layout(src).reduce_op
+        dst = random_layout(rng, dst_mesh, ndim, (op,) if op else OPS, name_inside=0.3,
+                            sized=0.1)
+        try:
+            mc.Layout(src).placements(src_mesh, shape)
+            mc.Layout(dst).placements(dst_mesh, shape)
+        except mc.errors.MeshcommError:
+            continue
+        out.append((a, shape, src, dst, case_b))
+    return out
+
+
+def plan_case(case: Case) -> Any:
+    """`mc.plan` of `case` (between its two meshes where it has two)."""
+    import meshcomm as mc
+
+    src_mesh, dst_mesh = meshes(case)
+    if dst_mesh is None:
+        return mc.plan(src_mesh, case[1], case[2], case[3])
+    return mc.plan(src_mesh, case[1], case[2], case[3], dst_mesh=dst_mesh)
+
+
+def fixed_cross(count: int) -> list[Case]:
+    """The fixed cases between two meshes: issue 39's, then the first `count` of
+    `random_cross(count, seed=39)`."""
+    return CROSS_ISSUE + random_cross(count, seed=39)
+
+
 def fixed_small(count: int) -> list[Case]:
     """The fixed small cases: `plan_scale.suite()`'s on <= 64 ranks, then the first `count`
     of `random_small(count, seed=39)`."""
@@ -100,6 +178,24 @@ def load() -> str:
         return "n/a"
 
 
+def clear_caches() -> None:
+    """Every cache of the meshcomm imported (functools caches and the plan memo, where the
+    checkout has one: an old release may not), so that the next plan is cold."""
+    clear_memos = getattr(sys.modules.get("meshcomm.planner.plan"), "clear_memos", None)
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("meshcomm") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            fn = getattr(value, "cache_clear", None)
+            if isinstance(value, type) or not callable(fn) or id(value) in seen:
+                continue
+            seen.add(id(value))
+            fn()
+    if clear_memos is not None:
+        clear_memos()
+
+
 # -- the worker: plans cases cold, one per line read, in its own process ------------------
 def worker(root: str, cases_path: str, limit_s: float) -> None:
     """Reads a case index per line from stdin and answers, per line, its cold plan time in
@@ -115,33 +211,17 @@ def worker(root: str, cases_path: str, limit_s: float) -> None:
     from plan_scale import PlanTimeout, time_limit
 
     torch.set_num_threads(1)
-    cases = [(spec, tuple(shape), src, dst)
-             for spec, shape, src, dst in json.loads(Path(cases_path).read_text())]
-    clear_memos = getattr(sys.modules.get("meshcomm.planner.plan"), "clear_memos", None)
-
-    def clear() -> None:
-        seen: set[int] = set()
-        for name, module in list(sys.modules.items()):
-            if not name.startswith("meshcomm") or module is None:
-                continue
-            for value in list(vars(module).values()):
-                fn = getattr(value, "cache_clear", None)
-                if isinstance(value, type) or not callable(fn) or id(value) in seen:
-                    continue
-                seen.add(id(value))
-                fn()
-        if clear_memos is not None:
-            clear_memos()
-
+    cases = [tuple(c[:1]) + (tuple(c[1]),) + tuple(c[2:])
+             for c in json.loads(Path(cases_path).read_text())]
     for line in sys.stdin:
-        spec, shape, src, dst = cases[int(line)]
-        clear()
+        case = cases[int(line)]
+        clear_caches()
         gc.collect()
         out: dict[str, Any]
         try:
             with time_limit(limit_s):
                 t0 = time.perf_counter()
-                p = mc.plan(mc.Mesh(spec), shape, src, dst)
+                p = plan_case(case)
                 ms = (time.perf_counter() - t0) * 1e3
             out = {"ms": ms, "sent": max(p.send_bytes, default=0),
                    "recv": max(p.recv_bytes, default=0), "steps": len(p.steps)}

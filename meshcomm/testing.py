@@ -12,7 +12,8 @@ import torch
 
 from .core.layout import Layout
 from .core.mesh import Mesh
-from .planner.bounds import CLASS_LIMIT, FLOW_TRIES, unions_fit
+from .planner.bounds import CLASS_LIMIT, FLOW_TRIES
+from .planner.unions import unions_fit
 
 
 def random_layout(rng: Any, mesh: Any, ndim: int, ops: tuple[str, ...],

@@ -20,9 +20,9 @@ from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
 from meshcomm.executors.sim import execute, scatter
-from meshcomm.planner.bounds import FLOW_TRIES, row_ids, unions_fit
+from meshcomm.planner.bounds import FLOW_TRIES, row_ids
+from meshcomm.planner.unions import unions_fit
 from meshcomm.testing import counting_bound, partial_transition
-
 
 # The bound counts bytes; the default cost model charges each round a latency, so on small
 # tensors it takes one collective over a tree that meets the bound. These plans weigh bytes

@@ -41,7 +41,7 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   the root of an item no needer holds a partial of (one an item, where such a
   rank needs it): `sum_r e_r - (wasted - refunds) >= F`. And on small tensors
   (`CLASS_LIMIT`) per class of items sharing holders and needers
-  (`ItemClass.fits`): an item takes one node per partial value, so a class
+  (`ClassCaps`): an item takes one node per partial value, so a class
   cannot use more of a partial's holders than one node an item can take; and
   all classes at once (`unions_fit`, a max-flow): a rank's unions of classes
   it holds no partial of cost a copy an item.
@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ from ..core.positions import block_flat
 from .blocks import coords_table, flat_index, own_and_need, summed_overlap
 from .moves import block_indices
 from .states import State, from_layout, local_numels, local_numels_tensor
+from .unions import FlowClass, Unions
 
 
 def lower_bound_elements(mesh: Mesh, shape: Shape, src: Layout, dst: Layout) -> tuple[int, ...]:
@@ -155,6 +157,8 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
     beyond = messages - int(need.sum())     # messages beyond one per element a rank needs
     flow: list[FlowClass] = [(c.count, c.free, [p.tolist() for p in c.partials],
                               c.roots.tolist(), c.others.tolist()) for c in classes]
+    apart = ClassCaps(classes)
+    together = Unions(flow, ranks) if flow else None
 
     def fits(L: int) -> bool:
         wasted = idle * -(-L // g)          # an idle rank's first message per element
@@ -166,8 +170,8 @@ def busiest_share(messages: int, unions: int, need: torch.Tensor, lacking: torch
         return (ranks * L - wasted >= messages
                 and int(torch.clamp(L - lacking, min=0).sum()) - wasted >= unions
                 and int(extra.sum()) - max(0, empty - rootless) >= beyond
-                and all(c.fits(extra) for c in classes)
-                and (not flow or unions_fit(flow, extra.tolist(), tries)))
+                and apart.fits(extra)
+                and (together is None or together.fit(extra.tolist(), tries)))
 
     lo = max(-(-messages // ranks), int(need.max()) if need.numel() else 0)
     if fits(lo):
@@ -205,205 +209,56 @@ class ItemClass:
     others: torch.Tensor
     roots: torch.Tensor
 
+
+class ClassCaps:
+    """Whether ranks with `extra` messages each beyond their needs can make each class's
+    unions, every class apart (`fits`). Each item takes one node per partial value, which
+    makes at most all of the item's `free` unions: a partial's holders make at most
+    `count` x the most one of them can, and at most all they can together. A rank holding
+    none copies first: of e messages it makes at most e - ceil(e / (free + 1)) unions (one
+    copy an item, at most `free` unions after it; all e as the root of an item no needer
+    holds). The classes' ranks are laid out once, as flat index tensors, so that a test
+    of every class is a few tensor operations."""
+
+    def __init__(self, classes: tuple[ItemClass, ...]) -> None:
+        live = [c for c in classes if c.free > 0]
+        self.count = torch.tensor([c.count for c in live], dtype=torch.long)
+        self.free = torch.tensor([c.free for c in live], dtype=torch.long)
+        parts = [(k, p) for k, c in enumerate(live) for p in c.partials]
+        self.holders = _flat([p for _, p in parts])
+        self.part = torch.repeat_interleave(torch.arange(len(parts)),
+                                            _sizes([p for _, p in parts]))
+        self.part_class = torch.tensor([k for k, _ in parts], dtype=torch.long)
+        self.others = _flat([c.others for c in live])
+        self.other_class = torch.repeat_interleave(torch.arange(len(live)),
+                                                   _sizes([c.others for c in live]))
+        self.roots = _flat([c.roots for c in live])
+        self.root_class = torch.repeat_interleave(torch.arange(len(live)),
+                                                  _sizes([c.roots for c in live]))
+
     def fits(self, extra: torch.Tensor) -> bool:
-        """Whether ranks with `extra` messages each beyond their needs can make the class's
-        unions. Each item takes one node per partial value, which makes at most all of the
-        item's `free` unions: a partial's holders make at most `count` x the most one of
-        them can, and at most all they can together. A rank holding none copies first: of
-        e messages it makes at most e - ceil(e / (free + 1)) unions (one copy an item, at
-        most `free` unions after it; all e as the root of an item no needer holds)."""
-        if self.free <= 0:
+        if not self.count.numel():
             return True
-        made = 0
-        for holders in self.partials:
-            e = extra[holders]
-            made += min(int(e.sum()), self.count * min(self.free, int(e.max())))
+        e = extra[self.holders]
+        parts = self.part_class.numel()
+        total = torch.zeros(parts, dtype=torch.long).index_add_(0, self.part, e)
+        most = torch.zeros(parts, dtype=torch.long).scatter_reduce_(0, self.part, e, "amax")
+        c = self.part_class
+        made = torch.zeros_like(self.count).index_add_(
+            0, c, torch.minimum(total, self.count[c] * torch.minimum(self.free[c], most)))
         e = extra[self.others]
-        made += int(e.sum()) - int((-(-e // (self.free + 1))).sum())
-        made += int((-(-extra[self.roots] // (self.free + 1))).sum())
-        return made >= self.count * self.free
+        made.index_add_(0, self.other_class, e + (-e // (self.free[self.other_class] + 1)))
+        e = extra[self.roots]
+        made.index_add_(0, self.root_class, -(-e // (self.free[self.root_class] + 1)))
+        return bool((made >= self.count * self.free).all())
 
 
-FlowClass = tuple[int, int, list[list[int]], list[int], list[int]]
+def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
-def unions_fit(classes: list[FlowClass], extra: list[int], tries: int) -> bool:
-    """Whether ranks with `extra` messages each beyond their needs can make every class's
-    unions at once: per class (items, unions an item, the ranks holding each partial
-    value, ranks that take unions without a copy as roots, ranks that copy first). Each
-    item has one node per partial value, which makes at most `free` of the item's unions,
-    and no more than its rank's extra: a partial's holders make at most items x min(free,
-    the most extra one of them has). A rank takes at most its extra in all, less the
-    copies it makes: u unions of classes it holds no partial of take at least ceil(u / f)
-    copies (one an item it combines, f the most unions an item).
-
-    A max-flow (Dinic) over classes, their partials and ranks, first with no copies
-    counted (a rank's unions for others capped at e - ceil(e / (f + 1))). Where a rank's
-    flow for others needs more copies than counted, two cases are tried apart: it makes
-    at most f x its counted copies of them, or it makes one copy more (its capacity one
-    less). Every plan fits one of them, so the answer stays a lower bound's condition;
-    after `tries` flows the weaker answer (fits) stands. Two shortcuts give the same
-    answer sooner: a flow whose ranks each have room for the copies it needs (ceil(u / f))
-    is a plan's, so no case of the search fails them all and it would answer fits; and
-    once more cases wait than tries are left, some stay untried (fits)."""
-    demand = sum(count * free for count, free, *_ in classes)
-    if demand == 0:
-        return True
-    f = max(free for _, free, *_ in classes)
-    ranks = len(extra)
-    graph = _UnionGraph(classes, extra)
-    # Without copies (holders and copy-free roots alone) the flow makes `alone` unions; the
-    # rest each cost a copy per at most min(f, e - 1) unions at a rank with extra e.
-    alone = graph.flow([0] * ranks, [0] * ranks, demand)[0]
-    if alone >= demand:
-        return True
-    most = max((min(f, extra[r] - 1) for r in graph.copying), default=0)
-    if most <= 0 or sum(extra) - -(-(demand - alone) // most) < demand:
-        return False
-    pending = [([0] * ranks, [e - -(-e // (f + 1)) for e in extra])]
-    for left in range(tries, 0, -1):
-        if not pending:
-            return False
-        if len(pending) > left:   # a try takes one case at most: some stay untried
-            return True
-        copies, other = pending.pop()
-        made, got, taken = graph.flow(copies, other, demand)
-        if made < demand:
-            continue
-        if all(t + -(-u // f) <= e for u, t, e in zip(got, taken, extra)):
-            return True   # copies enough for this flow fit: so does some plan (see above)
-        bad = next((r for r, u in enumerate(got) if u > f * copies[r]), None)
-        if bad is None:
-            return True
-        fewer = list(other)
-        fewer[bad] = f * copies[bad]
-        more = list(copies)
-        more[bad] += 1
-        pending += [(more, other), (copies, fewer)]
-    return bool(pending)     # cases left untried: the weaker answer
-
-
-class _UnionGraph:
-    """The network of `unions_fit`, built once: source -> class -> (partial -> holder |
-    root | others-node of a rank) -> rank -> sink. Edges are numbered in pairs (an edge,
-    then its reverse); `flow` sets the two capacities per rank that change between
-    tries."""
-
-    def __init__(self, classes: list[FlowClass], extra: list[int]) -> None:
-        n, ranks = len(classes), len(extra)
-        self.ranks, self.extra = ranks, extra
-        self.rank_node = [2 + n + r for r in range(ranks)]
-        self.other_node = [2 + n + ranks + r for r in range(ranks)]
-        self.size = 2 + n + 2 * ranks + sum(len(c[2]) for c in classes)
-        self.copying: set[int] = set()     # ranks with an edge for others' unions
-        self.out: list[list[int]] = [[] for _ in range(self.size)]
-        self.to: list[int] = []
-        self.cap: list[int] = []
-        node = 2 + n + 2 * ranks
-        for k, (count, free, partials, roots, others) in enumerate(classes):
-            self._edge(0, 2 + k, count * free)
-            for holders in partials:
-                self._edge(2 + k, node, count * min(free, max(extra[r] for r in holders)))
-                for r in holders:
-                    self._edge(node, self.rank_node[r], count * min(free, extra[r]))
-                node += 1
-            for r in roots:
-                self._edge(2 + k, self.rank_node[r], count * free)
-            for r in others:
-                if extra[r] > 1:
-                    self._edge(2 + k, self.other_node[r], count * free)
-                    self.copying.add(r)
-        self.sink_edge = [self._edge(self.rank_node[r], 1, extra[r], keep=True)
-                          for r in range(ranks)]
-        self.other_edge = [self._edge(self.other_node[r], self.rank_node[r], 0, keep=True)
-                           for r in range(ranks)]
-
-    def _edge(self, a: int, b: int, cap: int, keep: bool = False) -> int:
-        if cap <= 0 and not keep:
-            return -1
-        e = len(self.to)
-        self.out[a].append(e)
-        self.out[b].append(e + 1)
-        self.to += [b, a]
-        self.cap += [cap, 0]
-        return e
-
-    def flow(self, copies: list[int], other: list[int], demand: int
-             ) -> tuple[int, list[int], list[int]]:
-        """A max-flow (up to `demand`) with rank r taking at most extra[r] - copies[r]
-        unions in all and other[r] of classes it holds no partial of: the unions made, what
-        each rank takes for those classes, and what each rank takes in all."""
-        cap = list(self.cap)
-        for r in range(self.ranks):
-            room = self.extra[r] - copies[r]
-            cap[self.sink_edge[r]] = room
-            cap[self.other_edge[r]] = max(0, min(other[r], room))
-        to, out, sink = self.to, self.out, 1
-        total = 0
-        while total < demand:
-            level = _levels(out, to, cap, self.size, sink)
-            if level is None:
-                break
-            total += _blocking_flow(out, to, cap, level, sink, demand - total)
-        # what went through a rank's node for others: its edge's reverse capacity
-        return (total, [cap[e ^ 1] for e in self.other_edge],
-                [cap[e ^ 1] for e in self.sink_edge])
-
-
-def _levels(out: list[list[int]], to: list[int], cap: list[int], size: int,
-            sink: int) -> list[int] | None:
-    """Breadth-first levels from node 0 over edges with capacity left, up to the sink's
-    (nodes beyond it lie on no shortest path); None where the sink is out of reach."""
-    level = [-1] * size
-    level[0] = 0
-    queue = [0]
-    for a in queue:
-        up = level[a] + 1
-        for e in out[a]:
-            b = to[e]
-            if cap[e] > 0 and level[b] < 0:
-                level[b] = up
-                if b == sink:
-                    return level
-                queue.append(b)
-    return None
-
-
-def _blocking_flow(out: list[list[int]], to: list[int], cap: list[int], level: list[int],
-                   sink: int, limit: int) -> int:
-    """Dinic's blocking flow over `level` from node 0 (at most `limit`), `cap` updated: a
-    depth-first search that keeps each node's current edge and sends down it as much as it
-    takes before moving on. It sends the same paths in the same order as augmenting one
-    path at a time from node 0, so the flow is the same (`unions_fit` reads which ranks it
-    went through), with far fewer calls."""
-    at = [0] * len(level)
-
-    def push(a: int, limit: int) -> int:
-        if a == sink:
-            return limit
-        edges = out[a]
-        up = level[a] + 1
-        sent = 0
-        i = at[a]
-        n = len(edges)
-        while i < n:
-            e = edges[i]
-            c = cap[e]
-            if c > 0 and level[to[e]] == up:
-                got = push(to[e], min(limit - sent, c))
-                if got:
-                    cap[e] = c - got
-                    cap[e ^ 1] += got
-                    sent += got
-                    if sent == limit:
-                        at[a] = i
-                        return sent
-                    continue      # the same edge again: full, or its end has no more room
-            i += 1
-        at[a] = i
-        return sent
-
-    return push(0, limit)
+def _sizes(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([p.numel() for p in parts], dtype=torch.long)
 
 
 def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, ...]:
@@ -438,6 +293,9 @@ def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, 
     return tuple(out)
 
 
+_BIT_VALUES = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+
 def row_ids(mask: torch.Tensor) -> torch.Tensor:
     """Per row of a bool matrix, a number shared exactly by the rows equal to it, in the
     rows' lexicographic order: the rows' bits packed into 63-bit words, each word numbered
@@ -448,7 +306,14 @@ def row_ids(mask: torch.Tensor) -> torch.Tensor:
 
     def packed(k: int) -> torch.Tensor:     # word k of every row (no padding: a tall mask)
         part = mask[:, 63 * k:63 * (k + 1)]
-        return (part.long() << torch.arange(part.shape[1])).sum(-1)
+        if sys.byteorder != "little":
+            return (part.long() << torch.arange(part.shape[1])).sum(-1)
+        # bytes of 8 bits each, then 8 bytes read as one little-endian int64 (bit 63 zero)
+        rows = part.shape[0]
+        bits = torch.zeros(rows, 64, dtype=torch.uint8)
+        bits[:, :part.shape[1]] = part
+        octets = (bits.view(rows, 8, 8) * _BIT_VALUES).sum(-1, dtype=torch.uint8)
+        return octets.view(torch.int64).reshape(rows)
 
     _, ids = torch.unique(packed(0), return_inverse=True)
     for k in range(1, words):

@@ -102,6 +102,7 @@ class _Tree:
     combiners: set[int]      # ranks holding no partial that combine others' (in scratch)
     members: list[int]       # the ranks of its reduction (same coordinate on kept axes)
     taken: set[int]          # ranks holding a partial of the element (never combiners)
+    peers: dict[int, list[int]]   # per partial, the ranks of `taken` holding it (in its order)
 
     def floor(self, i: int) -> int:
         """The fewest children node i may have: 2 for a combiner, 1 for the root."""
@@ -330,8 +331,11 @@ def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
                 max(sent[j], recv[j]), recv[j], sent[j], tie[j]):
             nodes[part[i]] = i
     assert len(nodes) == g, f"element {e} has {len(nodes)} of {g} partials"
+    peers: dict[int, list[int]] = defaultdict(list)
+    for i in holding:
+        peers[part[i]].append(i)
     tree = _Tree(root, e, w, [i for i in want if i != root], bool(both),
-                 dict.fromkeys(nodes.values(), 0), set(), members, holding)
+                 dict.fromkeys(nodes.values(), 0), set(), members, holding, peers)
     tree.degree[root] = 1
     heap = [(recv[i], tie[i], i) for i in tree.degree]
     heapq.heapify(heap)
@@ -457,8 +461,8 @@ class _Receivers:
         tree = self.trees[t]
         out = list(tree.degree)
         if tree.degree[i] == 1 and i != tree.root and i not in tree.combiners:
-            out += [c for c in tree.taken if self.part[c] == self.part[i]
-                    and c not in tree.degree and c not in tree.combiners]
+            out += [c for c in tree.peers.get(self.part[i], ())
+                    if c not in tree.degree and c not in tree.combiners]
         return _ranks(out)
 
     def moves(self, i: int, w: int, heavier: bool = False) -> Iterable[tuple[int, Takers]]:
@@ -493,7 +497,8 @@ class _Receivers:
         elems = self.items[tree.elem]
         self.items += [elems[:w], elems[w:]]
         piece = _Tree(tree.root, len(self.items) - 2, w, list(tree.want), tree.root_holds,
-                      dict(tree.degree), set(tree.combiners), tree.members, tree.taken)
+                      dict(tree.degree), set(tree.combiners), tree.members, tree.taken,
+                      tree.peers)
         tree.elem, tree.weight = len(self.items) - 1, tree.weight - w
         self.trees.append(piece)
         for i in piece.degree:
@@ -683,7 +688,7 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
         src = rows[k][1]
         tree = trees[o]
         take = len(into[o].get(src, ())) * tree.weight
-        return _ranks([c for c in tree.taken if part[c] == part[src] and c not in nodes[o]
+        return _ranks([c for c in tree.peers.get(part[src], ()) if c not in nodes[o]
                        and recv[c] + take <= floor])
 
     def moves(i: int, w: int) -> Iterable[tuple[int, Takers]]:
