@@ -370,7 +370,11 @@ def _digit_value(dim: DimState, unit: int, top: int, mesh: Mesh) -> Tensor | Non
     for lo, hi, axis in dim.shards:
         if lo <= unit and top <= hi:
             coord = coords_table(mesh)[:, mesh.axis_names.index(axis)]
-            return (coord // (unit // lo)) % (top // unit)
+            step, base = unit // lo, top // unit
+            if step > 1:
+                coord = coord // step
+            # the coordinate, below the axis size, needs no modulo where the base covers it
+            return coord if (mesh.axis_size(axis) - 1) // step < base else coord % base
     return None
 
 

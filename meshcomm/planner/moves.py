@@ -391,9 +391,9 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
 @functools.lru_cache(maxsize=64)
 def _transpose_pairs(g: int) -> tuple[tuple[int, int], ...]:
     """(source, destination) of each position of a g x g grid in its transpose: position
-    k = i g + j receives from j g + i (the tuples built in C, by `zip`)."""
-    k = torch.arange(g * g)
-    return tuple(zip(((k % g) * g + k // g).tolist(), range(g * g)))
+    k = i g + j receives from j g + i (the tuples built in C, by `zip` over ranges)."""
+    sources = itertools.chain.from_iterable(range(i, g * g, g) for i in range(g))
+    return tuple(zip(sources, range(g * g)))
 
 
 def _drop_partial(state: State,

@@ -25,7 +25,7 @@ from . import bounds
 from .direct import direct_move
 from .moves import Move, expand, with_rearranges
 from .rank_transfers import blocks_of, resolved_axes
-from .states import State, from_layout, local_numels_tensor, to_layout
+from .states import State, from_layout, local_numels_tensor, to_layout, uniform_numel
 from .transfers import reindex_move, send_recv_move, send_recv_targets
 from .traffic import as_tensor
 from .trees import tree_estimate, tree_move, tree_transfers
@@ -37,28 +37,62 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
           cost_model: CostModel) -> Plan:
     start, goal = from_layout(src, mesh, shape), from_layout(dst, mesh, shape)
     _check_ops(src, dst)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     moves = _search(start, goal, mesh, itemsize, cost_model)
     names = dst.dim_names(mesh)
     steps = []
     state, layout = start, src
-    src_held = local_numels_tensor(start, mesh).reshape(-1) * itemsize
-    peak_t = src_held
+    src_held = _numels(start, mesh) * itemsize
+    peak: Counts = src_held
     for i, move in enumerate(map(with_rearranges, moves)):   # rearranges of kept moves only
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         step, live = _step(move, state, layout, after, mesh, tuple(shape), itemsize,
-                           cost_model, src_held if i else None)
+                           cost_model, src_held if i else 0)
         steps.append(step)
-        peak_t = torch.maximum(peak_t, live)
+        peak = _maximum(peak, live)
         state, layout = move.after, after
     send = _per_rank_sum((s.send_bytes for s in steps), mesh.size)
     recv = _per_rank_sum((s.recv_bytes for s in steps), mesh.size)
     # per rank, the most it holds: the source, or a step's peak (one step: that step's)
-    peak = (steps[0].peak_bytes if len(steps) == 1 and torch.equal(peak_t, live)
-            else tuple(peak_t.tolist()))
+    peaks = (steps[0].peak_bytes if len(steps) == 1 and _equal(peak, live)
+             else _per_rank(peak, mesh))
     lower = _times(bounds.lower_bound_elements(mesh, shape, src, dst), itemsize)
-    return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peak,
+    return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peaks,
                 sum(s.time_s for s in steps), cost_model)
+
+
+# Per-rank counts: one int where every rank holds alike (no tensor op: after the garbage
+# collection a cold plan starts with, each torch op costs ~15 us), else a tensor.
+Counts = int | torch.Tensor
+
+
+def _numels(state: State, mesh: Mesh) -> Counts:
+    """Elements each rank holds in `state` (a tensor of the mesh's shape where they differ)."""
+    n = uniform_numel(state)
+    return local_numels_tensor(state, mesh) if n is None else n
+
+
+def _maximum(a: Counts, b: Counts) -> Counts:
+    if isinstance(a, int) and isinstance(b, int):
+        return max(a, b)
+    if isinstance(a, int):
+        a, b = b, a
+    assert isinstance(a, torch.Tensor)
+    return a.clamp(min=b) if isinstance(b, int) else torch.maximum(a, b)
+
+
+def _equal(a: Counts, b: Counts) -> bool:
+    if isinstance(a, int) or isinstance(b, int):
+        return isinstance(a, int) and isinstance(b, int) and a == b
+    return torch.equal(a, b)
+
+
+def _per_rank(value: Counts, mesh: Mesh) -> tuple[int, ...]:
+    return (value,) * mesh.size if isinstance(value, int) else tuple(value.reshape(-1).tolist())
+
+
+def _most_of(value: Counts) -> int:
+    return value if isinstance(value, int) else int(value.max())
 
 
 def _per_rank_sum(columns: Iterator[tuple[int, ...]], ranks: int) -> tuple[int, ...]:
@@ -90,12 +124,11 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
-          held: torch.Tensor | None) -> tuple[Step, torch.Tensor]:
-    """The plan's step of `move`, and its per-rank peak bytes as a tensor (flat)."""
+          held: Counts) -> tuple[Step, Counts]:
+    """The plan's step of `move`, and its per-rank peak bytes (`held` bytes held besides)."""
     assert move.rearranges is None, "a plan's move runs with its rearranges built (with_rearranges)"
-    live = _live(move, state, mesh).reshape(-1)
-    live = live * itemsize + (held if held is not None else 0)
-    peak = tuple(live.tolist())
+    live = _live(move, state, mesh) * itemsize + held
+    peak = _per_rank(live, mesh)
     send = _times(move.send, itemsize)
     recv = send if move.recv is move.send else _times(move.recv, itemsize)
     time = 0.0 if move.kind == "local" else _time(move, _busiest(move) * itemsize, cost_model)
@@ -174,8 +207,8 @@ class _TooLong(Exception):
 
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                  cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
-    src_numels = local_numels_tensor(start, mesh)
-    first: Key = ((0.0, 0, 0), int(src_numels.max()) * itemsize, 0, 0, 0)
+    src_numels = _numels(start, mesh)
+    first: Key = ((0.0, 0, 0), _most_of(src_numels) * itemsize, 0, 0, 0)
     zeros = (0,) * mesh.size
     origin: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
     counter = itertools.count()
@@ -255,8 +288,8 @@ def path_key(start: State, moves: tuple[Move, ...], mesh: Mesh, itemsize: int,
     busiest rank's total received bytes, its total sent bytes), peak, reducing send_recvs,
     steps, index-list steps). Pure: tests compare the search's choice with paths it
     considers (`exact_moves`)."""
-    src_numels = local_numels_tensor(start, mesh)
-    key: Key = ((0.0, 0, 0), int(src_numels.max()) * itemsize, 0, 0, 0)
+    src_numels = _numels(start, mesh)
+    key: Key = ((0.0, 0, 0), _most_of(src_numels) * itemsize, 0, 0, 0)
     zeros = (0,) * mesh.size
     totals: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
     state = start
@@ -325,13 +358,13 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
 
 
 def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel, src_numels: torch.Tensor, held: bool
+            cost_model: CostModel, src_numels: Counts, held: bool
             ) -> tuple[Key, Totals]:
     # Per-rank counts as tensors of the mesh's shape: O(ranks) in C, not in Python.
     live_t = _live(move, state, mesh)
     if held:
         live_t = live_t + src_numels
-    live = int(live_t.max()) * itemsize
+    live = _most_of(live_t) * itemsize
     time, (_, got, sent) = 0.0, key[0]
     if move.kind != "local":
         step_send = _most(move.send) * itemsize
@@ -356,17 +389,19 @@ def _added(total: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:
     return total if not any(step) else tuple(map(operator.add, total, step))
 
 
-def _live(move: Move, state: State, mesh: Mesh) -> torch.Tensor:
+def _live(move: Move, state: State, mesh: Mesh) -> Counts:
     """Elements a rank holds during `move`: its input and output; for a reducing send_recv
     over g ranks, 2g outputs (the buffer it receives, and the g partials it reduces); for a
     tree, its input twice (the partials it combines into) and what it receives."""
-    out = local_numels_tensor(move.after, mesh)
+    out = _numels(move.after, mesh)
     if move.action == "tree":
-        held = local_numels_tensor(state, mesh)
-        return 2 * held + out + as_tensor(move.recv).reshape(held.shape)
+        got = move.recv
+        recv: Counts = (got[0] if got.count(got[0]) == len(got)
+                        else as_tensor(got).reshape(mesh.shape))
+        return 2 * _numels(state, mesh) + out + recv
     if move.kind == "send_recv" and move.op is not None:
         out = out * 2 * mesh.group_size(resolved_axes(state, move.after) or ())
-    return local_numels_tensor(state, mesh) + out
+    return _numels(state, mesh) + out
 
 
 def _dominates(a: Key, at: Totals, b: Key, bt: Totals) -> bool:
