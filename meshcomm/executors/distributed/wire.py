@@ -135,9 +135,11 @@ def _elements(splits: Sequence[int] | None, row: int) -> tuple[int, ...]:
 # waited on at first use (and `waited` waits below autograd too). funcol's Python wrapper
 # adds a group lookup, an autograd custom op to wrap the result, and the ops' Python autograd
 # kernels: over the fake backend an all_reduce waited on costs 19.4 us through funcol and
-# 9 us here (3.4 us for the two ops alone). Traced, or recording a gradient (`mc.collectives`
-# on an input that requires grad), the call goes through funcol (looked up per call, as
-# tests wrap funcol).
+# 9 us here (3.4 us for the two ops alone). An eager all_to_all is what its functional op
+# runs inside (`_all_to_all_posted`: the process group's alltoall_base, the work registered
+# for `wait_tensor`), so its cost does not grow with the group where the splits are even.
+# Traced, or recording a gradient (`mc.collectives` on an input that requires grad), the
+# call goes through funcol (looked up per call, as tests wrap funcol).
 _OPS = torch.ops._c10d_functional
 _BELOW_AUTOGRAD = torch._C._AutoDispatchBelowAutograd
 _ALL_REDUCE = _OPS.all_reduce.default
