@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.layout import DimPlacement, Layout, Shape
+from ..core.layout import DimPlacement, Layout, Shape, chunk_range
 from ..core.mesh import AxisName, Mesh
 from ..core.names import fresh_name
 from ..core.notation import Dim, Factor, Pattern
@@ -221,6 +221,8 @@ def chunk_spans(dim: DimState, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
     """Per rank (flat, mesh order), the [start, stop) of its block of chunk `dim`: nested
     `torch.chunk`s, major first, on each rank's coordinates. (Search states share most
     dims, so each is counted once.) Cached: callers must not modify them."""
+    if mesh.group_size(dim.chunks) <= _FEW_BLOCKS:
+        return _few_chunk_spans(dim, mesh)
     start = torch.zeros(mesh.shape, dtype=torch.long)
     length = torch.full(mesh.shape, dim.size, dtype=torch.long)
     for a in dim.chunks:
@@ -232,3 +234,24 @@ def chunk_spans(dim: DimState, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
         lo = torch.minimum(coord * step, length)
         start, length = start + lo, torch.minimum((coord + 1) * step, length) - lo
     return start.reshape(-1), (start + length).reshape(-1)
+
+
+# Chunk chains of at most this many blocks are counted in Python, block by block (a cold
+# torch op costs as much as ~30 blocks), then laid on the ranks in one expand.
+_FEW_BLOCKS = 64
+
+
+def _few_chunk_spans(dim: DimState, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor]:
+    spans = [(0, dim.size)]                     # row-major over the chain, major first
+    for a in dim.chunks:
+        n = mesh.axis_size(a)
+        spans = [chunk_range(s, length, n, c) for s, length in spans for c in range(n)]
+    sizes = [mesh.axis_size(a) for a in dim.chunks]
+    table = torch.tensor([[s for s, _ in spans], [s + n for s, n in spans]],
+                         dtype=torch.long).view(2, *sizes)
+    order = sorted(range(len(sizes)), key=lambda k: mesh.axis_names.index(dim.chunks[k]))
+    if order != sorted(order):
+        table = table.permute(0, *(k + 1 for k in order))
+    view = [2] + [mesh.axis_size(a) if a in dim.chunks else 1 for a in mesh.axis_names]
+    flat = table.reshape(view).expand(2, *mesh.shape).reshape(2, -1)
+    return flat[0], flat[1]
