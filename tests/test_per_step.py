@@ -110,3 +110,88 @@ def test_wire_split_copies_are_c_level_for_flat_buffers() -> None:
     assert wire._elements(splits[:3], 5) == (15, 15, 15)
     assert wire._elements(None, 4) == wire._elements([], 4) == ()
     assert wire._plus_one(kept, 2)[:4] == [3, 3, 4, 3] and kept[2] == 3
+
+
+# one rank of a 1,024-rank fake job: meshes of 128 and 1,024 ranks; a step's Python lines in
+# meshcomm (sys.settrace) must not grow with the group (a loop over it adds ~900)
+LINES = r'''
+import os, sys, json
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import meshcomm as mc
+from torch.utils._python_dispatch import TorchDispatchMode
+ROOT = os.path.dirname(mc.__file__)
+
+class Splits(TorchDispatchMode):
+    """The longest split list handed to a process group's all_to_all (or its functional op)."""
+    most = 0
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._opname == "alltoall_base_":
+            self.most = max(self.most, len(args[3]), len(args[4]))
+        if func._opname == "all_to_all_single":
+            self.most = max(self.most, len(args[1]), len(args[2]))
+        return func(*args, **(kwargs or {}))
+
+def lines(fn):
+    count = [0]
+    def local(f, e, a):
+        count[0] += e == "line"
+        return local
+    def calls(f, e, a):
+        return local if f.f_code.co_filename.startswith(ROOT) else None
+    sys.settrace(calls)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return count[0]
+
+dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=1024)
+cases = [("a b | sum(dp)", "(dp a) b", torch.int64, lambda n: (n // 8 * 2 + 3, 8)),
+         ("(dp a) b", "a b", torch.float32, lambda n: (n // 8 * 2 + 3, 8)),
+         ("(dp tp a) b", "(tp dp a) b", torch.float32, lambda n: (n * 2, 8)),
+         ("(dp a) b | sum(tp)", "a (dp b)", torch.float32, lambda n: (n * 2, 64)),
+         ("(dp a) b | sum(tp)", "a (dp b)", torch.float32, lambda n: (n * 2, 1024))]
+out = []
+for src, dst, dtype, shape_of in cases:
+    row = []
+    for n in (128, 1024):
+        bound = mc.init_mesh(f"dp={n // 8} tp=8", ranks=list(range(n)))
+        shape = shape_of(n)
+        p = mc.plan(bound.mesh, shape, src, dst, dtype=dtype)
+        x = torch.zeros(p.src.local_shape(bound.mesh, shape, 3), dtype=dtype)
+        call = lambda: mc.reshard(x, bound, src, dst, shape=shape)
+        call()
+        call()
+        with Splits() as mode:
+            call()
+        row.append([[s.kind, s.wire] for s in p.steps] + [mode.most, lines(call)])
+    out.append([src, dst, str(dtype), row])
+print(json.dumps(out))
+'''
+
+
+def test_a_step_runs_the_same_python_lines_on_128_and_1024_ranks() -> None:
+    import json
+    import subprocess
+    import sys
+
+    from conftest import scaled
+
+    done = subprocess.run([sys.executable, "-c", LINES], capture_output=True, text=True,
+                          timeout=scaled(300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    kinds = set()
+    for src, dst, dtype, (small, big) in cases:
+        assert small[:-2] == big[:-2], (src, dst, small, big)      # the same plan
+        assert big[-1] <= small[-1] + 10, (src, dst, dtype, small, big)
+        kinds.update(tuple(k) for k in small[:-2])
+    # even splits travel as none (torch's functional op reads a list of N sizes per call)
+    even = cases[-1][3]
+    assert even[0][-2] == even[1][-2] == 0, even
+    assert cases[-2][3][1][-2] == 1024, cases[-2]   # uneven: a size per member of its group
+    # the cases run every per-step path: uneven reduce_scatter (integers: one reduction
+    # call) and all_gather, a permute, an even and an uneven send_recv
+    assert {("reduce_scatter", "all_to_all"), ("all_gather", "all_to_all"),
+            ("collective_permute", "all_to_all"), ("send_recv", "all_to_all")} <= kinds
