@@ -114,14 +114,40 @@ def op_reduce_rows(stacked: Tensor, op: str) -> Tensor:
     [6, 9]
     """
     dtype = stacked.dtype
-    if stacked.dim() == 0 or stacked.shape[0] <= 1 or dtype.is_floating_point or dtype.is_complex:
+    if stacked.dim() == 0 or stacked.shape[0] <= 1:
         return op_reduce(list(stacked.unbind(0)) if stacked.dim() else [], op)
     check_op("op_reduce", op, dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        # op_reduce's fold, into one accumulator (each step the same elementwise op, in
+        # place: no new tensor per partial)
+        parts = stacked.unbind(0)
+        acc = parts[0].clone()
+        into = _INTO[op]
+        for t in parts[1:]:
+            into(acc, t)
+        return divide(acc, len(parts)) if op == "avg" else acc
     if dtype == torch.bool:          # torch.add of bools is "or", maximum "or", minimum "and"
         return stacked.all(0) if op == "min" else stacked.any(0)
     if op == "sum":
         return stacked.sum(0, dtype=dtype)
     return stacked.amax(0) if op == "max" else stacked.amin(0)
+
+
+def _add_into(acc: Tensor, t: Tensor) -> None:
+    acc.add_(t)
+
+
+def _max_into(acc: Tensor, t: Tensor) -> None:
+    torch.maximum(acc, t, out=acc)
+
+
+def _min_into(acc: Tensor, t: Tensor) -> None:
+    torch.minimum(acc, t, out=acc)
+
+
+_INTO: dict[str, Callable[[Tensor, Tensor], None]] = {
+    "sum": _add_into, "avg": _add_into, "max": _max_into, "min": _min_into}
+
 
 def divide(x: Tensor, n: int) -> Tensor:
     """`x / n` for an avg, complex tensors part by part (torch's complex division by a real
