@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..core.layout import chunk_range
 from ..core.mesh import AxisName, Mesh
-from .states import DimState, State, chunk_spans
+from .states import DimState, State, chunk_sizes, chunk_spans
 
 Digit = tuple[int, int, int]    # (lo, hi, value): (i // lo) % (hi // lo) == value
 
@@ -383,8 +383,7 @@ def _rank_sizes(dim: DimState, mesh: Mesh) -> int | Tensor:
     for an even dim."""
     if not dim.chunks:
         return dim.size // math.prod(hi // lo for lo, hi, _ in dim.shards) if dim.size else 0
-    start, stop = _rank_chunks(dim, mesh)
-    return stop - start
+    return chunk_sizes(dim, mesh)
 
 
 def _rank_chunks(dim: DimState, mesh: Mesh) -> tuple[Tensor, Tensor]:

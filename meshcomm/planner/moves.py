@@ -54,6 +54,7 @@ from .states import (
     local_numels,
     local_numels_tensor,
     to_layout,
+    uniform_numel,
 )
 from .traffic import (
     all_reduce_traffic,
@@ -205,7 +206,8 @@ def _fits(dim: DimState, shard: Shard) -> bool:
 # -- move generators --------------------------------------------------------------
 def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """all_gather of one axis, or of several even axes at once (one flattened group)."""
-    sizes = local_numels(state, mesh)
+    n = uniform_numel(state)   # where ranks differ, their sizes stay a tensor
+    sizes = None if n is None else (n,) * mesh.size
     even: list[AxisName] = []
     for d, dim in enumerate(state.dims):
         for axis in dim.axes:
@@ -235,7 +237,7 @@ def _same_place(state: State, dst: State, d: int, axis: AxisName) -> bool:
 
 
 def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
-                 sizes: tuple[int, ...]) -> Move:
+                 sizes: tuple[int, ...] | None) -> Move:
     after = state
     shards: list[Shard] = []
     dims: dict[AxisName, int] = {}

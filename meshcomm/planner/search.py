@@ -42,20 +42,20 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     names = dst.dim_names(mesh)
     steps = []
     state, layout = start, src
-    src_held = _numels(start, mesh) * itemsize
+    src_held = _numels(start, mesh) * itemsize if len(moves) != 1 else 0
     peak: Counts = src_held
     for i, move in enumerate(map(with_rearranges, moves)):   # rearranges of kept moves only
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         step, live = _step(move, state, layout, after, mesh, tuple(shape), itemsize,
                            cost_model, src_held if i else 0)
         steps.append(step)
-        peak = _maximum(peak, live)
+        # step 0 holds the source besides its output (`_live`): no rank's peak is below it
+        peak = live if i == 0 else _maximum(peak, live)
         state, layout = move.after, after
     send = _per_rank_sum((s.send_bytes for s in steps), mesh.size)
     recv = _per_rank_sum((s.recv_bytes for s in steps), mesh.size)
     # per rank, the most it holds: the source, or a step's peak (one step: that step's)
-    peaks = (steps[0].peak_bytes if len(steps) == 1 and _equal(peak, live)
-             else _per_rank(peak, mesh))
+    peaks = steps[0].peak_bytes if len(steps) == 1 else _per_rank(peak, mesh)
     lower = _times(bounds.lower_bound_elements(mesh, shape, src, dst), itemsize)
     return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peaks,
                 sum(s.time_s for s in steps), cost_model)
@@ -81,18 +81,13 @@ def _maximum(a: Counts, b: Counts) -> Counts:
     return a.clamp(min=b) if isinstance(b, int) else torch.maximum(a, b)
 
 
-def _equal(a: Counts, b: Counts) -> bool:
-    if isinstance(a, int) or isinstance(b, int):
-        return isinstance(a, int) and isinstance(b, int) and a == b
-    return torch.equal(a, b)
-
-
 def _per_rank(value: Counts, mesh: Mesh) -> tuple[int, ...]:
     return (value,) * mesh.size if isinstance(value, int) else tuple(value.reshape(-1).tolist())
 
 
-def _most_of(value: Counts) -> int:
-    return value if isinstance(value, int) else int(value.max())
+def _start_most(state: State, mesh: Mesh) -> int:
+    n = uniform_numel(state)
+    return _most_numel(state, mesh) if n is None else n
 
 
 def _per_rank_sum(columns: Iterator[tuple[int, ...]], ranks: int) -> tuple[int, ...]:
@@ -127,7 +122,9 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           held: Counts) -> tuple[Step, Counts]:
     """The plan's step of `move`, and its per-rank peak bytes (`held` bytes held besides)."""
     assert move.rearranges is None, "a plan's move runs with its rearranges built (with_rearranges)"
-    live = _live(move, state, mesh) * itemsize + held
+    live = _live(move, state, mesh) * itemsize
+    if not isinstance(held, int) or held:
+        live = live + held
     peak = _per_rank(live, mesh)
     send = _times(move.send, itemsize)
     recv = send if move.recv is move.send else _times(move.recv, itemsize)
@@ -207,8 +204,7 @@ class _TooLong(Exception):
 
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                  cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
-    src_numels = _numels(start, mesh)
-    first: Key = ((0.0, 0, 0), _most_of(src_numels) * itemsize, 0, 0, 0)
+    first: Key = ((0.0, 0, 0), _start_most(start, mesh) * itemsize, 0, 0, 0)
     zeros = (0,) * mesh.size
     origin: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
     counter = itertools.count()
@@ -229,7 +225,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
     def relax(key: Key, totals: Totals, state: State, move: Move,
               path: tuple[Move, ...]) -> None:
         nkey, ntotals = _extend(key, totals, move, state, mesh, itemsize, cost_model,
-                                src_numels, bool(path))
+                                start, bool(path))
         if move.estimate:   # a lower bound of its key: price it when it is popped
             heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), key,
                                   not guided or move.after == goal, totals))
@@ -288,14 +284,13 @@ def path_key(start: State, moves: tuple[Move, ...], mesh: Mesh, itemsize: int,
     busiest rank's total received bytes, its total sent bytes), peak, reducing send_recvs,
     steps, index-list steps). Pure: tests compare the search's choice with paths it
     considers (`exact_moves`)."""
-    src_numels = _numels(start, mesh)
-    key: Key = ((0.0, 0, 0), _most_of(src_numels) * itemsize, 0, 0, 0)
+    key: Key = ((0.0, 0, 0), _start_most(start, mesh) * itemsize, 0, 0, 0)
     zeros = (0,) * mesh.size
     totals: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
     state = start
     for i, move in enumerate(moves):
         key, totals = _extend(key, totals, move, state, mesh, itemsize, cost_model,
-                              src_numels, bool(i))
+                              start, bool(i))
         state = move.after
     return key
 
@@ -358,13 +353,9 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
 
 
 def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel, src_numels: Counts, held: bool
+            cost_model: CostModel, start: State, held: bool
             ) -> tuple[Key, Totals]:
-    # Per-rank counts as tensors of the mesh's shape: O(ranks) in C, not in Python.
-    live_t = _live(move, state, mesh)
-    if held:
-        live_t = live_t + src_numels
-    live = _most_of(live_t) * itemsize
+    live = _live_most(move, state, mesh, start if held else None) * itemsize
     time, (_, got, sent) = 0.0, key[0]
     if move.kind != "local":
         step_send = _most(move.send) * itemsize
@@ -389,19 +380,66 @@ def _added(total: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:
     return total if not any(step) else tuple(map(operator.add, total, step))
 
 
+def _live_most(move: Move, state: State, mesh: Mesh, held: State | None) -> int:
+    """The most elements any rank holds during `move` (`_live`), plus what it holds of
+    `held`. Where one term differs between ranks and the others do not, that term's
+    (cached) largest value plus theirs: no tensor op."""
+    ints, varying = 0, []
+    terms = _live_terms(move, state, mesh)
+    if held is not None:
+        terms.append((1, held))
+    for factor, term in terms:
+        if isinstance(term, State):
+            n = uniform_numel(term)
+            if n is None:
+                varying.append((factor, term))
+                continue
+            term = n
+        if isinstance(term, int):
+            ints += factor * term
+        else:
+            varying.append((factor, term))
+    if not varying:
+        return ints
+    if len(varying) == 1 and isinstance(varying[0][1], State):
+        factor, term = varying[0]
+        return factor * _most_numel(term, mesh) + ints
+    total = sum(f * (local_numels_tensor(t, mesh) if isinstance(t, State) else t)
+                for f, t in varying)
+    return int(total.max()) + ints    # type: ignore[union-attr]
+
+
+@functools.lru_cache(maxsize=16384)
+def _most_numel(state: State, mesh: Mesh) -> int:
+    """The most elements any rank holds in `state`."""
+    return int(local_numels_tensor(state, mesh).max())
+
+
+def _live_terms(move: Move, state: State, mesh: Mesh
+                ) -> list[tuple[int, State | int | torch.Tensor]]:
+    """`_live` as (factor, per-rank counts) terms that add up to it: a state stands for
+    its local sizes."""
+    if move.action == "tree":
+        got = move.recv
+        recv = (got[0] if got.count(got[0]) == len(got)
+                else as_tensor(got).reshape(mesh.shape))
+        return [(2, state), (1, move.after), (1, recv)]
+    if move.kind == "send_recv" and move.op is not None:
+        g = mesh.group_size(resolved_axes(state, move.after) or ())
+        return [(1, state), (2 * g, move.after)]
+    return [(1, state), (1, move.after)]
+
+
 def _live(move: Move, state: State, mesh: Mesh) -> Counts:
     """Elements a rank holds during `move`: its input and output; for a reducing send_recv
     over g ranks, 2g outputs (the buffer it receives, and the g partials it reduces); for a
     tree, its input twice (the partials it combines into) and what it receives."""
-    out = _numels(move.after, mesh)
-    if move.action == "tree":
-        got = move.recv
-        recv: Counts = (got[0] if got.count(got[0]) == len(got)
-                        else as_tensor(got).reshape(mesh.shape))
-        return 2 * _numels(state, mesh) + out + recv
-    if move.kind == "send_recv" and move.op is not None:
-        out = out * 2 * mesh.group_size(resolved_axes(state, move.after) or ())
-    return _numels(state, mesh) + out
+    total: Counts = 0
+    for factor, term in _live_terms(move, state, mesh):
+        counts = _numels(term, mesh) if isinstance(term, State) else term
+        counts = counts if factor == 1 else factor * counts
+        total = counts if isinstance(total, int) and total == 0 else total + counts
+    return total
 
 
 def _dominates(a: Key, at: Totals, b: Key, bt: Totals) -> bool:

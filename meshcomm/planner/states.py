@@ -210,10 +210,16 @@ def local_numels_tensor(state: State, mesh: Mesh) -> torch.Tensor:
         if not dim.chunks:
             even *= dim.size // math.prod(s[1] // s[0] for s in dim.shards)
             continue
-        start, stop = chunk_spans(dim, mesh)
-        out = stop - start if out is None else out * (stop - start)
+        out = chunk_sizes(dim, mesh) if out is None else out * chunk_sizes(dim, mesh)
     assert out is not None, f"{state} has no uneven dim, yet its ranks differ"
-    return (out * even).reshape(mesh.shape)
+    return (out if even == 1 else out * even).reshape(mesh.shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def chunk_sizes(dim: DimState, mesh: Mesh) -> torch.Tensor:
+    """Per rank (flat, mesh order), the size of its block of chunk `dim` (`chunk_spans`)."""
+    start, stop = chunk_spans(dim, mesh)
+    return stop - start
 
 
 @functools.lru_cache(maxsize=4096)

@@ -38,14 +38,16 @@ def axis_dims(mesh: Mesh, axes: tuple[AxisName, ...]) -> tuple[int, ...]:
     return tuple(mesh.axis_names.index(a) for a in axes)
 
 
-def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...],
+def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...] | None,
                    mine: torch.Tensor | None = None
                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """`mine`: `sizes` as a tensor of the mesh's shape, where the caller has it."""
+    """`mine`: `sizes` as a tensor of the mesh's shape, where the caller has it (then
+    `sizes` may be None)."""
     g = mesh.group_size(axes)
-    if uniform(sizes):
+    if sizes is not None and uniform(sizes):
         return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
     if mine is None:
+        assert sizes is not None, "gather_traffic needs the ranks' sizes"
         mine = on_mesh(mesh, sizes)
     total = mine.sum(axis_dims(mesh, axes), keepdim=True)
     return (tuple(((g - 1) * mine).reshape(-1).tolist()),

@@ -201,17 +201,16 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     A sender s sends each twin r of its group what r needs of s's block: a sum over the
     group of products of per-dim intersection tables, counted for all ranks at once.
     """
-    send, recv = _pair_traffic(state, dst, mesh)
-    return tuple(send.tolist()), tuple(recv.tolist())
-
-
-def _pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
-    """`pair_traffic` as tensors (flat, mesh order)."""
     own, need = own_and_need(state, dst, mesh)
+    return tuple(_pair_sent(state, dst, mesh).tolist()), tuple((need - own).tolist())
+
+
+def _pair_sent(state: State, dst: State, mesh: Mesh) -> Tensor:
+    """What each rank sends in `pair_traffic`, as a tensor (flat, mesh order)."""
+    own, _ = own_and_need(state, dst, mesh)
     # Sender p's receivers are p with its coordinates on the axes sharding `state`
     # replaced by any values.
-    sent = summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True)
-    return sent - own, need - own
+    return summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True) - own
 
 
 @functools.lru_cache(maxsize=1024)
@@ -242,7 +241,7 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     axes = in_mesh_order(mesh, sharding_axes(state))
     if not exact:
         return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
-    send_t, _ = _pair_traffic(state, dst, mesh)   # what each receives: `recv`, above
+    send_t = _pair_sent(state, dst, mesh)   # what each receives: `recv`, above
     most = int(send_t.max())
     if most > max(recv):     # twins send more than anyone receives: rotate them?
         turn = rotation(state, mesh)
