@@ -23,8 +23,10 @@ tensor ops, hook and autograd overhead). For each N, one after the other, in thi
   and to `[Shard(0), Shard(0)]`, 8 times each: `DTensor.redistribute` beside `mc.reshard`
   of the local tensor (`"(dp a) (tp b)"` to `"(dp a) b"` and `"(dp tp a) b"`);
 - `reshard_partial`: the same tensor `[Shard(0), Partial()]` (`"(dp a) b | sum(tp)"`) to
-  `[Shard(1), Replicate()]` (`"a (dp b)"`: from 128 ranks on, meshcomm's plan reduces over
-  tp, then runs one send_recv over all N ranks) and to `[Shard(0), Shard(0)]` (`"(dp tp a) b"`);
+  `[Shard(1), Replicate()]` (`"a (dp b)"`: from 128 ranks on, meshcomm's plan is one
+  send_recv over all N ranks, each taking its block's partials from their holders and
+  adding them; on 8 ranks, dp=1, one all_reduce over tp) and to `[Shard(0), Shard(0)]`
+  (`"(dp tp a) b"`);
 - `vocab_parallel_ce`: the loss of (4, 64) positions over a vocabulary of 8H split over tp=8,
   forward + backward, 8 times: `F.cross_entropy` of DTensor logits under `loss_parallel()`
   beside `mc.nn.vocab_parallel_cross_entropy`.
