@@ -2,7 +2,8 @@
 release), side by side: what direct delivery of partials to their owners changes.
 
 Run: `python benchmarks/crossmesh_partials.py --against PATH [--random N] [--seed S]
-[--reps R] [--json PATH]`.
+[--reps R] [--latency-s L] [--json PATH]` (`--latency-s 0`: plan on bytes alone, as
+`CostModel(latency_s=0.0)`; by default the default cost model).
 
 The cases: issue 39's cross-mesh cases, the partial sources of
 tests/dist/test_crossmesh_runtime.py, and N (default 500) random ones drawn with
@@ -105,7 +106,7 @@ def random_cases(count: int, seed: int) -> list[Case]:
 
 
 # -- the worker: plans cases cold, one per line read, in its own process ------------------
-def worker(root: str, cases_path: str) -> None:
+def worker(root: str, cases_path: str, latency_s: str) -> None:
     """Reads a case index per line and answers its cold plan time in ms and its busiest
     rank's sent and received bytes, modelled cost and steps, as JSON (or a reason)."""
     sys.path.insert(0, root)
@@ -117,6 +118,7 @@ def worker(root: str, cases_path: str) -> None:
     assert Path(mc.__file__).resolve().is_relative_to(Path(root).resolve()), mc.__file__
     torch.set_num_threads(1)
     cases = json.loads(Path(cases_path).read_text())
+    cost = None if latency_s == "default" else mc.CostModel(latency_s=float(latency_s))
     clear_memos = getattr(sys.modules.get("meshcomm.planner.plan"), "clear_memos", None)
 
     def clear() -> None:
@@ -144,7 +146,7 @@ def worker(root: str, cases_path: str) -> None:
         try:
             t0 = time.perf_counter()
             p = mc.plan(src_mesh, tuple(shape), src, dst, dtype=getattr(torch, dtype),
-                        dst_mesh=dst_mesh)
+                        dst_mesh=dst_mesh, cost_model=cost)
             ms = (time.perf_counter() - t0) * 1e3
             out: dict[str, Any] = {
                 "ms": ms, "sent": max(p.send_bytes), "recv": max(p.recv_bytes),
@@ -156,12 +158,14 @@ def worker(root: str, cases_path: str) -> None:
         print(json.dumps(out), flush=True)
 
 
-def run(roots: dict[str, Path], cases: list[Case], reps: int) -> dict[str, list[list[Any]]]:
+def run(roots: dict[str, Path], cases: list[Case], reps: int, latency_s: str
+        ) -> dict[str, list[list[Any]]]:
     """Each case planned cold `reps` times by a worker per root, the workers in turn."""
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"crossmesh_partials_{os.getpid()}.json"
     path.write_text(json.dumps(cases))
     procs = {name: subprocess.Popen(
-        [sys.executable, __file__, "--worker", str(root), str(path)], stdin=subprocess.PIPE,
+        [sys.executable, __file__, "--worker", str(root), str(path), latency_s],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         for name, root in roots.items()}
     out: dict[str, list[list[Any]]] = {name: [[] for _ in cases] for name in roots}
@@ -234,7 +238,7 @@ def lines(title: str, s: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3])
+        worker(sys.argv[2], sys.argv[3], sys.argv[4])
         return 0
     sys.path.insert(0, str(ROOT))
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -245,13 +249,15 @@ def main() -> int:
     parser.add_argument("--random", type=int, default=500, metavar="N")
     parser.add_argument("--seed", type=int, default=39)
     parser.add_argument("--reps", type=int, default=3, help="cold plans a case a side")
+    parser.add_argument("--latency-s", default="default",
+                        help="the cost model's latency (default: the default cost model)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     load = Path("/proc/loadavg").read_text().split()[:3]
     report = {}
     for title, cases in (("named", named_cases()),
                          ("random", random_cases(args.random, args.seed))):
-        got = run({"old": args.against, "new": args.new}, cases, args.reps)
+        got = run({"old": args.against, "new": args.new}, cases, args.reps, args.latency_s)
         report[title] = summary(cases, got)
         print("\n".join(lines(title, report[title])), flush=True)
         if title == "named":
