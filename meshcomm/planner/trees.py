@@ -81,7 +81,6 @@ class Schedule:
     roots: tuple[tuple[int, int, bool], ...]   # (position, item, holds a partial of it)
     scratch: tuple[tuple[int, ...], ...]       # per position: the items it combines for
     items: tuple[tuple[int, ...], ...]         # per item: its global flat elements
-    searched: int = 0      # units the chain searches looked at, over every draw (`_Budget`)
 
 
 INPUT, OUTPUT, SCRATCH = 0, 1, 2
@@ -138,15 +137,19 @@ def tree_estimate(state: State, goal: State, mesh: Mesh) -> Move | None:
     search draws its schedule (`tree_move`) only when the step may be on the best path."""
     if not applies(state, goal, mesh):
         return None
-    # every rank receives at least one message per element it needs (a delivery, or as
+    # Every rank receives at least one message per element it needs (a delivery, or as
     # a root its last combine): a lower bound of the step's time, received bytes and every
     # rank's peak. (The counting bound, `state_bound`, is tighter, but its flow over classes
     # of items cost more than drawing the few schedules it saves: on 300 random small
-    # transitions the same plans came 27 % faster without it.)
+    # transitions the same plans came 27 % faster without it.) Sends: a rank's partial may
+    # leave through another rank holding the same one, and a root sends nothing, so no
+    # figure per rank holds for every tree short of drawing one: the estimate counts none.
+    # Any figure above a rank's sends in the schedule drawn (its receives, say) could rank
+    # the estimate behind a plan of equal time and receives that sends more, and the search
+    # would return that plan without drawing the tree.
     _, need = own_and_need(state, goal, mesh)
-    recv = tuple(need.tolist())
     return Move("send_recv", tree_axes(state, goal, mesh), goal, action="tree", op=state.op,
-                indexed=True, estimate=True, send=recv, recv=recv,
+                indexed=True, estimate=True, send=(0,) * mesh.size, recv=tuple(need.tolist()),
                 rounds=least_rounds(state, goal, mesh))
 
 
@@ -222,15 +225,11 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
     order, tie = list(range(len(items))), list(range(mesh.size))
 
-    searched = 0
-
     def drawn() -> tuple[tuple[int, int, int], list[_Tree], list[tuple[int, ...]], Messages]:
-        nonlocal searched
         budget = _Budget(SEARCH_UNITS)
         trees, got, recv, sent = _balanced(order, tie, items, holders, needers, kept, by_kept,
                                            part, g, mesh.size, floor, budget)
         made = _messages(trees, part, recv, sent, budget)
-        searched += budget.used
         # a step's time is its busiest rank's larger of sent and received
         return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made
 
@@ -257,7 +256,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             scratch[i].add(tree.elem)
     return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
                     tuple((t.root, t.elem, t.root_holds) for t in trees),
-                    tuple(tuple(sorted(x)) for x in scratch), tuple(items), searched)
+                    tuple(tuple(sorted(x)) for x in scratch), tuple(items))
 
 
 Messages = tuple[list[Row], int]     # the rows, the first delivery round
@@ -558,19 +557,17 @@ def _ranks(order: list[int]) -> Ranks:
 
 
 class _Budget:
-    """Units a schedule's chain searches may still look at (`SEARCH_UNITS` at first), and
-    how many they looked at: once it is spent, no chain is searched and the balancing
-    stops where it is (every schedule stays exact; only its busiest rank may stay above
-    what more searching would reach)."""
+    """Units a schedule's chain searches may still look at (`SEARCH_UNITS` at first): once
+    it is spent, no chain is searched and the balancing stops where it is (every schedule
+    stays exact; only its busiest rank may stay above what more searching would reach)."""
 
-    __slots__ = ("left", "used")
+    __slots__ = ("left",)
 
     def __init__(self, units: int) -> None:
-        self.left, self.used = units, 0
+        self.left = units
 
     def take(self) -> bool:
         self.left -= 1
-        self.used += 1
         return self.left >= 0
 
 
@@ -651,9 +648,12 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     in place.
 
     Who else may send a delivery never changes (no move changes a delivery's round or
-    receiver, nor who has the value when), so it is listed once a delivery; who may take a
-    holder's place changes with the chains, so that is worked out when asked."""
+    receiver, nor who has the value when), so it is listed once a delivery, when first
+    asked; who may take a holder's place changes with the chains, so that is worked out
+    each time it is asked."""
     floor = max(recv, default=0)
+    if max(sent, default=0) <= floor:
+        return       # no rank sends more than the busiest receiver receives
     ready: list[dict[int, int]] = [{tree.root: first} for tree in trees]
     nodes: list[set[int]] = [set(tree.degree) | tree.combiners for tree in trees]
     into: list[dict[int, list[int]]] = [defaultdict(list) for _ in trees]   # merge rows
@@ -670,14 +670,19 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     for k, row in enumerate(rows):
         if k >= merged or row[1] not in trees[owner[k]].combiners:
             by_sender[row[1]].add(k)
-    delivers: list[Ranks] = []    # who else may send each delivery
-    for k in range(merged, len(rows)):
-        t, _, dst = rows[k][:3]
-        o = owner[k]
-        out = [c for c, at in ready[o].items() if at <= t and c != dst]
-        if relay[o] >= 0 and rows[relay[o]][1] != dst:
-            out.append(rows[relay[o]][1])
-        delivers.append(_ranks(out))
+    delivers: dict[int, Ranks] = {}    # who else may send each delivery, once asked
+
+    def deliverers(k: int) -> Ranks:
+        """Who else may send delivery row k (its round and receiver never change, nor does
+        the relay's sender: it keeps its place)."""
+        if k not in delivers:
+            t, _, dst = rows[k][:3]
+            o = owner[k]
+            out = [c for c, at in ready[o].items() if at <= t and c != dst]
+            if relay[o] >= 0 and rows[relay[o]][1] != dst:
+                out.append(rows[relay[o]][1])
+            delivers[k] = _ranks(out)
+        return delivers[k]
 
     def place(k: int) -> Ranks:
         """Who may take the place in its tree of the holder sending merge row k."""
@@ -694,7 +699,7 @@ def _augment_sends(rows: list[Row], owner: list[int], merged: int, trees: list[_
     def moves(i: int, w: int) -> Iterable[tuple[int, Takers]]:
         for k in by_sender[i]:
             if trees[owner[k]].weight == w:
-                yield (k, delivers[k - merged]) if k >= merged else (k, functools.partial(place, k))
+                yield k, functools.partial(deliverers if k >= merged else place, k)
 
     def move(path: list[tuple[int, int, int]], w: int) -> None:
         for a, c, k in path:
