@@ -26,8 +26,8 @@ from .direct import direct_move
 from .moves import Move, expand, with_rearranges
 from .rank_transfers import blocks_of, resolved_axes
 from .states import State, from_layout, local_numels_tensor, to_layout, uniform_numel
-from .transfers import reindex_move, send_recv_move, send_recv_targets
 from .traffic import as_tensor
+from .transfers import reindex_move, send_recv_move, send_recv_targets
 from .trees import tree_estimate, tree_move, tree_transfers
 from .values import CostModel, Plan, Step, wire_of
 
@@ -384,7 +384,8 @@ def _live_most(move: Move, state: State, mesh: Mesh, held: State | None) -> int:
     """The most elements any rank holds during `move` (`_live`), plus what it holds of
     `held`. Where one term differs between ranks and the others do not, that term's
     (cached) largest value plus theirs: no tensor op."""
-    ints, varying = 0, []
+    ints = 0
+    varying: list[tuple[int, State | torch.Tensor]] = []
     terms = _live_terms(move, state, mesh)
     if held is not None:
         terms.append((1, held))
