@@ -405,9 +405,13 @@ def _live_most(move: Move, state: State, mesh: Mesh, held: State | None) -> int:
     if len(varying) == 1 and isinstance(varying[0][1], State):
         factor, term = varying[0]
         return factor * _most_numel(term, mesh) + ints
-    total = sum(f * (local_numels_tensor(t, mesh) if isinstance(t, State) else t)
-                for f, t in varying)
-    return int(total.max()) + ints    # type: ignore[union-attr]
+    total: torch.Tensor | None = None
+    for factor, term in varying:
+        counts = local_numels_tensor(term, mesh) if isinstance(term, State) else term
+        counts = counts if factor == 1 else factor * counts
+        total = counts if total is None else total + counts
+    assert total is not None
+    return int(total.max()) + ints
 
 
 @functools.lru_cache(maxsize=16384)
