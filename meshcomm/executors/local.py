@@ -18,7 +18,7 @@ from torch import Tensor
 from ..core.layout import chunk_range
 from ..core.mesh import Mesh
 from ..core.positions import block_flat
-from ..core.reduce_ops import divide, identity_like, op_reduce
+from ..core.reduce_ops import divide, identity_like, op_reduce, op_reduce_rows
 from ..core.untraced import tracing, untraced
 from ..planner.values import Rearrange, Step, Transfer
 
@@ -256,6 +256,16 @@ class Exchange(NamedTuple):
     recv: Tensor             # each received element's flat output position (+ slot * numel)
     slots: int               # outputs filled: 1, or g partials for a reducing send_recv
     even: bool = False       # every member sends and receives as much: no split lists needed
+    view: View | None = None      # the received buffer as (slots, ...) in output order ...
+    gather: Tensor | None = None  # ... or, where no view is, the inverse of `recv`
+
+
+class View(NamedTuple):
+    """A received buffer, reshaped to `sizes` and permuted by `perm`: its elements in output
+    order, slot major, with the slots as dim 0 (`received`, no copy)."""
+
+    sizes: tuple[int, ...]
+    perm: tuple[int, ...]
 
 
 def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
@@ -267,18 +277,23 @@ def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[in
     cached tensor would not be one of the trace's fake tensors."""
     if not tracing() and not torch.compiler.is_compiling():
         return _exchange(step, blocks_key(step), rank, order, mesh, in_shape, out_shape, device)
-    host, send, recv = untraced(_host_exchange, step, rank, order, mesh, in_shape, out_shape)
-    return host._replace(
-        send=None if send is None else torch.tensor(send, dtype=torch.long, device=device),
-        recv=torch.tensor(recv, dtype=torch.long, device=device))
+    host, send, recv, gather = untraced(_host_exchange, step, rank, order, mesh, in_shape,
+                                        out_shape)
+
+    def made(ix: list[int] | None) -> Tensor | None:
+        return None if ix is None else torch.tensor(ix, dtype=torch.long, device=device)
+
+    return host._replace(send=made(send), recv=made(recv), gather=made(gather))
 
 
 def _host_exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
-                   out_shape: tuple[int, ...]) -> tuple[Exchange, list[int] | None, list[int]]:
-    """The Exchange on the host, and its positions as lists."""
+                   out_shape: tuple[int, ...]
+                   ) -> tuple[Exchange, list[int] | None, list[int], list[int] | None]:
+    """The Exchange on the host, and its positions as lists (send, recv, gather)."""
     host = _exchange(step, blocks_key(step), rank, order, mesh, in_shape, out_shape,
                      torch.device("cpu"))
-    return host, None if host.send is None else host.send.tolist(), host.recv.tolist()
+    return (host, None if host.send is None else host.send.tolist(), host.recv.tolist(),
+            None if host.gather is None else host.gather.tolist())
 
 
 def blocks_key(step: Step) -> object:
@@ -312,10 +327,58 @@ def _exchange(step: Step, key: object, rank: int, order: Order, mesh: Mesh,
                                 place=lambda t: block_flat(t.dst_index, out_shape)
                                 + slot(t.src) * numel)
     slots = mesh.group_size(resolve)
-    ex = _made(sent, send_splits, got, recv_splits, slots, device)
+    ex = _made(sent, send_splits, got, recv_splits, slots, torch.device("cpu"))
     assert len(ex.recv) == slots * numel, f"{step}: rank {rank} receives {len(ex.recv)} of" \
         f" {slots} x {numel} elements"
-    return ex
+    inverse = torch.empty_like(ex.recv)
+    inverse[ex.recv] = torch.arange(len(ex.recv))
+    assert bool((ex.recv[inverse] == torch.arange(len(ex.recv))).all()), \
+        f"{step}: rank {rank} receives some output element twice"
+    view = strided_view(inverse, slots)
+    return ex._replace(send=None if ex.send is None else _to(ex.send, device),
+                       recv=_to(ex.recv, device), view=view,
+                       gather=None if view is not None else _to(inverse, device))
+
+
+def strided_view(gather: Tensor, slots: int) -> View | None:
+    """`gather` (output position, slot major -> received position; a permutation) as a
+    reshape and permute of the received buffer with the slots as dim 0, or None where it is
+    none. Worked out once per step and rank: the runs of equal steps in one slot's positions
+    give its dims, innermost first, the distance between slots the slot dim; the result is
+    checked against `gather` itself.
+
+    >>> strided_view(torch.tensor([0, 2, 4, 1, 3, 5]), 2)   # 3 blocks of 2 slots each
+    View(sizes=(3, 2), perm=(1, 0))
+    """
+    total = len(gather)
+    if total == 0 or total % slots:
+        return View((slots, total // slots), (0, 1)) if total == 0 else None
+    rest = gather[:total // slots]
+    dims: list[tuple[int, int]] = []      # (size, stride) of one slot's dims, innermost first
+    while len(rest) > 1:
+        stride = int(rest[1] - rest[0])
+        breaks = ((rest[1:] - rest[:-1]) != stride).nonzero()
+        run = len(rest) if len(breaks) == 0 else int(breaks[0]) + 1
+        rows = rest.reshape(-1, run) if stride > 0 and len(rest) % run == 0 else None
+        if rows is None or not bool((rows - rows[:, :1] == torch.arange(run) * stride).all()):
+            return None
+        dims.append((run, stride))
+        rest = rows[:, 0]
+    if slots > 1:
+        step = int(gather[total // slots] - gather[0])
+        by_slot = gather.reshape(slots, -1)
+        apart = torch.arange(slots)[:, None] * step
+        if step <= 0 or not bool((by_slot - by_slot[:1] == apart).all()):
+            return None
+    else:
+        step = total
+    out = [(slots, step)] + dims[::-1]          # output order: slot, then outer to inner
+    by_stride = sorted(range(len(out)), key=lambda d: -out[d][1])
+    sizes = tuple(out[d][0] for d in by_stride)
+    perm = tuple(by_stride.index(d) for d in range(len(out)))
+    view = View(sizes, perm)
+    made = torch.arange(total).reshape(sizes).permute(perm).reshape(-1)
+    return view if torch.equal(made, gather) else None
 
 
 def _by_peer(transfers: Iterable[Transfer], where: dict[int, int], sending: bool,
@@ -353,12 +416,14 @@ def send_buffer(ex: Exchange, x: Tensor) -> Tensor:
 def received(ex: Exchange, flat: Tensor, out_shape: tuple[int, ...], op: str | None) -> Tensor:
     """This rank's output from the flat buffer it received (blocks in source order); for a
     reducing send_recv (`op`), the g partials of each element reduced in group order."""
-    numel = math.prod(out_shape)
-    out = flat.new_empty(ex.slots * numel)
-    out[ex.recv] = flat
+    if ex.view is not None:       # a view of the buffer, no copy
+        got = flat.reshape(ex.view.sizes).permute(ex.view.perm)
+    else:
+        assert ex.gather is not None, "received: an Exchange from `exchange` has a view or gather"
+        got = flat.index_select(0, ex.gather).reshape(ex.slots, -1)
     if op is None:
-        return out.reshape(out_shape)
-    return op_reduce(list(out.reshape(ex.slots, *out_shape).unbind(0)), op)
+        return got.reshape(out_shape)
+    return op_reduce_rows(got, op).reshape(out_shape)
 
 
 # -- a tree step (`meshcomm.planner.trees`): rounds of all_to_alls over a work buffer ------
