@@ -338,7 +338,6 @@ def replica_slices(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
 
 def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """all_to_all moving one even axis from its factor to its destination factor."""
-    sizes = local_numels(state, mesh)
     for d1, dim in enumerate(state.dims):
         for lo, hi, axis in dim.shards:
             target = _even_target(dst, axis)
@@ -357,7 +356,7 @@ def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
                 continue
             pre = (state, mid, (), ((shard2[0], shard2[1], tag),), {tag: d2})
             post = (mid, after, ((lo, hi, axis),), (), {axis: d1})
-            traffic = all_to_all_traffic(mesh, (axis,), sizes)
+            traffic = all_to_all_traffic(mesh, (axis,), local_numels(state, mesh))
             yield Move("all_to_all", (axis,), after, send=traffic, recv=traffic,
                        rearranges=_later(pre, post))
 
@@ -365,7 +364,6 @@ def all_to_alls(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
 def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """collective_permute swapping the factors of two equal axes (or handing one to a replicated
     axis)."""
-    sizes = local_numels(state, mesh)
     placed = [(d, s) for d, dim in enumerate(state.dims) for s in dim.shards]
     free = [a for a in mesh.axis_names if a not in state.used_axes() and mesh.axis_size(a) > 1]
     # Partners: each placed shard's (dim, axis), then each free axis with no dim.
@@ -385,7 +383,7 @@ def permutes(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
                    for x in (a, b) if (dx := after.axis_dim(x)) is not None):
             continue
         pairs = _transpose_pairs(mesh.axis_size(a))
-        moving = off_diagonal(mesh, sizes, a, b)
+        moving = off_diagonal(mesh, local_numels(state, mesh), a, b)
         axes = tuple(x for x in mesh.axis_names if x in (a, b))  # symmetric pairs: any order
         yield Move("collective_permute", axes, after, pairs=pairs, send=moving, recv=moving)
 
@@ -407,6 +405,8 @@ def _drop_partial(state: State,
 def reductions(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
     """reduce_scatter of pending axes into their destination factors, and all_reduce."""
     pending = [a for a in state.partial if a not in dst.partial]
+    if not pending:
+        return
     sizes = local_numels(state, mesh)
     for k in range(1, len(pending) + 1):
         for group in itertools.combinations(pending, k):
