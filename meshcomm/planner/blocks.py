@@ -402,8 +402,7 @@ def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisNam
     """
     coords = coords_table(mesh)
     moving = need if in_need else have
-    out = torch.full((mesh.size,), mesh.group_size(
-        x for x in vary if moving.axis_dim(x) is None), dtype=torch.long)
+    out: int | Tensor = mesh.group_size(x for x in vary if moving.axis_dim(x) is None)
     for a, b in zip(have.dims, need.dims):
         dim = b if in_need else a
         mine = in_mesh_order(mesh, vary & set(dim.axes))
@@ -422,7 +421,7 @@ def summed_overlap(have: State, need: State, mesh: Mesh, vary: frozenset[AxisNam
         counts = counts_at(a, b, mesh, fixed, index) if in_need else \
             counts_at(a, b, mesh, index, fixed)
         out = out * counts.sum(1)
-    return out
+    return _per_rank(out, mesh)
 
 
 # -- per-rank values over the axes that matter ------------------------------------------
