@@ -416,13 +416,13 @@ def test_a_tree_s_estimate_counts_no_more_rounds_than_its_schedule() -> None:
 
 def test_an_estimated_tree_counts_no_sends_and_ties_go_to_the_fewest_sent() -> None:
     """A tree's estimate (priced before its schedule is drawn) counts what each rank needs as
-    its receives and no sends: no per-rank figure of sends holds for every tree (a partial
-    may leave through another holder of it, a root sends nothing), and a figure above the
-    schedule's would rank the estimate behind a plan of the same time and receives that
-    sends more. Here a slice and a reduce_scatter and the tree both take 10.00288 us and
-    receive 288 B at the busiest rank; the tree sends 96 B there, the collective 288 B.
-    Before, the estimate's sends were its receives (288 B at rank 0 after the slice's 0),
-    so the search returned the collective without drawing the tree."""
+    its receives and, as its sends, only what it alone holds a partial of while another
+    rank needs it (`trees.least_sends`): a figure above the schedule's would rank the
+    estimate behind a plan of the same time and receives that sends more. Here a slice
+    and a reduce_scatter and the tree both take 10.00288 us and receive 288 B at the
+    busiest rank; the tree sends 96 B there, the collective 288 B. Before, the estimate's
+    sends were its receives, so the search returned the collective without drawing the
+    tree."""
     args = (mc.Mesh("dp=2 ep=8"), (12, 2, 12), "(i x=2) j (k z=2) | min(dp)", "(dp i) (ep j) k")
     p = mc.plan(*args)
     other = mc.plan(*args, cost_model=mc.CostModel(trees=False))
