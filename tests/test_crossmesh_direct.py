@@ -172,7 +172,7 @@ PAIRS = [
 def _without_direct(src_mesh: mc.Mesh, dst_mesh: mc.Mesh, shape: tuple[int, ...],
                     dtype: torch.dtype, src: str, dst: str, cost: mc.CostModel) -> mc.Plan:
     """The plan the candidates other than direct delivery give (what was planned before)."""
-    with mock.patch.object(crossmesh, "_direct_step", return_value=None):
+    with mock.patch.object(crossmesh, "_direct_floor", return_value=None):
         return crossmesh.cross_plan(src_mesh, dst_mesh, shape, dtype, mc.Layout(src),
                                     mc.Layout(dst), cost)
 

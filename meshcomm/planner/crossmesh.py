@@ -37,7 +37,7 @@ from . import search
 from .direct import cross_direct_transfers, cross_held
 from .pairs import cross_traffic, lazy_cross
 from .rank_transfers import cross_blocks_of
-from .states import from_layout, local_numels
+from .states import State, from_layout, local_numels
 from .transfers import assign
 from .values import CostModel, Plan, Step, Transfer
 
@@ -52,18 +52,47 @@ def cross_plan(mesh: Mesh, dst_mesh: Mesh, shape: Shape, dtype: torch.dtype, src
     # sum/max/min: only the first member of each reduction group receives the values, the
     # others hold the identity; avg: all receive, and a local step marks the reduction.
     landing = _strip(dst) if dst.reduce_op in (None, "avg") else dst
-    candidates = []
+    # Each reduce-first candidate costs its steps on the source mesh plus a transfer no
+    # faster than a destination rank outside the source mesh taking its whole block; the
+    # direct step (one only where the source is partial) no faster than `_direct_floor`.
+    # Listing transfers is what costs: a candidate whose floor exceeds the time of one
+    # listed already cannot win (nor tie), so it is never listed.
+    goal = from_layout(landing, dst_mesh, shape)
+    idle = set(_contributors_only(dst_mesh, landing))
+    outside = max((n for r, n in zip(dst_mesh.ranks, local_numels(goal, dst_mesh))
+                   if r not in mesh and r not in idle), default=0)
+    floor = cost_model.time(("*",), outside * itemsize) if outside else 0.0
+    firsts = []
     for staged in _resolved_candidates(mesh, shape, src):
         first = search.single_plan(mesh, shape, dtype, src, staged, cost_model)
         steps = tuple(_reindex(s, mesh, ranks, mesh) for s in first.steps)
+        firsts.append((staged, steps, round(sum(s.time_s for s in steps) + floor, 15)))
+    direct_floor = _direct_floor(mesh, dst_mesh, shape, src, goal, idle, itemsize, cost_model)
+    direct = None
+    best = math.inf
+    if direct_floor is not None and direct_floor[1] and direct_floor[0] <= min(
+            f for _, _, f in firsts):
+        # the direct step first: where it is fast, no reduce-first transfer is listed
+        direct = _direct_step(mesh, dst_mesh, ranks, shape, src, landing, itemsize,
+                              cost_model)
+        best = _key((direct,))[0]
+    candidates = []
+    for staged, steps, at_least in firsts:
+        if at_least > best:
+            continue
         steps += (_transfer_step(mesh, dst_mesh, ranks, shape, staged, landing, itemsize,
                                  cost_model),)
         candidates.append(steps)
-    steps = min(candidates, key=_key)   # the first of equal keys: the older plans win ties
-    direct = _direct_step(mesh, dst_mesh, ranks, shape, src, landing, itemsize, cost_model,
-                          _key(steps)[0])
-    if direct is not None and _key((direct,)) < _key(steps):
-        steps = (direct,)
+        best = min(best, _key(steps)[0])
+    if direct_floor is not None and direct is None and (
+            direct_floor[0] <= round(min(_key(c)[0] for c in candidates), 15)):
+        direct = _direct_step(mesh, dst_mesh, ranks, shape, src, landing, itemsize,
+                              cost_model)
+    # the first of equal keys: the older plans win ties; the direct step only where less
+    if direct is not None and (not candidates
+                               or _key((direct,)) < _key(min(candidates, key=_key))):
+        candidates = [(direct,)]
+    steps = min(candidates, key=_key)
     if dst.reduce_op == "avg":  # every member holds the value: delivered to all, then marked
         steps += (_mark_step(dst_mesh, ranks, shape, landing, dst, itemsize),)
     send = tuple(sum(s.send_bytes[i] for s in steps) for i in range(len(ranks)))
@@ -168,25 +197,31 @@ def _listed(found: tuple[Transfer, ...], ranks: tuple[int, ...], itemsize: int
     return transfers, send, recv
 
 
-def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
-                 landing: Layout, itemsize: int, cost_model: CostModel,
-                 to_beat: float) -> Step | None:
-    """The transfer that delivers `src`'s pending partials straight to the owners of
-    `landing` (action "direct": each receiver reduces them in group order), or None where
-    `src` has nothing pending to add up (over more than one rank) or where it cannot take
-    less than `to_beat` seconds: a receiver takes its block once from each of the g
-    partials, all but the one it may hold itself, which bounds its time from below before
-    any transfer is listed (listing them costs as much as the reduce-first plans)."""
+def _direct_floor(mesh: Mesh, dst_mesh: Mesh, shape: Shape, src: Layout, goal: State,
+                  idle: set[int], itemsize: int, cost_model: CostModel
+                  ) -> tuple[float, int] | None:
+    """None where `src` has nothing pending to add up (over more than one rank); else a
+    time the direct step cannot beat (rounded as `_key` rounds) and the elements of its
+    busiest receiver it stands on: a receiver takes its block once from each of the g
+    partials, all but the one it may hold itself (known before any transfer is listed;
+    listing them costs as much as the reduce-first plans)."""
     g = mesh.group_size(src.partial_axes)
     if src.reduce_op is None or g == 1:
         return None
+    sizes = zip(dst_mesh.ranks, local_numels(goal, dst_mesh))
+    least = max((n * (g - (r in mesh)) for r, n in sizes if r not in idle), default=0)
+    return round(cost_model.time(("*",), least * itemsize), 15), least
+
+
+def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,
+                 landing: Layout, itemsize: int, cost_model: CostModel) -> Step:
+    """The transfer that delivers `src`'s pending partials (over more than one rank)
+    straight to the owners of `landing` (action "direct": each receiver reduces them in
+    group order)."""
+    g = mesh.group_size(src.partial_axes)
     start = from_layout(_strip(src), mesh, shape)
     goal = from_layout(landing, dst_mesh, shape)
     idle = set(_contributors_only(dst_mesh, landing))
-    sizes = zip(dst_mesh.ranks, local_numels(goal, dst_mesh))
-    least = max((n * (g - (r in mesh)) for r, n in sizes if r not in idle), default=0)
-    if round(cost_model.time(("*",), least * itemsize), 15) > round(to_beat, 15):
-        return None
     resolve = tuple(a for a in mesh.axis_names if a in src.partial_axes)
     found = cross_direct_transfers(start, goal, mesh, dst_mesh, resolve, tuple(sorted(idle)))
     ins = dict(zip(mesh.ranks, local_numels(start, mesh)))
