@@ -283,7 +283,8 @@ def exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[in
     def made(ix: list[int] | None) -> Tensor | None:
         return None if ix is None else torch.tensor(ix, dtype=torch.long, device=device)
 
-    return host._replace(send=made(send), recv=made(recv), gather=made(gather))
+    return host._replace(send=made(send), gather=made(gather),
+                         recv=torch.tensor(recv, dtype=torch.long, device=device))
 
 
 def _host_exchange(step: Step, rank: int, order: Order, mesh: Mesh, in_shape: tuple[int, ...],
@@ -415,7 +416,9 @@ def send_buffer(ex: Exchange, x: Tensor) -> Tensor:
 
 def received(ex: Exchange, flat: Tensor, out_shape: tuple[int, ...], op: str | None) -> Tensor:
     """This rank's output from the flat buffer it received (blocks in source order); for a
-    reducing send_recv (`op`), the g partials of each element reduced in group order."""
+    reducing send_recv (`op`), the g partials of each element reduced in group order. The
+    buffer is put in output order by the view or the one gather its Exchange holds (made once
+    per step and rank), and the partials folded by `op_reduce_rows` (`op_reduce`'s bits)."""
     if ex.view is not None:       # a view of the buffer, no copy
         got = flat.reshape(ex.view.sizes).permute(ex.view.perm)
     else:
