@@ -2,19 +2,22 @@
 release), side by side: what direct delivery of partials to their owners changes.
 
 Run: `python benchmarks/crossmesh_partials.py --against PATH [--random N] [--seed S]
-[--reps R] [--latency-s L] [--json PATH]` (`--latency-s 0`: plan on bytes alone, as
-`CostModel(latency_s=0.0)`; by default the default cost model).
+[--reps R] [--latency-s L] [--large N] [--json PATH]` (`--latency-s 0`: plan on bytes alone, as
+`CostModel(latency_s=0.0)`; by default the default cost model; `--large N`: the first N
+of the 256-rank cases, default all 4).
 
 The cases: issue 39's cross-mesh cases, the partial sources of
 tests/dist/test_crossmesh_runtime.py, and N (default 500) random ones drawn with
 `meshcomm.testing.random_layout`: two meshes of 1 to 3 axes (sizes 1 to 4, at most 32
 ranks each; a fifth of them unnamed, axes d0, d1, ...), the destination's first rank drawn
 so that the meshes are disjoint, overlapping or nested; a source with a pending sum, avg,
-max or min, a destination with or without one. Each case is planned cold (every meshcomm
-cache emptied, one torch thread) `--reps` times by a worker process per checkout, in turn
-(old, new, old, new, ...). Printed: how many cases receive less and more at the busiest
-rank, the more ones split by modelled cost (a plan may receive more only where it is
-cheaper), and the cold time, as the sum and the median of per-case ratios new / old.
+max or min, a destination with or without one; then 4 cases of 256 -> 256 ranks moving a
+50257 x 8192 tensor with a pending sum (`LARGE`: where the direct step wins, its listing is
+most of a cold plan; each printed with its time old -> new). Each case is planned cold
+(every meshcomm cache emptied, one torch thread) `--reps` times by a worker process per
+checkout, in turn (old, new, old, new, ...). Printed: how many cases receive less and more
+at the busiest rank, the more ones split by modelled cost (a plan may receive more only
+where it is cheaper), and the cold time, as the sum and the median of per-case ratios new / old.
 Timings on a loaded machine are noisy: read the ratios, not the milliseconds.
 """
 
@@ -43,6 +46,18 @@ ISSUE: list[Case] = [
      "a (cp b) (c dp ep)", "int64"),
     ("tp=2 sp=1", [0, 1], "tp=2", [0, 1], (4,), "a | sum(sp)", "(tp a)", "float32"),
 ]
+
+# 256 -> 256 ranks, a vocab x hidden tensor: where the direct step wins on a large mesh, its
+# listing is what cold planning costs (the same ranks, disjoint ranks, half overlapping)
+LARGE: list[Case] = [
+    (a, list(range(fa, fa + 256)), b, list(range(fb, fb + 256)), (50257, 8192), src, dst,
+     "float32")
+    for a, fa, b, fb, src, dst in [
+        ("dp=32 tp=8", 0, "dp=16 tp=16", 256, "(dp v) e | sum(tp)", "(dp v) (tp e)"),
+        ("dp=32 tp=8", 0, "dp=16 tp=16", 128, "(dp v) e | sum(tp)", "(tp v) (dp e)"),
+        ("tp=8 dp=32", 0, "dp=32 tp=8", 256, "(dp v) e | sum(tp)", "(dp v) (tp e)"),
+        ("tp=8 dp=32", 0, "dp=32 tp=8", 0, "(dp v) e | sum(tp)", "(tp v) (dp e)"),
+    ]]
 
 
 def named_cases() -> list[Case]:
@@ -251,15 +266,27 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3, help="cold plans a case a side")
     parser.add_argument("--latency-s", default="default",
                         help="the cost model's latency (default: the default cost model)")
+    parser.add_argument("--large", type=int, default=len(LARGE), metavar="N",
+                        help=f"the first N of the {len(LARGE)} 256-rank cases (seconds each)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     load = Path("/proc/loadavg").read_text().split()[:3]
     report = {}
     for title, cases in (("named", named_cases()),
-                         ("random", random_cases(args.random, args.seed))):
+                         ("random", random_cases(args.random, args.seed)),
+                         ("large", LARGE[:args.large])):
+        if not cases:
+            continue
         got = run({"old": args.against, "new": args.new}, cases, args.reps, args.latency_s)
         report[title] = summary(cases, got)
         print("\n".join(lines(title, report[title])), flush=True)
+        if title == "large":
+            for r in report[title]["rows"]:
+                a, ra, b, rb, shape, src, dst, _ = r["case"]
+                print(f"  {a} -> {b} @{rb[0]} {src!r} -> {dst!r}: {r['old_ms'] / 1e3:.2f} ->"
+                      f" {r['new_ms'] / 1e3:.2f} s ({r['new_ms'] / r['old_ms']:.2f}x), direct"
+                      f" {r['new']['direct']}, received {r['old']['recv']} ->"
+                      f" {r['new']['recv']} B")
         if title == "named":
             for r in report[title]["rows"]:
                 a, _, b, _, shape, src, dst, dtype = r["case"]
