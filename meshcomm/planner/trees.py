@@ -56,7 +56,7 @@ FREEING = 16          # chains that may fail making room for combiners, a schedu
 TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an all_to_all
                        # over the step's group, whose host cost grows with its size
 SEARCH_UNITS = 1 << 18   # units the chain searches of one drawn schedule may look at
-SEND_LIMIT = 1 << 20     # elements x ranks up to which an estimate counts its least sends
+SEND_LIMIT = 1 << 16     # elements x ranks up to which an estimate counts its least sends
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,19 +159,25 @@ def least_sends(state: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     them (that value reaches the other rank through a message from it, and a message
     carries one value an element). Anything else may leave through another holder of the
     same partial, or not at all (a root). Counted on tensors of at most `SEND_LIMIT`
-    elements x ranks; above, none (still below every tree's, only looser)."""
+    elements x ranks (it looks at every element, for each state a tree may leave); above,
+    none (still below every tree's, only looser: a tie of time and receives then draws
+    the tree)."""
     if math.prod(d.size for d in state.dims) * mesh.size > SEND_LIMIT:
         return (0,) * mesh.size
     coords = coords_table(mesh)
     part = flat_index(coords, mesh, resolved_axes(state, goal) or ())
     kept = flat_index(coords, mesh, goal.partial)
-    hold = element_mask(state, mesh).to(torch.float32)
-    need = element_mask(goal, mesh).to(torch.float32)
     group = kept * (int(part.max()) + 1) + part      # ranks holding the same partials
-    alike = (group[:, None] == group[None, :]).to(torch.float32)    # [ranks, ranks]
-    reduction = (kept[:, None] == kept[None, :]).to(torch.float32)
-    alone = (hold > 0) & (hold @ alike == 1)
-    wanted = need @ reduction - need > 0      # another rank of the reduction needs it
+    hold, need = element_mask(state, mesh), element_mask(goal, mesh)
+
+    def per(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Per element and rank, how many ranks with the rank's id in `ids` are in `mask`."""
+        width = int(ids.max()) + 1
+        counts = torch.zeros(mask.shape[0], width, dtype=torch.int32)
+        return counts.index_add_(1, ids, mask.to(torch.int32))[:, ids]
+
+    alone = hold & (per(group, hold) == 1)
+    wanted = per(kept, need) > need.to(torch.int32)   # another rank of the reduction needs it
     return tuple((alone & wanted).sum(0).tolist())
 
 
