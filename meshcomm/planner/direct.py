@@ -29,19 +29,21 @@ import torch
 from ..core.errors import PlanError
 from ..core.mesh import AxisName, Mesh
 from .blocks import own_and_need, summed_overlap
-from .moves import Move
+from .bounds import sharding_axes
+from .moves import Move, block_indices
 from .rank_transfers import direct_axes, resolved_axes
 from .states import State
 from .transfers import (
     Blocks,
     Cell,
+    Index,
+    _atoms,
     _cells_of,
     _holds,
     _members,
     _split,
     _transfer,
     assign,
-    cross_blocks,
 )
 from .values import Transfer
 
@@ -69,8 +71,30 @@ def cross_held(start: State, goal: State, mesh: Mesh, dst_mesh: Mesh
                ) -> tuple[Blocks, Blocks, list[list[tuple[int, ...]]]]:
     """`transfers.cross_blocks` of a move between two meshes, found once: a partial source's
     plain transfer (from the source without its reduction) and its direct delivery read the
-    same blocks. Read-only: a caller that changes `need` copies it first."""
-    return cross_blocks(start, goal, mesh, dst_mesh)
+    same blocks. Ranks that agree on every axis sharding a state hold the same block: it is
+    worked out once and shared (the atoms read each distinct block once). Read-only: a
+    caller that changes `need` copies it first."""
+    have, have_once = _blocks(start, mesh)
+    need, need_once = _blocks(goal, dst_mesh)
+    atoms = [_atoms([h[d] for h in have_once] + [n[d] for n in need_once], dim.size)
+             for d, dim in enumerate(start.dims)]
+    return have, need, atoms
+
+
+def _blocks(state: State, mesh: Mesh) -> tuple[Blocks, list[Index]]:
+    """Per rank of `mesh` its block of `state` (`moves.block_indices`), and the distinct
+    blocks: one per coordinates on the axes sharding `state`."""
+    axes = [a for a in mesh.axis_names if a in sharding_axes(state)]
+    once: dict[tuple[int, ...], Index] = {}
+    out: Blocks = {}
+    for r in mesh.ranks:
+        coords = mesh.coords(r)
+        key = tuple(coords[a] for a in axes)
+        block = once.get(key)
+        if block is None:
+            block = once[key] = block_indices(state, mesh, r)
+        out[r] = block
+    return out, list(once.values())
 
 
 def cross_direct_transfers(start: State, goal: State, mesh: Mesh, dst_mesh: Mesh,
