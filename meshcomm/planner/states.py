@@ -11,12 +11,15 @@ axis is local. Every state is canonical: equal distributions compare equal.
 
 from __future__ import annotations
 
+import array
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ..core import reduce_ops
 from ..core.layout import DimPlacement, Layout, Shape, chunk_range
 from ..core.mesh import AxisName, Mesh
 from ..core.names import fresh_name
@@ -188,6 +191,25 @@ def uniform_numel(state: State) -> int | None:
     return n if n >= 0 else None
 
 
+def most_numel(state: State, mesh: Mesh) -> int:
+    """The most elements any rank holds in `state`: the first rank's (coordinate 0 on every
+    axis), in ints. Its block of each chunk chain is the first `torch.chunk` at every level,
+    which is never shorter than any other block of that level (nor is the first chunk of a
+    longer span shorter than any chunk of a shorter one); even dims are alike on all ranks.
+    So this rank holds the most of every state at once: a sum of states' sizes over the
+    ranks is largest there too."""
+    n = 1
+    for dim in state.dims:
+        if not dim.chunks:
+            n *= dim.size // math.prod(s[1] // s[0] for s in dim.shards)
+            continue
+        length = dim.size
+        for a in dim.chunks:
+            length = chunk_range(0, length, mesh.axis_size(a), 0)[1]
+        n *= length
+    return n
+
+
 @functools.lru_cache(maxsize=16384)
 def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
     """Elements each rank holds in `state`, in mesh order."""
@@ -217,9 +239,39 @@ def local_numels_tensor(state: State, mesh: Mesh) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=4096)
 def chunk_sizes(dim: DimState, mesh: Mesh) -> torch.Tensor:
-    """Per rank (flat, mesh order), the size of its block of chunk `dim` (`chunk_spans`)."""
-    start, stop = chunk_spans(dim, mesh)
-    return stop - start
+    """Per rank (flat, mesh order), the size of its block of chunk `dim` (`chunk_spans`).
+
+    Up to `_PYTHON_BLOCKS` blocks, in Python, level by level: each level's blocks have at
+    most three lengths (a `torch.chunk` gives full chunks, one shorter, then empty ones),
+    each chunked once; then one tensor laid on the ranks (`_on_ranks`)."""
+    if mesh.group_size(dim.chunks) > _PYTHON_BLOCKS:
+        start, stop = chunk_spans(dim, mesh)
+        return stop - start
+    lengths = [dim.size]
+    for a in dim.chunks:
+        parts = {n: reduce_ops.chunk_sizes(n, mesh.axis_size(a)) for n in set(lengths)}
+        lengths = list(itertools.chain.from_iterable(map(parts.__getitem__, lengths)))
+    table = torch.frombuffer(array.array("q", lengths), dtype=torch.long)
+    return _on_ranks(table, dim, mesh)
+
+
+# Chunk chains of up to this many blocks are sized in Python (`chunk_sizes`): a cold torch
+# op costs about as much as ~40 blocks, and the ~10 ops per axis of the tensor form more.
+_PYTHON_BLOCKS = 1024
+
+
+def _on_ranks(table: torch.Tensor, dim: DimState, mesh: Mesh) -> torch.Tensor:
+    """Per-block values of chunk `dim` (flat, row-major over its chain, major first), per
+    rank (flat, mesh order): one view where the chain is the mesh's axes in order."""
+    sizes = [mesh.axis_size(a) for a in dim.chunks]
+    if list(dim.chunks) == list(mesh.axis_names):
+        return table
+    table = table.view(*sizes)
+    order = sorted(range(len(sizes)), key=lambda k: mesh.axis_names.index(dim.chunks[k]))
+    if order != sorted(order):
+        table = table.permute(*order)
+    view = [mesh.axis_size(a) if a in dim.chunks else 1 for a in mesh.axis_names]
+    return table.reshape(view).expand(*mesh.shape).reshape(-1)
 
 
 @functools.lru_cache(maxsize=4096)

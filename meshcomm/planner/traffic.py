@@ -20,7 +20,8 @@ from .blocks import group_positions
 # Per-rank values are tuples in mesh order; where ranks differ (uneven shards) the
 # arithmetic runs on tensors of the mesh's shape, so it costs O(ranks) in C, not Python.
 def uniform(sizes: tuple[int, ...]) -> bool:
-    return sizes.count(sizes[0]) == len(sizes)
+    """Whether every rank's count is alike (the ends first: most that differ, differ there)."""
+    return sizes[-1] == sizes[0] and sizes.count(sizes[0]) == len(sizes)
 
 
 def on_mesh(mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
