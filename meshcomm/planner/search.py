@@ -401,6 +401,8 @@ def _live_most(move: Move, state: State, mesh: Mesh, held: State | None) -> int:
             ints += factor * term
         else:
             varying.append((factor, term))
+    if not varying:
+        return ints
     if all(isinstance(term, State) for _, term in varying):
         return ints + sum(factor * most_numel(term, mesh)
                           for factor, term in varying if isinstance(term, State))
