@@ -2,7 +2,10 @@
 `plan_fuzz_time.py` planned by each, and the plans compared whole.
 
 Run: `python benchmarks/plan_fuzz_same.py --against PATH [--random-small N]
-[--random-cross N] [--seed S] [--json PATH]`.
+[--random-cross N] [--seed S] [--hash-seeds OLD NEW] [--json PATH]`. With `--against .`
+and two different hash seeds it checks that plans do not depend on string hashing
+(every process of a job gets its own seed unless PYTHONHASHSEED is set, so a plan that
+did would differ between ranks).
 
 The cases: `plan_fuzz_time.random_small(N, seed)` (default 2,000 on meshes of at most 64
 ranks, seed 64: the timing sample) and `plan_fuzz_time.random_cross(N, seed)` (default
@@ -75,15 +78,17 @@ def worker(root: str, cases_path: str) -> None:
         print(json.dumps(out), flush=True)
 
 
-def compare(old: Path, new: Path, cases: list[Any], tmp: Path) -> list[dict[str, Any]]:
-    """Each case planned by a worker on `old` and one on `new`: the cases whose plans differ,
-    with both digests."""
+def compare(old: Path, new: Path, cases: list[Any], tmp: Path,
+            hash_seeds: tuple[int, int] = (0, 0)) -> list[dict[str, Any]]:
+    """Each case planned by a worker on `old` and one on `new` (string hashing seeded with
+    `hash_seeds`, one each): the cases whose plans differ, with both digests."""
     path = tmp / f"plan_fuzz_same_{os.getpid()}.json"
     path.write_text(json.dumps(cases))
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(root), str(path)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})
-             for root in (old, new)]
+                              env={**os.environ, "OMP_NUM_THREADS": "1",
+                                   "PYTHONHASHSEED": str(seed)})
+             for root, seed in zip((old, new), hash_seeds)]
     differ = []
     try:
         for i, case in enumerate(cases):
@@ -133,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--random-small", type=int, default=2000, metavar="N")
     parser.add_argument("--random-cross", type=int, default=500, metavar="N")
     parser.add_argument("--seed", type=int, default=64, help="seed of both samples")
+    parser.add_argument("--hash-seeds", type=int, nargs=2, default=(0, 0), metavar=("OLD", "NEW"),
+                        help="PYTHONHASHSEED of each side (default 0 0); with --against naming"
+                             " this checkout and two seeds, it checks that a plan does not"
+                             " depend on string hashing, which differs between ranks")
     parser.add_argument("--json", type=Path, default=None, help="write the differences here")
     args = parser.parse_args(argv)
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                         ("random cross", fuzz.random_cross(args.random_cross, args.seed))):
         if not cases:
             continue
-        differ = compare(args.against, args.new, cases, tmp)
+        differ = compare(args.against, args.new, cases, tmp, tuple(args.hash_seeds))
         report[name] = {"cases": len(cases), "differ": differ}
         print("\n".join(lines(name, len(cases), differ)), flush=True)
     if args.json is not None:

@@ -127,7 +127,7 @@ def _resolved_candidates(mesh: Mesh, shape: Shape, src: Layout) -> list[Layout]:
     spare = tuple(a for a in src.replicated_axes(mesh))
     out = [_strip(src)]
     # Scatter the reduction (and, to share the work, the replicated axes) into one dim.
-    for axes in {partial, partial + spare}:
+    for axes in dict.fromkeys((partial, partial + spare)):   # in order: not by hash
         for d, dim in enumerate(src.dims):
             factors = tuple(Factor(a) for a in axes) + dim.factors
             dims = src.dims[:d] + (Dim(factors),) + src.dims[d + 1:]

@@ -814,7 +814,10 @@ def tree_transfers(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[Tr
     holder's partial in its input, a root holding no partial in its output, a combiner's in
     its scratch; deliveries land in outputs and forwards read them there. A root holding a
     partial of an element it needs copies it from its input to its output (src == dst, in
-    the first delivery round). Items are listed element by element, in item order."""
+    the first delivery round). Items are listed element by element, in item order. A rank
+    outside `mesh` (a plan between meshes lists both meshes' ranks) moves nothing."""
+    if rank not in mesh:
+        return ()
     s = schedule(state, goal, mesh)
     me = mesh.ranks.index(rank)
     groups: dict[tuple[int, int, int], list[tuple[int, int, int]]] = defaultdict(list)
