@@ -241,8 +241,8 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     axes = in_mesh_order(mesh, sharding_axes(state))
     if not exact:
         return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
-    send_t = _pair_sent(state, dst, mesh)   # what each receives: `recv`, above
-    most = int(send_t.max())
+    send = tuple(_pair_sent(state, dst, mesh).tolist())   # each receives `recv`, above
+    most = max(send)     # in Python: the tensor's max and int are two more cold torch ops
     if most > max(recv):     # twins send more than anyone receives: rotate them?
         turn = rotation(state, mesh)
         if turn is not None and mesh.size * mesh.group_size(turn[0]) <= ROTATE_LIMIT:
@@ -250,7 +250,7 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
             if max(spread) < most:
                 return Move("send_recv", in_mesh_order(mesh, {*turn[0], *turn[1]}), dst,
                             action="rotate", indexed=True, send=spread, recv=recv)
-    return Move("send_recv", axes, dst, indexed=True, send=tuple(send_t.tolist()), recv=recv)
+    return Move("send_recv", axes, dst, indexed=True, send=send, recv=recv)
 
 
 # -- rotated twins: the sending spread over replicas --------------------------------------
