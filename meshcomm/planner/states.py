@@ -251,8 +251,16 @@ def chunk_sizes(dim: DimState, mesh: Mesh) -> torch.Tensor:
     for a in dim.chunks:
         parts = {n: reduce_ops.chunk_sizes(n, mesh.axis_size(a)) for n in set(lengths)}
         lengths = list(itertools.chain.from_iterable(map(parts.__getitem__, lengths)))
-    table = torch.frombuffer(array.array("q", lengths), dtype=torch.long)
-    return _on_ranks(table, dim, mesh)
+    k, names = len(dim.chunks), mesh.axis_names
+    if dim.chunks == names[len(names) - k:]:     # the innermost axes: repeat the whole table
+        lengths = lengths * (mesh.size // len(lengths))
+    elif dim.chunks == names[:k]:                # the outermost: repeat each block in place
+        each = itertools.repeat(mesh.size // len(lengths))
+        lengths = list(itertools.chain.from_iterable(map(itertools.repeat, lengths, each)))
+    else:
+        return _on_ranks(torch.frombuffer(array.array("q", lengths), dtype=torch.long),
+                         dim, mesh)
+    return torch.frombuffer(array.array("q", lengths), dtype=torch.long)
 
 
 # Chunk chains of up to this many blocks are sized in Python (`chunk_sizes`): a cold torch
