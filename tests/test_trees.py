@@ -443,3 +443,27 @@ def test_an_estimated_tree_counts_no_sends_and_ties_go_to_the_fewest_sent() -> N
         assert all(map(int.__le__, guess.send, move.send)), (mesh, shape, src, dst)
         assert all(map(int.__le__, guess.recv, move.recv)), (mesh, shape, src, dst)
     assert seen >= 20, seen
+
+
+def test_an_estimated_trees_time_floor_holds_and_spares_a_drawing() -> None:
+    """`trees.least_busiest` (g + k - 2 messages per element's reduction, averaged over the
+    mesh) is at or below the busiest rank's receives of every drawn schedule; and on `sp=4`
+    (9, 96, 128, 6), where the needs alone made the tree look faster than one
+    reduce_scatter, the search now returns the collective without drawing a tree."""
+    rng, seen, tight = random.Random(39), 0, 0
+    for _ in range(60):
+        mesh, shape, src, dst = partial_transition(rng, rng.random() < 0.3)
+        before = from_layout(mc.Layout(src), mesh, shape)
+        after = from_layout(mc.Layout(dst), mesh, shape)
+        guess, move = trees.tree_estimate(before, after, mesh), trees.tree_move(before, after, mesh)
+        if move is None:
+            continue
+        seen += 1
+        assert guess.least <= max(move.recv), (mesh, shape, src, dst)
+        tight += guess.least > max(guess.recv)
+    assert seen >= 30 and tight >= 5, (seen, tight)
+    trees.tree_move.cache_clear()
+    args = (mc.Mesh("sp=4"), (9, 96, 128, 6), "i j (z=2 k) (w=2 l) | sum(sp)", "i j k (sp l)")
+    p = mc.plan(*args)
+    assert [s.kind for s in p.steps if s.kind != "local"] == ["reduce_scatter"]
+    assert trees.tree_move.cache_info().misses == 0

@@ -84,6 +84,7 @@ class Move:
     recv: tuple[int, ...] = ()
     rounds: int = 1                # all_to_alls of a tree step (`trees.tree_move`)
     merge_rounds: int = 0          # of those, the ones that combine partials
+    least: int = 0                 # an estimate's floor of its busiest rank's elements (time only)
     # `pre` and `post` not built yet: a generator defers them, as most moves are only priced
     # (`with_rearranges` builds them for the moves a plan keeps).
     rearranges: Callable[[], tuple[Rearrange | None, Rearrange | None]] | None = (

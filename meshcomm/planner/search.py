@@ -360,7 +360,7 @@ def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, item
     if move.kind != "local":
         step_send = _most(move.send) * itemsize
         step_recv = step_send if move.recv is move.send else _most(move.recv) * itemsize
-        time = _time(move, max(step_send, step_recv), cost_model)
+        time = _time(move, max(step_send, step_recv, move.least * itemsize), cost_model)
         if totals is None:     # a large mesh: the sums of each step's busiest rank
             got, sent = got + step_recv, sent + step_send
         else:
