@@ -21,7 +21,6 @@ from meshcomm.planner.bounds import FLOW_TRIES, state_bound
 from meshcomm.planner.states import from_layout
 from meshcomm.testing import counting_bound, partial_transition
 
-
 # Trees save bytes in rounds: the default cost model charges each round a latency, so on the
 # small tensors here it takes one collective instead. These tests plan with bytes alone (no
 # latency), as the default did before it had one, to reach the trees.
