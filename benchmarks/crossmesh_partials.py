@@ -134,21 +134,8 @@ def worker(root: str, cases_path: str, latency_s: str) -> None:
     torch.set_num_threads(1)
     cases = json.loads(Path(cases_path).read_text())
     cost = None if latency_s == "default" else mc.CostModel(latency_s=float(latency_s))
-    clear_memos = getattr(sys.modules.get("meshcomm.planner.plan"), "clear_memos", None)
-
-    def clear() -> None:
-        seen: set[int] = set()
-        for name, module in list(sys.modules.items()):
-            if not name.startswith("meshcomm") or module is None:
-                continue
-            for value in list(vars(module).values()):
-                fn = getattr(value, "cache_clear", None)
-                if isinstance(value, type) or not callable(fn) or id(value) in seen:
-                    continue
-                seen.add(id(value))
-                fn()
-        if clear_memos is not None:
-            clear_memos()
+    sys.path.insert(0, str(HERE))
+    from plan_fuzz_time import clear_caches as clear  # every meshcomm cache: a cold plan
 
     # import every module planning needs (meshcomm imports its planner at the first plan)
     mc.plan(mc.Mesh("w=2"), (4,), "a | sum(w)", "(q a)", dst_mesh=mc.Mesh("q=2", ranks=[2, 3]))

@@ -430,18 +430,25 @@ def test_an_estimated_tree_counts_no_sends_and_ties_go_to_the_fewest_sent() -> N
     assert max(p.send_bytes) == 96 < max(other.send_bytes) == 288
     _check_exact(p, _data(args[1]))
     # the estimate is below the schedule on every rank, sends and receives
-    rng, seen = random.Random(27), 0
-    for _ in range(40):
+    seen = 0
+    for case, guess, move in _estimated_and_drawn(27, 40):
+        seen += 1
+        assert all(map(int.__le__, guess.send, move.send)), case
+        assert all(map(int.__le__, guess.recv, move.recv)), case
+    assert seen >= 20, seen
+
+
+def _estimated_and_drawn(seed: int, count: int):
+    """Of `count` random partial transitions where a tree applies: the case, the tree's
+    estimate and its drawn schedule."""
+    rng = random.Random(seed)
+    for _ in range(count):
         mesh, shape, src, dst = partial_transition(rng, rng.random() < 0.3)
         before = from_layout(mc.Layout(src), mesh, shape)
         after = from_layout(mc.Layout(dst), mesh, shape)
         guess, move = trees.tree_estimate(before, after, mesh), trees.tree_move(before, after, mesh)
-        if move is None:
-            continue
-        seen += 1
-        assert all(map(int.__le__, guess.send, move.send)), (mesh, shape, src, dst)
-        assert all(map(int.__le__, guess.recv, move.recv)), (mesh, shape, src, dst)
-    assert seen >= 20, seen
+        if move is not None:
+            yield (mesh, shape, src, dst), guess, move
 
 
 def test_an_estimated_trees_time_floor_holds_and_spares_a_drawing() -> None:
@@ -449,16 +456,10 @@ def test_an_estimated_trees_time_floor_holds_and_spares_a_drawing() -> None:
     mesh) is at or below the busiest rank's receives of every drawn schedule; and on `sp=4`
     (9, 96, 128, 6), where the needs alone made the tree look faster than one
     reduce_scatter, the search now returns the collective without drawing a tree."""
-    rng, seen, tight = random.Random(39), 0, 0
-    for _ in range(60):
-        mesh, shape, src, dst = partial_transition(rng, rng.random() < 0.3)
-        before = from_layout(mc.Layout(src), mesh, shape)
-        after = from_layout(mc.Layout(dst), mesh, shape)
-        guess, move = trees.tree_estimate(before, after, mesh), trees.tree_move(before, after, mesh)
-        if move is None:
-            continue
+    seen, tight = 0, 0
+    for case, guess, move in _estimated_and_drawn(39, 60):
         seen += 1
-        assert guess.least <= max(move.recv), (mesh, shape, src, dst)
+        assert guess.least <= max(move.recv), case
         tight += guess.least > max(guess.recv)
     assert seen >= 30 and tight >= 5, (seen, tight)
     trees.tree_move.cache_clear()
