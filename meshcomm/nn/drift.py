@@ -51,6 +51,7 @@ COMPARED = 3       # digest columns compared: has a gradient, sum of its bits, w
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MIX = -0x61C8864680B583EB      # 0x9E3779B97F4A7C15 (odd) as an int64: position weights
 SHOWN = 4                        # differing parameters named in the message
+TOLERANCE = "(drift_rtol, drift_atol)"   # the row of the tolerance in the compared table
 
 
 def digest(grad: Tensor | None) -> Tensor:
@@ -135,10 +136,22 @@ class Watch:
         params = replicated(self.module, self.bound, self.axis)
         if not params:
             return
-        table = torch.stack([digest(p.grad).to(self.bound.device) for _, p in params])
+        # the tolerance is compared too: ranks that decide differently whether to compare
+        # values would post different collectives (a hang)
+        tolerance = torch.tensor([self.rtol, self.atol], dtype=torch.float64)
+        table = torch.stack([digest(p.grad).to(self.bound.device) for _, p in params]
+                            + [digest(tolerance).to(self.bound.device)])
         names = [name for name, _ in params]
         what = f"gradients of replicated parameters over {self.axis}"
-        found = compare_values(self.bound, self.axis, names, table, COMPARED, what)
+        found = compare_values(self.bound, self.axis, names + [TOLERANCE], table, COMPARED,
+                               what)
+        if found is not None and len(params) in found.items:
+            raise ReplicaDriftError(
+                f"check mode: parallelize's drift_rtol={self.rtol} and drift_atol={self.atol}"
+                f" on rank {self.bound.rank} are not those of every rank holding copies over"
+                f" {self.axis} ({ranks_text(self.bound.group_ranks(self.axis))}); fix: pass"
+                " the same tolerance to parallelize on every rank")
+        table = table[:-1]
         if found is not None and (self.rtol or self.atol):
             beyond = [i for i, far in zip(found.items, self.spread_beyond(
                 [params[i][1] for i in found.items])) if far]
@@ -178,7 +191,10 @@ class Watch:
             allowed = self.atol + self.rtol * torch.maximum(hi.abs(), lo.abs())
             n = (len(hi) - 1) // 2     # presence, values, NaN flags: exact but values
             exact = torch.cat([hi[:1] - lo[:1], hi[1 + n:] - lo[1 + n:]])
-            out.append(bool(exact.any()) or bool(((hi - lo) > allowed)[1:1 + n].any()))
+            # an infinity on some ranks only is never within a tolerance (inf - x > inf is
+            # False, and 0 * inf is NaN)
+            far = ((hi - lo) > allowed) | ((hi != lo) & ~(hi.isfinite() & lo.isfinite()))
+            out.append(bool(exact.any()) or bool(far[1:1 + n].any()))
         return out
 
     def message(self, names: Sequence[str], found: Disagreement) -> str:

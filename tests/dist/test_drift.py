@@ -150,17 +150,21 @@ def full(p: Any) -> torch.Tensor:
 
 def run_toy(mesh: str, plan: dict[str, str], check: bool, odd_rank: int = -1,
             halves: bool = False, noise: dict[str, float] | None = None,
-            rtol: float = 0.0) -> dict[str, Any]:
+            rtol: float = 0.0, inf_on: str | None = None) -> dict[str, Any]:
     """Train the toy under `plan` (and fully_shard over dp where the mesh has it); its
     outcome, losses, parameters, the backward passes checked and the collectives of the
     last step. Rank `odd_rank` builds it without one parameter. `noise`: parameter name ->
     f, its gradient times 1 + rank * f on each rank (as a nondeterministic kernel's last
-    bits); `rtol`: the check's tolerance."""
+    bits); `rtol`: the check's tolerance; `inf_on`: a parameter whose gradient's first value is
+    inf on rank 1 only."""
     bound = mc.init_mesh(mesh, check=check, timeout_s=scaled(120))
     model = mc.nn.parallelize(Toy(out_bias=bound.rank != odd_rank), bound, plan, axis="tp",
                               drift_rtol=rtol)
     for name, f in (noise or {}).items():
         model.get_parameter(name).register_hook(lambda g, f=f: g * (1 + bound.rank * f))
+    if inf_on is not None and bound.rank == 1:
+        model.get_parameter(inf_on).register_hook(
+            lambda g: g.flatten().index_fill(0, torch.tensor([0]), float("inf")).view_as(g))
     dp = bound.mesh.axis_size("dp") if "dp" in bound.mesh.axis_names else 1
     if dp > 1:
         mc.nn.fully_shard(model, bound, axis="dp")
@@ -194,6 +198,10 @@ def toy_worker(rank: int, world: int) -> dict[str, Any]:
             "noisy and far, tolerated": run_toy("tp=4", SUMMED, True, rtol=1e-5,
                                                 noise={**NEAR, "out.weight": 1e-2}),
             "unsummed, tolerated": run_toy("tp=4", UNSUMMED, True, rtol=1e-5),
+            "inf on one rank, tolerated": run_toy("tp=4", SUMMED, True, rtol=1e-5,
+                                                  noise=NEAR, inf_on="out.weight"),
+            "tolerances differ": run_toy("tp=4", SUMMED, True, noise=NEAR,
+                                         rtol=1e-5 if rank != 2 else 2e-5),
             "a negative tolerance": outcome(lambda: mc.nn.parallelize(
                 Toy(), mc.init_mesh("tp=4", check=True), SUMMED, drift_atol=-1e-6))}
 
@@ -249,13 +257,14 @@ def test_a_summed_plan_trains_silently_as_in_one_process(toy: list[dict[str, Any
 def test_ranks_that_hold_other_parameters_raise_a_mismatch(toy: list[dict[str, Any]]) -> None:
     """Nothing to compare: every rank raises check mode's CollectiveMismatchError."""
     head = ("CollectiveMismatchError: gradients of replicated parameters over tp: rank 3 asked"
-            " for gradients of replicated parameters over tp items=3, names=")
+            " for gradients of replicated parameters over tp items=4, names=")
     fix = ("  fix: the ranks compare different items (their count or names differ): build the"
            " same model, the same way, on every rank of the group")
     for got in toy:
         text = got["tp other parameters"]["outcome"]
         assert text.startswith(head) and text.endswith(fix), text
-        assert "but ranks 0-2 asked for gradients of replicated parameters over tp items=4" \
+        # (the items: the replicated parameters and the drift tolerance)
+        assert "but ranks 0-2 asked for gradients of replicated parameters over tp items=5" \
             in text, text
 
 
@@ -395,6 +404,16 @@ def test_a_tolerance_lets_last_bits_differ_and_still_catches_more(
             got["noisy and far, tolerated"]["outcome"]
         assert got["unsummed, tolerated"]["outcome"].startswith(
             drift_message(1, "norm.weight", "ranks 0-3", "Toy"))
+        # an infinity on one rank is never within a tolerance (it passed before)
+        assert got["inf on one rank, tolerated"]["outcome"].startswith(
+            drift_message(1, "out.weight", "ranks 0-3", "Toy")), \
+            got["inf on one rank, tolerated"]["outcome"]
+        # ranks with other tolerances would decide differently whether to compare values
+        assert got["tolerances differ"]["outcome"] == (
+            f"ReplicaDriftError: check mode: parallelize's drift_rtol="
+            f"{2e-5 if rank == 2 else 1e-5} and drift_atol=0.0 on rank {rank} are not those of"
+            " every rank holding copies over tp (ranks 0-3); fix: pass the same tolerance to"
+            " parallelize on every rank"), got["tolerances differ"]["outcome"]
         assert got["a negative tolerance"] == (
             "StyleError: parallelize(drift_atol=-1e-06): a tolerance is a finite number >= 0"
             " (0, the default: gradients compared bit for bit)")
