@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..core.reduce_ops import op_reduce
 from ..planner.values import Step, Transfer
-from .local import assemble
+from .local import _positions, assemble
 
 
 def partial_of(step: Step, src: int) -> int:
@@ -65,7 +65,7 @@ def unpacked(step: Step, transfers: Iterable[Transfer], order: Sequence[int], ra
              flat: Tensor, out_shape: tuple[int, ...]) -> Tensor:
     """`combine` from one flat buffer holding `rank`'s blocks in source order (positions over
     `order`, the ranks of both meshes), as an all_to_all delivers them."""
-    where = {r: i for i, r in enumerate(order)}
+    where = _positions(tuple(order))    # built once per rank list, not per call
     mine = sorted((t for t in transfers if t.dst == rank), key=lambda t: where[t.src])
     parts, at = [], 0
     for t in mine:

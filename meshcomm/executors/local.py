@@ -198,21 +198,6 @@ def recv_splits(transfers: Iterable[Transfer], mesh: Order, rank: int) -> list[i
     return splits
 
 
-def unpack(transfers: Iterable[Transfer], mesh: Order, rank: int, flat: Tensor,
-           out_shape: tuple[int, ...], fill_op: str | None = None) -> Tensor:
-    """`rank`'s output tensor from the flat buffer it received (blocks in source order).
-
-    With `fill_op`, elements no transfer writes hold that reduction's identity (a rank
-    that only contributes part of a pending reduction)."""
-    where = _positions(mesh)
-    parts, offset = [], 0
-    for t in sorted(transfers, key=lambda t: where[t.src] if t.dst == rank else -1):
-        if t.dst == rank:
-            parts.append((t, flat[offset:offset + t.numel]))
-            offset += t.numel
-    return assemble(parts, out_shape, fill_op, flat)
-
-
 def assemble(parts: Sequence[tuple[Transfer, Tensor]], out_shape: tuple[int, ...],
              fill_op: str | None, like: Tensor, fresh: bool = False) -> Tensor:
     """An output of `out_shape` from received (or kept) blocks: each flat tensor written at

@@ -210,7 +210,8 @@ def _direct_floor(mesh: Mesh, dst_mesh: Mesh, shape: Shape, src: Layout, goal: S
         return None
     sizes = zip(dst_mesh.ranks, local_numels(goal, dst_mesh))
     least = max((n * (g - (r in mesh)) for r, n in sizes if r not in idle), default=0)
-    return round(cost_model.time(("*",), least * itemsize), 15), least
+    # nothing to receive (an empty tensor): the step moves nothing and costs nothing
+    return (round(cost_model.time(("*",), least * itemsize), 15) if least else 0.0), least
 
 
 def _direct_step(mesh: Mesh, dst_mesh: Mesh, ranks: tuple[int, ...], shape: Shape, src: Layout,

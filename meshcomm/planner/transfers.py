@@ -8,8 +8,8 @@ between two meshes where the planner lists them. This is the plan-time room: wha
 does when the step runs (its own blocks, `Step.rank_transfers`) is computed by
 `meshcomm.planner.rank_transfers`, whose functions the planner leaves in the step
 (`blocks_of`). Executors run the step as one all_to_all with uneven splits, using
-`meshcomm.executors.local.pack` and `unpack`, so that the simulated and the real executor
-move the same bytes in the same order.
+`meshcomm.executors.local.pack` and `meshcomm.executors.landing.unpacked`, so that the
+simulated and the real executor move the same bytes in the same order.
 """
 
 from __future__ import annotations

@@ -590,9 +590,10 @@ RUN_MANY: dict[str, Callable[[list[Step], list[Tensor], Run], list[Out]]] = {
 # The transfer step runs on every rank of either mesh as one batch of point-to-point
 # messages, one per (sender, receiver) pair, so all transfers overlap. A sender packs with
 # `pack` (blocks in transfer order, grouped by receiver) and sends each receiver its slice; a
-# receiver receives each sender's message into its slice of one flat buffer, which `unpack`
-# reads. So the bytes and their order are the simulator's (`sim.execute_cross`). What a rank
-# in both meshes keeps is a local copy and moves no bytes. Ranks in neither mesh do nothing.
+# receiver receives each sender's message into its slice of one flat buffer, which
+# `landing.combine` reads. So the bytes and their order are the simulator's
+# (`sim.execute_cross`). What a rank in both meshes keeps is a local copy and moves no
+# bytes. Ranks in neither mesh do nothing.
 def check_cross(plan: Plan, local: Tensor | None, src: Groups, dst: Groups) -> None:
     """Raise before any communication if `local`, `src` or `dst` do not fit the plan here."""
     if plan.dst_mesh is None:
