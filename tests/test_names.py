@@ -31,6 +31,8 @@ NOT_DIM_NAMES = {
     ("nn/fsdp/param.py", "f'{prefix}{attr}'"): "a parameter's qualified name",
     ("nn/fsdp/param.py", "f'{prefix}{child_name}'"): "a module's qualified name",
     ("runtime/checks.py", "f'item{k}'"): "a field of a cross-rank check record",
+    ("nn/hf_plan.py", "f'Local{cls.__name__}'"):
+        "the class name of a config view holding this rank's sizes (hf_plan.ConfigView)",
 }
 
 
