@@ -58,17 +58,10 @@ def digest(plan: Any) -> dict[str, Any]:
 
 def worker(root: str, cases_path: str) -> None:
     """Reads a case index per line and answers its plan's `digest` (or the error), as JSON."""
-    sys.path.insert(0, root)
-    import torch
-
-    import meshcomm as mc
-    assert Path(mc.__file__).resolve().is_relative_to(Path(root).resolve()), mc.__file__
     sys.path.insert(0, str(HERE))
-    from plan_fuzz_time import clear_caches, plan_case
+    from plan_fuzz_time import clear_caches, plan_case, worker_cases
 
-    torch.set_num_threads(1)
-    cases = [tuple(c[:1]) + (tuple(c[1]),) + tuple(c[2:])
-             for c in json.loads(Path(cases_path).read_text())]
+    cases = worker_cases(root, cases_path)
     for line in sys.stdin:
         clear_caches()      # warm caches may hand back an equal layout written otherwise
         try:

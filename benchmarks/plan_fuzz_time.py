@@ -199,22 +199,28 @@ def clear_caches() -> None:
 
 
 # -- the worker: plans cases cold, one per line read, in its own process ------------------
-def worker(root: str, cases_path: str, limit_s: float) -> None:
-    """Reads a case index per line from stdin and answers, per line, its cold plan time in
-    ms (or a reason) and its busiest rank's sent and received bytes, as JSON."""
+def worker_cases(root: str, cases_path: str) -> list[Case]:
+    """A worker's start: meshcomm imported from the checkout at `root` (checked), one torch
+    thread, and the cases written to `cases_path`."""
     sys.path.insert(0, root)
-    import gc
-
     import torch
 
     import meshcomm as mc
     assert Path(mc.__file__).resolve().is_relative_to(Path(root).resolve()), mc.__file__
     sys.path.insert(0, str(HERE))
+    torch.set_num_threads(1)
+    return [tuple(c[:1]) + (tuple(c[1]),) + tuple(c[2:])
+            for c in json.loads(Path(cases_path).read_text())]
+
+
+def worker(root: str, cases_path: str, limit_s: float) -> None:
+    """Reads a case index per line from stdin and answers, per line, its cold plan time in
+    ms (or a reason) and its busiest rank's sent and received bytes, as JSON."""
+    import gc
+
+    cases = worker_cases(root, cases_path)
     from plan_scale import PlanTimeout, time_limit
 
-    torch.set_num_threads(1)
-    cases = [tuple(c[:1]) + (tuple(c[1]),) + tuple(c[2:])
-             for c in json.loads(Path(cases_path).read_text())]
     for line in sys.stdin:
         case = cases[int(line)]
         clear_caches()

@@ -130,7 +130,25 @@ def _some_plan_fits(net: _Network, case: tuple[list[int], list[int]], f: int,
     return False
 
 
-class _Network:
+class _Residual:
+    """A residual graph in adjacency lists: `out[v]` the edges leaving node v, an edge e
+    from a to `to[e]` with residual capacity `cap[e]`, numbered in pairs (an edge, then its
+    reverse, `e ^ 1`)."""
+
+    out: list[list[int]]
+    to: list[int]
+    cap: list[int]
+
+    def _edge(self, a: int, b: int, cap: int) -> int:
+        e = len(self.to)
+        self.out[a].append(e)
+        self.out[b].append(e + 1)
+        self.to += [b, a]
+        self.cap += [cap, 0]
+        return e
+
+
+class _Network(_Residual):
     """`Unions.fit`'s network with the same max-flow values, smaller and kept between flows.
     A class's edges to the ranks it may combine for (others) go through one node per such
     set of ranks (their caps never bind: a class sends no more than it gets), and the flow
@@ -176,14 +194,6 @@ class _Network:
     def _node(self) -> int:
         self.out.append([])
         return len(self.out) - 1
-
-    def _edge(self, a: int, b: int, cap: int) -> int:
-        e = len(self.to)
-        self.out[a].append(e)
-        self.out[b].append(e + 1)
-        self.to += [b, a]
-        self.cap += [cap, 0]
-        return e
 
     def load(self, extra: list[int]) -> None:
         """The caps that follow the ranks' `extra`: a partial's holders make at most items x
@@ -262,7 +272,7 @@ class _Network:
                 if cap[self.sink_edge[r] ^ 1] + -(-cap[self.other_edge[r] ^ 1] // f) > e]
 
 
-class _UnionGraph:
+class _UnionGraph(_Residual):
     """The network of `unions_fit`, built once: source -> class -> (partial -> holder |
     root | others-node of a rank) -> rank -> sink. Edges are numbered in pairs (an edge,
     then its reverse); `flow` sets the two capacities per rank that change between
@@ -298,14 +308,8 @@ class _UnionGraph:
                            for r in range(ranks)]
 
     def _edge(self, a: int, b: int, cap: int, keep: bool = False) -> int:
-        if cap <= 0 and not keep:
-            return -1
-        e = len(self.to)
-        self.out[a].append(e)
-        self.out[b].append(e + 1)
-        self.to += [b, a]
-        self.cap += [cap, 0]
-        return e
+        """An edge where it has capacity (or `keep`: its capacity is set later), else -1."""
+        return super()._edge(a, b, cap) if cap > 0 or keep else -1
 
     def flow(self, copies: list[int], other: list[int], demand: int
              ) -> tuple[int, list[int], list[int]]:

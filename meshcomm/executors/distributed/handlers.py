@@ -671,16 +671,13 @@ class Route(NamedTuple):
     own: tuple[Transfer, ...]
 
 
-_ROUTES: dict[int, tuple[Step, int, Route]] = {}
-
-
 def _route(step: Step, rank: int) -> Route:
-    """`rank`'s Route of `step`, cached by the step's identity (a prepared plan's steps live
-    as long as the plan): each call after the first costs one dict lookup, whatever the
-    number of ranks."""
-    hit = _ROUTES.get(id(step))
-    if hit is not None and hit[0] is step and hit[1] == rank:
-        return hit[2]
+    """`rank`'s Route of `step`, kept by the step's identity (`per_step`): each call after
+    the first costs one dict lookup, whatever the number of ranks."""
+    return per_step(step, "route", rank, lambda: _routed(step, rank))
+
+
+def _routed(step: Step, rank: int) -> Route:
     sends: dict[int, list[Transfer]] = {}
     recvs: dict[int, list[Transfer]] = {}
     own = []
@@ -691,13 +688,9 @@ def _route(step: Step, rank: int) -> Route:
             sends.setdefault(t.dst, []).append(t)
         elif t.dst == rank:
             recvs.setdefault(t.src, []).append(t)
-    route = Route(tuple((p, tuple(ts)) for p, ts in sorted(sends.items())),
-                  tuple((p, sum(t.numel for t in ts), tuple(ts))
-                        for p, ts in sorted(recvs.items())), tuple(own))
-    if len(_ROUTES) >= 1024:
-        _ROUTES.clear()
-    _ROUTES[id(step)] = (step, rank, route)
-    return route
+    return Route(tuple((p, tuple(ts)) for p, ts in sorted(sends.items())),
+                 tuple((p, sum(t.numel for t in ts), tuple(ts))
+                       for p, ts in sorted(recvs.items())), tuple(own))
 
 
 def _message(x: Tensor, blocks: Sequence[Transfer]) -> Tensor:
