@@ -28,7 +28,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -165,25 +164,20 @@ def run(roots: dict[str, Path], cases: list[Case], reps: int, latency_s: str
     """Each case planned cold `reps` times by a worker per root, the workers in turn."""
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"crossmesh_partials_{os.getpid()}.json"
     path.write_text(json.dumps(cases))
-    procs = {name: subprocess.Popen(
-        [sys.executable, __file__, "--worker", str(root), str(path), latency_s],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        for name, root in roots.items()}
+    sys.path.insert(0, str(HERE))
+    from plan_fuzz_time import Worker
+
+    workers = {name: Worker(__file__, [str(root), str(path), latency_s])
+               for name, root in roots.items()}
     out: dict[str, list[list[Any]]] = {name: [[] for _ in cases] for name in roots}
     try:
         for i in range(len(cases)):
             for _ in range(reps):
-                for name, proc in procs.items():
-                    assert proc.stdin is not None and proc.stdout is not None
-                    proc.stdin.write(f"{i}\n")
-                    proc.stdin.flush()
-                    out[name][i].append(json.loads(proc.stdout.readline()))
+                for name, worker in workers.items():
+                    out[name][i].append(worker.plan(i))
     finally:
-        for proc in procs.values():
-            assert proc.stdin is not None
-            proc.stdin.close()
-            proc.wait(timeout=30)
+        for worker in workers.values():
+            worker.close()
     return out
 
 

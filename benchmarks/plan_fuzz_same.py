@@ -26,7 +26,6 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,29 +76,19 @@ def compare(old: Path, new: Path, cases: list[Any], tmp: Path,
     `hash_seeds`, one each): the cases whose plans differ, with both digests."""
     path = tmp / f"plan_fuzz_same_{os.getpid()}.json"
     path.write_text(json.dumps(cases))
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(root), str(path)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1",
-                                   "PYTHONHASHSEED": str(seed)})
-             for root, seed in zip((old, new), hash_seeds)]
+    from plan_fuzz_time import Worker
+
+    workers = [Worker(__file__, [str(root), str(path)], {"PYTHONHASHSEED": str(seed)})
+               for root, seed in zip((old, new), hash_seeds)]
     differ = []
     try:
         for i, case in enumerate(cases):
-            got = []
-            for p in procs:
-                assert p.stdin is not None and p.stdout is not None
-                p.stdin.write(f"{i}\n")
-                p.stdin.flush()
-                line = p.stdout.readline()
-                assert line, f"worker {p.args} exited (code {p.poll()})"
-                got.append(json.loads(line))
+            got = [w.plan(i) for w in workers]
             if got[0]["hash"] != got[1]["hash"]:
                 differ.append({"case": list(case), "old": got[0], "new": got[1]})
     finally:
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.close()
-            p.wait(timeout=60)
+        for w in workers:
+            w.close()
         path.unlink(missing_ok=True)
     return differ
 

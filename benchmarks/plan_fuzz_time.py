@@ -241,13 +241,15 @@ def worker(root: str, cases_path: str, limit_s: float) -> None:
 
 
 class Worker:
-    """A worker process planning with the meshcomm under `root`."""
+    """A worker process (`script --worker *args`, one torch thread, `env` added) that answers
+    one JSON line per case index written to it: the planning benchmarks' workers."""
 
-    def __init__(self, root: Path, cases_path: Path, limit_s: float) -> None:
+    def __init__(self, script: str, args: list[str], env: dict[str, str] | None = None
+                 ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(root), str(cases_path), str(limit_s)],
+            [sys.executable, script, "--worker", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"})
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
     def plan(self, index: int) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -260,7 +262,7 @@ class Worker:
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        self.proc.wait(timeout=60)
 
 
 def run_cases(roots: dict[str, Path], cases: list[Case], reps: int, limit_s: float,
@@ -268,7 +270,8 @@ def run_cases(roots: dict[str, Path], cases: list[Case], reps: int, limit_s: flo
     """Each case planned cold `reps` times by a worker per root, the workers in turn."""
     cases_path = tmp / f"plan_fuzz_cases_{os.getpid()}.json"
     cases_path.write_text(json.dumps(cases))
-    workers = {name: Worker(root, cases_path, limit_s) for name, root in roots.items()}
+    workers = {name: Worker(__file__, [str(root), str(cases_path), str(limit_s)])
+               for name, root in roots.items()}
     out: dict[str, list[list[dict[str, Any]]]] = {name: [[] for _ in cases] for name in roots}
     try:
         for i in range(len(cases)):
