@@ -101,6 +101,25 @@ def test_exception_on_rank_two_reports_its_traceback() -> None:
     _assert_no_children()
 
 
+def test_the_rank_whose_fn_raised_is_named_even_when_a_consequence_reports_first() -> None:
+    """CI once saw rank 0's gloo connect fail ("connection closed by peer") before rank 2's
+    own ValueError reached the queue; the report named rank 0. A consequence (an init or
+    teardown error) now waits for the root cause, even seconds later."""
+    import queue
+
+    results_q: queue.Queue = queue.Queue()
+    consequence = (0, "Traceback ...\nRuntimeError: Connection closed by peer", False)
+    cause = (2, False, "Traceback ...\nValueError: rank two is unhappy", True)
+    threading.Timer(1.5, results_q.put, args=(cause,)).start()
+    results_q.put((1, True, b"", False))
+    later = launch._later_failures(results_q, consequence, 0, 4, time.monotonic() + 60)
+    with pytest.raises(RankFailure) as info:
+        launch._raise_failures([consequence] + later, 4)
+    text = str(info.value)
+    assert text.startswith("run_ranks: rank 2 of 4 raised:\nTraceback"), text
+    assert "other ranks that failed too:\n  rank 0: RuntimeError: Connection closed" in text
+
+
 def test_hanging_ranks_are_named_at_the_timeout_and_killed(tmp_path: Path) -> None:
     timeout_s = scaled(HANG_RUN_S)
     start = time.monotonic()

@@ -30,6 +30,7 @@ from ..core.errors import RankFailure
 
 _GRACE_S = 2.0      # how long a terminated child gets before it is killed
 _POLL_S = 0.1
+_ROOT_CAUSE_S = 10.0  # how long a consequence waits for the failure that caused it
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60.0,
@@ -40,7 +41,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     process initializes torch.distributed (`backend`, a TCP store on a free local
     port, collectives timing out after `timeout_s`) before calling `fn` and
     destroys the process group after. Raises `RankFailure` with the traceback of
-    the first rank that raised, or naming the ranks that had not finished when
+    the rank whose `fn` raised (the root cause, even when a peer's resulting init or
+    teardown error is reported first; the others follow one line each), or naming the ranks that had not finished when
     `timeout_s` (counted from the start, spawning included) ran out.
 
     >>> run_ranks(pow, 3)          # pow(rank, world_size) on each of 3 processes
@@ -94,21 +96,33 @@ def _collect(procs: list[Any], results_q: Any, world_size: int, deadline: float,
             _check_dead(procs, results, silent_since, now)
             continue
         if not ok:
-            _raise_failures([(rank, payload, in_fn)] + _later_failures(results_q), world_size)
+            first = (rank, payload, in_fn)
+            _raise_failures([first] + _later_failures(results_q, first, len(results),
+                                                        world_size, deadline), world_size)
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]
 
 
-def _later_failures(results_q: Any) -> list[tuple[int, str, bool]]:
-    """Every other failure reported within a moment (often consequences of the first)."""
-    found = []
-    end = time.monotonic() + 0.5
-    while time.monotonic() < end:
+def _later_failures(results_q: Any, first: tuple[int, str, bool], done: int, world_size: int,
+                    deadline: float) -> list[tuple[int, str, bool]]:
+    """Every other failure reported within a moment (often consequences of the first).
+    When the first is not `fn`'s own (a peer's init or teardown error), wait longer, up to
+    _ROOT_CAUSE_S or the deadline, for the rank whose `fn` raised: on a loaded machine its
+    report can come seconds after the errors it caused."""
+    found: list[tuple[int, str, bool]] = []
+    start = time.monotonic()
+    while True:
+        root_seen = first[2] or any(f[2] for f in found)
+        end = min(start + (0.5 if root_seen else _ROOT_CAUSE_S), deadline)
+        if time.monotonic() >= end or done + 1 + len(found) >= world_size:
+            break
         try:
             rank, ok, payload, in_fn = results_q.get(timeout=max(0.0, end - time.monotonic()))
         except queue_mod.Empty:
             break
-        if not ok:
+        if ok:
+            done += 1
+        else:
             found.append((rank, payload, in_fn))
     return found
 
@@ -308,8 +322,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
         in_fn = True
         try:
             result = fn(rank, world_size, *args, **kwargs)
+            in_fn = False       # only an exception out of fn leaves it set
         finally:
-            in_fn = False
             dist.destroy_process_group()
         results_q.put((rank, True, pickle.dumps(result), False))
     except BaseException:  # report everything, KeyboardInterrupt and SystemExit included
