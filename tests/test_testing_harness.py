@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from conftest import TIMEOUT_FACTOR_ENV, run_scaled, scaled
 
 from meshcomm.core.errors import MeshcommError, RankFailure
 from meshcomm.runtime import launch
 from meshcomm.runtime.launch import run_ranks
-
-from conftest import TIMEOUT_FACTOR_ENV, run_scaled, scaled
 
 # Long enough for every healthy rank to spawn, import torch and join the group on a busy
 # machine (run_ranks counts spawning in); MESHCOMM_TEST_TIMEOUT_FACTOR scales it further.
@@ -105,8 +105,6 @@ def test_the_rank_whose_fn_raised_is_named_even_when_a_consequence_reports_first
     """CI once saw rank 0's gloo connect fail ("connection closed by peer") before rank 2's
     own ValueError reached the queue; the report named rank 0. A consequence (an init or
     teardown error) now waits for the root cause, even seconds later."""
-    import queue
-
     results_q: queue.Queue = queue.Queue()
     consequence = (0, "Traceback ...\nRuntimeError: Connection closed by peer", False)
     cause = (2, False, "Traceback ...\nValueError: rank two is unhappy", True)

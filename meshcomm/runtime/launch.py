@@ -42,8 +42,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     port, collectives timing out after `timeout_s`) before calling `fn` and
     destroys the process group after. Raises `RankFailure` with the traceback of
     the rank whose `fn` raised (the root cause, even when a peer's resulting init or
-    teardown error is reported first; the others follow one line each), or naming the ranks that had not finished when
-    `timeout_s` (counted from the start, spawning included) ran out.
+    teardown error is reported first; the others follow one line each), or naming
+    the ranks that had not finished when `timeout_s` (counted from the start,
+    spawning included) ran out.
 
     >>> run_ranks(pow, 3)          # pow(rank, world_size) on each of 3 processes
     [0, 1, 8]
