@@ -100,6 +100,11 @@ def test_per_step_builds_once_per_step_and_key() -> None:
                    cost_model=mc.CostModel(latency_s=1e-3)).steps[0]
     if twin is not step:                                       # kept by identity, not equality
         assert per_step(twin, "t", (5, (4, 4)), build) == 4
+    # one process playing several ranks (a dry run, a simulation) keeps each rank's value:
+    # going back to rank 3 builds nothing
+    assert per_step(step, "t", (3, (4, 4)), build) == 1
+    assert per_step(step, "t", (5, (4, 4)), build) == 2
+    assert len(built) == 4 if twin is not step else len(built) == 3
 
 
 def test_wire_split_copies_are_c_level_for_flat_buffers() -> None:

@@ -160,25 +160,27 @@ def local_shape(layout: Layout, mesh: Mesh, shape: tuple[int, ...], rank: int
 
 
 T = TypeVar("T")
-_MEMO: dict[tuple[int, str], tuple[Step, object, object]] = {}
+_MEMO: dict[tuple[int, str, object], tuple[Step, object]] = {}
 
 
 def per_step(step: Step, what: str, key: object, build: Callable[[], T]) -> T:
     """`build()` (`what` of `step` on this rank), worked out once per step and `key` (the
     rank, shapes, device: what it depends on besides the step) and kept by the step's
     identity: a prepared or memoized plan's steps live as long as the plan, so each call
-    after the first is one dict lookup and a compare of `key`, whatever the group size.
+    after the first is one dict lookup on (step id, `what`, `key`), whatever the group
+    size, and a process that plays several ranks keeps one value per rank.
     (An lru_cache keyed on the step would hash it, and with it its per-rank byte tuples:
     O(ranks) per call.) Traced, nothing is kept: the values may hold the trace's tensors."""
     if tracing() or torch.compiler.is_compiling():
         return build()
-    hit = _MEMO.get((id(step), what))
-    if hit is not None and hit[0] is step and hit[1] == key:
-        return hit[2]  # type: ignore[return-value]
+    slot = (id(step), what, key)    # one entry per rank: a process playing several keeps all
+    hit = _MEMO.get(slot)
+    if hit is not None and hit[0] is step:
+        return hit[1]  # type: ignore[return-value]
     value = build()
     if len(_MEMO) >= 4096:
         _MEMO.clear()
-    _MEMO[(id(step), what)] = (step, key, value)
+    _MEMO[slot] = (step, value)
     return value
 
 
