@@ -26,6 +26,7 @@ from meshcomm.executors.sim.shards import shard_of
 
 from conftest import ranks_fixture
 from test_crossmesh_direct import _partials
+from test_crossmesh_runtime import sim_problems
 
 MESHES = {                                            # bound in this order on every rank
     "A": mc.Mesh("dp=2 tp=2"),                        # ranks 0-3
@@ -77,21 +78,12 @@ def check_case(k: int, m: int, bounds: dict[str, mc.BoundMesh]) -> dict[str, Any
     else:
         got = execute_cross(p, x, a, b, trace=trace)
     where = f'case {k} ({model}) {tag} {shape} {dtype} "{src}" -> "{dst}" on rank {rank}'
-    problems = []
-    if (got is None) != (want is None):
-        problems.append(f"{where}: got {type(got).__name__}, sim gives {type(want).__name__}")
-    elif got is not None and not (got.dtype == want.dtype and got.shape == want.shape
-                                  and torch.equal(got, want)):
-        problems.append(f"{where}: output differs from sim\n{p}")
+    problems = sim_problems(where, p, rank, got, want, trace)
     direct = any(st.action == "direct" for st in p.steps)
     if got is not None and direct and mc.Layout(dst).reduce_op is None:
         whole = op_reduce(parts, mc.Layout(src).reduce_op or "sum")
         if not torch.equal(got, shard_of(whole, b.mesh, dst, rank)):
             problems.append(f"{where}: not the reduction of the partials in group order")
-    i = p.ranks.index(rank) if rank in p.ranks else None
-    totals = (p.send_bytes[i], p.recv_bytes[i]) if i is not None else (0, 0)
-    if (trace.send_bytes, trace.recv_bytes) != totals:
-        problems.append(f"{where}: bytes {trace.send_bytes, trace.recv_bytes} != plan {totals}")
     return {"problems": problems, "direct": direct,
             "kinds": [st.kind for st in p.collectives]}
 

@@ -131,21 +131,30 @@ def check_case(k: int, case: tuple[Any, ...], bounds: dict[str, BoundMesh]) -> d
     else:
         got = execute_cross(p, x, a, b, trace=trace)
     where = f'case {k} {tag} {shape} {dtype} "{src}" -> "{dst}" on rank {rank}'
-    problems = []
-    if (got is None) != (want is None):
-        problems.append(f"{where}: got {type(got).__name__}, sim gives {type(want).__name__}")
-    elif got is not None and (got.dtype != want.dtype or got.shape != want.shape
-                              or not torch.equal(got, want)):
-        problems.append(f"{where}: output differs from sim\n{p}")
+    problems = sim_problems(where, p, rank, got, want, trace)
     counted = [(c.kind, c.send_bytes, c.recv_bytes) for c in trace.calls]
     if counted != planned_calls(p, rank):
         problems.append(f"{where}: calls {counted} but the plan has {planned_calls(p, rank)}")
+    return {"problems": problems, "sent": trace.send_bytes,
+            "kinds": [st.kind for st in p.collectives]}
+
+
+def sim_problems(where: str, p: mc.Plan, rank: int, got: torch.Tensor | None,
+                 want: torch.Tensor | None, trace: ByteTrace) -> list[str]:
+    """What differs on `rank` between a cross-mesh call and the simulator: the output (None
+    where the rank gets nothing; dtype, shape and bits), and the bytes the trace counted
+    against the plan's totals for the rank."""
+    problems = []
+    if (got is None) != (want is None):
+        problems.append(f"{where}: got {type(got).__name__}, sim gives {type(want).__name__}")
+    elif got is not None and want is not None and not (
+            got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
+        problems.append(f"{where}: output differs from sim\n{p}")
     i = p.ranks.index(rank) if rank in p.ranks else None
     totals = (p.send_bytes[i], p.recv_bytes[i]) if i is not None else (0, 0)
     if (trace.send_bytes, trace.recv_bytes) != totals:
         problems.append(f"{where}: bytes {trace.send_bytes, trace.recv_bytes} != plan {totals}")
-    return {"problems": problems, "sent": trace.send_bytes,
-            "kinds": [st.kind for st in p.collectives]}
+    return problems
 
 
 def eight_ranks(rank: int, world: int, cases: list[tuple[Any, ...]]) -> list[dict[str, Any]]:
