@@ -188,6 +188,21 @@ def test_local_sizes_hold_while_the_owner_runs_and_never_touch_the_shared_config
     assert (attn.config, attn.num_key_value_heads) == (phi3.config, 4)
 
 
+def test_a_local_size_reads_the_same_under_every_name_the_config_maps() -> None:
+    """GPT-2 stores heads as `n_head` and maps `num_attention_heads` to it: a local size
+    given under either name reads under both, and the shared config keeps its own."""
+    from transformers import GPT2Config
+
+    from meshcomm.nn.hf_plan import config_view
+
+    shared = GPT2Config(n_head=8, n_embd=64)
+    for given in ("n_head", "num_attention_heads"):
+        view = config_view(shared, {given: 2})
+        assert (view.n_head, view.num_attention_heads) == (2, 2), given
+        assert view.n_embd == view.hidden_size == 64 and isinstance(view, GPT2Config)
+    assert (shared.n_head, shared.num_attention_heads) == (8, 8)
+
+
 def test_local_sizes_copy_nothing_per_forward_and_see_later_config_changes() -> None:
     """The config a running owner sees is made once, when it is wrapped: every forward gets
     the same one, and a change to the shared config after that shows through it."""

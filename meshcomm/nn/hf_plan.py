@@ -193,8 +193,9 @@ def _view_class(cls: type[Any]) -> type[Any]:
 
 
 def config_view(shared: Any, local: Mapping[str, int]) -> Any:
-    """A `ConfigView` of `shared` whose attributes `local` hold the given values (also under
-    the names a transformers config maps them to, its `attribute_map`).
+    """A `ConfigView` of `shared` whose attributes `local` hold the given values, also under
+    their other names in a transformers config's `attribute_map` (an alias given reads
+    through its stored name, and a stored name through its aliases).
 
     >>> class Config:
     ...     heads, width = 8, 32
@@ -202,8 +203,10 @@ def config_view(shared: Any, local: Mapping[str, int]) -> Any:
     >>> view.heads, view.width, isinstance(view, Config)
     (2, 32, True)
     """
-    names = dict(getattr(shared, "attribute_map", None) or {})
-    values = {**local, **{names[k]: v for k, v in local.items() if k in names}}
+    names = dict(getattr(shared, "attribute_map", None) or {})     # alias -> stored name
+    stored = {names[k]: v for k, v in local.items() if k in names}
+    aliases = {alias: local[name] for alias, name in names.items() if name in local}
+    values = {**local, **stored, **aliases}
     view: Any = object.__new__(_view_class(shared.__class__))
     object.__setattr__(view, "_meshcomm_local", values)
     object.__setattr__(view, "_meshcomm_shared", shared)
