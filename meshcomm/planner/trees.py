@@ -57,6 +57,8 @@ TREE_RANKS = 256       # meshes above which no tree is drawn: each round is an a
                        # over the step's group, whose host cost grows with its size
 SEARCH_UNITS = 1 << 18   # units the chain searches of one drawn schedule may look at
 SEND_LIMIT = 1 << 16     # elements x ranks up to which an estimate counts its least sends
+HELPER_GAP = 16          # a schedule above its bound by more than 1 / this is drawn again
+                         # with helpers (each draw costs the same planning time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +81,7 @@ class Schedule:
     round: tuple[int, ...]
     src_region: tuple[int, ...]    # where the sender reads the value
     dst_region: tuple[int, ...]    # where the receiver combines (merge) or writes (delivery)
-    roots: tuple[tuple[int, int, bool], ...]   # (position, item, holds a partial of it)
+    roots: tuple[tuple[int, int, bool, bool], ...]   # (position, item, holds a partial, needs it)
     scratch: tuple[tuple[int, ...], ...]       # per position: the items it combines for
     items: tuple[tuple[int, ...], ...]         # per item: its global flat elements
 
@@ -97,7 +99,9 @@ class _Tree:
     elem: int
     weight: int              # the item's elements
     want: list[int]          # ranks needing the element, the root aside
-    root_holds: bool         # the root holds a partial (else it combines in its output)
+    root_holds: bool         # the root holds a partial (it combines in its input)
+    root_needs: bool         # the root needs the item (one holding none combines in its
+                             # output; one neither holding nor needing it, in scratch)
     degree: dict[int, int]
     combiners: set[int]      # ranks holding no partial that combine others' (in scratch)
     members: list[int]       # the ranks of its reduction (same coordinate on kept axes)
@@ -105,7 +109,8 @@ class _Tree:
     peers: dict[int, list[int]]   # per partial, the ranks of `taken` holding it (in its order)
 
     def floor(self, i: int) -> int:
-        """The fewest children node i may have: 2 for a combiner, 1 for the root."""
+        """The fewest children node i may have: 2 for a combiner (a root holding and needing
+        nothing is one), 1 for another root."""
         return 2 if i in self.combiners else int(i == self.root)
 
     def region(self, i: int) -> int:
@@ -229,7 +234,7 @@ def tree_move(state: State, goal: State, mesh: Mesh) -> Move | None:
 
 
 def _items(state: State, goal: State, mesh: Mesh, budget: int
-           ) -> tuple[list[tuple[int, ...]], list[list[int]], list[list[int]]]:
+           ) -> tuple[list[tuple[int, ...]], list[list[int]], list[list[int]], list[float]]:
     """The elements grouped into items, with each item's holders (in `state`) and needers
     (in `goal`), as mesh positions. Elements with the same holders and needers are
     interchangeable: each such class is cut into items of near-equal size, about `budget`
@@ -242,6 +247,7 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
     items: list[tuple[int, ...]] = []
     holders: list[list[int]] = []
     needers: list[list[int]] = []
+    spread: list[float] = []
     at = 0
     for c in torch.bincount(cls).tolist():
         elems = order[at:at + c]
@@ -250,11 +256,12 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
         h = hold[first].nonzero().flatten().tolist()
         n = need[first].nonzero().flatten().tolist()
         cut = max(1, min(c, budget * c // numel, ITEMS_PER_CLASS * mesh.size))
-        for chunk in torch.tensor_split(elems, cut):
+        for j, chunk in enumerate(torch.tensor_split(elems, cut)):
+            spread.append((j + 0.5) / cut)
             items.append(tuple(chunk.tolist()))
             holders.append(h)
             needers.append(n)
-    return items, holders, needers
+    return items, holders, needers, spread
 
 
 @functools.lru_cache(maxsize=64)
@@ -268,19 +275,27 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     by_kept: dict[int, list[int]] = defaultdict(list)
     for i, k in enumerate(kept):
         by_kept[k].append(i)
-    items, holders, needers = _items(state, goal, mesh, max(1, TREE_LIMIT // mesh.size))
+    items, holders, needers, spread = _items(state, goal, mesh,
+                                             max(1, TREE_LIMIT // mesh.size))
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
     order, tie = list(range(len(items))), list(range(mesh.size))
 
-    def drawn() -> tuple[tuple[int, int, int], list[_Tree], list[tuple[int, ...]], Messages]:
+    def drawn(helpers: _Helpers | None = None
+              ) -> Drawn:
         budget = _Budget(SEARCH_UNITS)
         trees, got, recv, sent = _balanced(order, tie, items, holders, needers, kept, by_kept,
-                                           part, g, mesh.size, floor, budget)
+                                           part, g, mesh.size, floor, budget, helpers)
         made = _messages(trees, part, recv, sent, budget)
         # a step's time is its busiest rank's larger of sent and received
-        return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made
+        return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made, sent, recv
 
     best = drawn()
+    if best[0][0] > floor + floor // HELPER_GAP:
+        # needer roots left the busiest rank well above the bound: once more with helper
+        # roots (`_Helpers`) where they lower it, and combiners sought more widely
+        got = drawn(_Helpers(*best[4:]))
+        if got[0] < best[0]:
+            best = got
     if best[0][0] > floor and len(items) * mesh.size <= RESTART_LIMIT:
         # greedy draws depend on the order items come in and on ties between ranks: a few
         # other orders of both, the best kept
@@ -293,7 +308,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
                 best = got
             if best[0][0] <= floor:
                 break
-    _, trees, items, (rows, first) = best
+    _, trees, items, (rows, first), _, _ = best
     rounds = max(first, 1 + max(r[0] for r in rows))
     round_, src, dst, elem, src_region, dst_region = (
         (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
@@ -302,11 +317,15 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         for i in tree.combiners:
             scratch[i].add(tree.elem)
     return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
-                    tuple((t.root, t.elem, t.root_holds) for t in trees),
+                    tuple((t.root, t.elem, t.root_holds, t.root_needs) for t in trees),
                     tuple(tuple(sorted(x)) for x in scratch), tuple(items))
 
 
 Messages = tuple[list[Row], int]     # the rows, the first delivery round
+# a drawn schedule: (time, busiest receiver, all received), its trees, items, messages,
+# and each rank's sent and received elements
+Drawn = tuple[tuple[int, int, int], list["_Tree"], list[tuple[int, ...]], Messages, list[int],
+              list[int]]
 
 
 def _messages(trees: list[_Tree], part: list[int], recv: list[int], sent: list[int],
@@ -333,7 +352,8 @@ def _messages(trees: list[_Tree], part: list[int], recv: list[int], sent: list[i
 def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
               holders: list[list[int]], needers: list[list[int]], kept: list[int],
               by_kept: dict[int, list[int]], part: list[int], g: int, ranks: int, floor: int,
-              budget: _Budget) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
+              budget: _Budget, helpers: _Helpers | None = None
+              ) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
     """Trees for every item, drawn greedily in `order` (ties between ranks to the least
     `tie`) and balanced (`_augment`, `_rebalance`): the trees, the items (cut ones added),
     and the elements each rank receives and sends."""
@@ -351,8 +371,8 @@ def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
         for k, want in wanting.items():
             held = [i for i in holders[e] if kept[i] == k]
             trees.append(_draw(e, len(items[e]), want, held, by_kept[k], part, g, recv,
-                               sent, tie))
-    rx = _Receivers(trees, items, recv, sent, part, budget)
+                               sent, tie, helpers))
+    rx = _Receivers(trees, items, recv, sent, part, budget, helpers is not None)
     _augment(rx, floor)
     _rebalance(rx)
     _augment(rx, floor)
@@ -360,17 +380,16 @@ def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
 
 
 def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
-          part: list[int], g: int, recv: list[int], sent: list[int], tie: list[int]) -> _Tree:
+          part: list[int], g: int, recv: list[int], sent: list[int], tie: list[int],
+          helpers: _Helpers | None) -> _Tree:
     """The tree of item `e` (`w` elements) among the ranks of one reduction (`members`): the
-    root, a holder of each partial, and the children of each node, dealt out one at a time
-    to the least busy node (ties to the least `tie`). Updates `recv` and `sent` (in
-    elements)."""
+    root (`_root`), a holder of each partial, and the children of each node, dealt out one
+    at a time to the least busy node (ties to the least `tie`). Updates `recv` and `sent`
+    (in elements)."""
     holding = set(held)
-    both = [i for i in want if i in holding]
-    # the root: a rank needing the element (its first message replaces its delivery), one
-    # holding a partial if any; one that holds none combines in its output
-    root = min(both or want, key=lambda i: (sent[i], recv[i], tie[i]))
-    nodes: dict[int, int] = {part[root]: root} if both else {}
+    root = _root(w, want, holding, members, g, recv, sent, tie, helpers)
+    holds, needs = root in holding, root in want
+    nodes: dict[int, int] = {part[root]: root} if holds else {}
     for i in held:    # one holder of each partial: the least busy (received, then sent)
         j = nodes.get(part[i])
         if j is None or j != root and (max(sent[i], recv[i]), recv[i], sent[i], tie[i]) < (
@@ -380,12 +399,19 @@ def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
     peers: dict[int, list[int]] = defaultdict(list)
     for i in holding:
         peers[part[i]].append(i)
-    tree = _Tree(root, e, w, [i for i in want if i != root], bool(both),
+    tree = _Tree(root, e, w, [i for i in want if i != root], holds, needs,
                  dict.fromkeys(nodes.values(), 0), set(), members, holding, peers)
-    tree.degree[root] = 1
+    # A root needing the item counts its first message as its delivery (already in `recv`);
+    # one that does not receives one more value, or, holding no partial, combines two in
+    # scratch like a combiner.
+    tree.degree[root] = 1 if holds or needs else 2
+    if not holds and not needs:
+        tree.combiners.add(root)
+    recv[root] += w * (tree.degree[root] - needs)
     heap = [(recv[i], tie[i], i) for i in tree.degree]
     heapq.heapify(heap)
-    for _ in range(len(tree.degree) - 2):   # a tree has one message per node but the root
+    # a tree has one message per node but the root
+    for _ in range(len(tree.degree) - 1 - tree.degree[root]):
         _, _, i = heapq.heappop(heap)
         tree.degree[i] += 1
         recv[i] += w
@@ -395,6 +421,58 @@ def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
     if tree.want:     # the root sends the first delivery (`_deliveries` takes it from here)
         sent[root] += w
     return tree
+
+
+class _Helpers:
+    """Where a tree may be rooted at a rank not needing its item (a *helper*: a holder that
+    does not need it, or a rank of the reduction holding and needing none of it), which
+    then delivers the finished value to every rank needing it. A needer root sends its
+    value on through the other needers, who forward it: where the needers hold partials
+    they must send too, they are the busiest senders, and helpers sending the deliveries
+    lower them at the cost of more messages. `sent` and `recv`: each rank's elements in a
+    schedule drawn with needer roots only, updated as helpers take trees over."""
+
+    __slots__ = ("sent", "recv")
+
+    def __init__(self, sent: list[int], recv: list[int]) -> None:
+        self.sent = [float(n) for n in sent]
+        self.recv = [float(n) for n in recv]
+
+    def load(self, i: int) -> float:
+        return max(self.sent[i], self.recv[i])
+
+
+def _root(w: int, want: list[int], holding: set[int], members: list[int], g: int,
+          recv: list[int], sent: list[int], tie: list[int], helpers: _Helpers | None) -> int:
+    """The root of a tree: a rank needing the item (its first message replaces its
+    delivery), one holding a partial if any. With `helpers`, a helper instead where the
+    needers are among the busiest ranks of the schedule drawn without helpers and a helper
+    lowers the busier of them and it."""
+    both = [i for i in want if i in holding]
+    root = min(both or want, key=lambda i: (sent[i], recv[i], tie[i]))
+    if helpers is None:
+        return root
+    k = len(want)
+    before = max(helpers.load(i) for i in want)
+    if before + w < max(helpers.sent + helpers.recv):
+        return root          # the busiest rank does not need the item: no gain there
+    # A needer root's tree has the needers send k - 1 deliveries, and its partial stays
+    # (a helper's has every holder send its own): k - 2 fewer sends, spread over them.
+    share = w * (k - 2 + (not both)) / k
+    after = max(max(helpers.sent[i] - share, helpers.recv[i]) for i in want)
+
+    def cost(h: int) -> tuple[float, float]:      # a helper's sends and receives after
+        return (helpers.sent[h] + k * w, helpers.recv[h] + w * (1 if h in holding else 2))
+
+    wanted = set(want)
+    helper = min((h for h in members if h not in wanted), key=lambda h: (max(cost(h)), tie[h]),
+                 default=None)
+    if helper is None or max(after, *cost(helper)) >= before:
+        return root
+    for i in want:
+        helpers.sent[i] -= share
+    helpers.sent[helper], helpers.recv[helper] = cost(helper)
+    return helper
 
 
 def _rebalance(rx: _Receivers) -> None:
@@ -448,19 +526,25 @@ def _relieve(rx: _Receivers, t: int, b: int, where: dict[int, list[int]]) -> boo
     # and is a child itself: b has one child fewer, c two (`_tree` lays the tree out again
     # from the degrees). Where the least busy candidate is too busy, chains of moves may
     # first lower it far enough (`_Receivers.lower`, every other rank kept below b).
-    c = min((i for i in tree.members if i not in tree.taken and i not in tree.degree),
-            key=lambda i: (recv[i], i), default=None)
-    if c is None:
-        return False
-    if recv[c] + 2 * w >= recv[b]:
+    # The least busy candidate; with `rx.wide`, the others after it, least busy first: one
+    # that no chain frees may be followed by one a chain frees (its spare child moves on),
+    # while failed chains are left.
+    candidates = sorted((i for i in tree.members if i not in tree.taken and i not in tree.degree),
+                        key=lambda i: (recv[i], i))
+    for c in candidates if rx.wide else candidates[:1]:
+        if recv[c] + 2 * w < recv[b]:
+            break
         if recv[c] + 2 * w - recv[b] >= 2 * w or rx.freeing <= 0:
             return False      # too far to free (chains are dear; few succeed)
-        while recv[c] + 2 * w >= recv[b]:
-            if not rx.lower(c, recv[b], cut=False):
-                rx.freeing -= 1
+        while recv[c] + 2 * w >= recv[b] and rx.lower(c, recv[b], cut=False):
+            pass
+        if recv[c] + 2 * w < recv[b]:
+            if t not in rx.spare[b]:     # a chain passed through b's place in this tree
                 return False
-        if t not in rx.spare[b]:     # a chain passed through b's place in this tree
-            return False
+            break
+        rx.freeing -= 1
+    else:
+        return False
     tree.degree[b] -= 1
     tree.degree[c] = 2
     tree.combiners.add(c)
@@ -482,7 +566,7 @@ class _Receivers:
     grows with the cuts, at most as many as there were trees."""
 
     def __init__(self, trees: list[_Tree], items: list[tuple[int, ...]], recv: list[int],
-                 sent: list[int], part: list[int], budget: _Budget) -> None:
+                 sent: list[int], part: list[int], budget: _Budget, wide: bool) -> None:
         self.trees, self.items, self.recv, self.sent, self.part = trees, items, recv, sent, part
         self.budget = budget
         self.spare: dict[int, set[int]] = defaultdict(set)
@@ -491,6 +575,7 @@ class _Receivers:
                 self.update(t, i)
         self.cuts = len(trees)      # items it may still cut in two
         self.freeing = FREEING      # failed chains left to make room for a combiner
+        self.wide = wide            # whether a combiner is sought beyond the least busy
 
     def update(self, t: int, i: int) -> None:
         """Whether rank i has a spare child in tree t, after its degree changed."""
@@ -543,8 +628,8 @@ class _Receivers:
         elems = self.items[tree.elem]
         self.items += [elems[:w], elems[w:]]
         piece = _Tree(tree.root, len(self.items) - 2, w, list(tree.want), tree.root_holds,
-                      dict(tree.degree), set(tree.combiners), tree.members, tree.taken,
-                      tree.peers)
+                      tree.root_needs, dict(tree.degree), set(tree.combiners), tree.members,
+                      tree.taken, tree.peers)
         tree.elem, tree.weight = len(self.items) - 1, tree.weight - w
         self.trees.append(piece)
         for i in piece.degree:
@@ -843,7 +928,7 @@ def tree_transfers(state: State, goal: State, mesh: Mesh, rank: int) -> tuple[Tr
     for a, b, e, t, ra, rb in zip(s.src, s.dst, s.elem, s.round, s.src_region, s.dst_region):
         if a == me or b == me:
             groups[(t, a, b)].append((e, ra, rb))
-    keep = [(e, INPUT, OUTPUT) for i, e, holds in s.roots if i == me and holds]
+    keep = [(e, INPUT, OUTPUT) for i, e, holds, needs in s.roots if i == me and holds and needs]
     if keep:
         groups[(s.merges, me, me)] = keep
     out = []
