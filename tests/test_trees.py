@@ -95,13 +95,15 @@ def test_an_average_is_divided_once_at_its_root() -> None:
     ("dp=4 tp=4", (3, 8, 5), "i j (tp k) | min(dp)", "(tp i) j k"),
     ("ep=2 dp=4 tp=2 sp=2", (1, 11), "(sp dp a) (ep b) | sum(tp)", "e (tp ep sp dp f)"),
     ("dp=8 tp=8", (6, 8, 12), "i j (tp k) | max(dp)", "(dp tp i) j k"),    # combiners
+    ("sp=3 pp=2 ep=2 cp=2", (7, 5, 10, 12), "a (cp pp b) c d | sum(ep, sp)",
+     "e (pp cp f) g h"),                                                   # helper roots
 ])
 def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
                                   dst: str) -> None:
     """Per round, a (rank, element) receives at most one value; a rank sends an element's
     value only after its last combine of it; every rank needing an element ends with it
-    (received once, or combined there as its root); a combiner (scratch) receives at least
-    two values."""
+    (received once, or combined there as its root); a combiner (scratch, a root needing
+    and holding nothing among them) receives at least two values."""
     mesh = mc.Mesh(spec)
     a = from_layout(mc.Layout(src), mesh, shape)
     b = from_layout(mc.Layout(dst), mesh, shape)
@@ -117,10 +119,12 @@ def test_the_schedule_is_runnable(spec: str, shape: tuple[int, ...], src: str,
         assert t > last_in.get((src_, e), -1), (t, src_, e)
     delivered = Counter((d, e) for t, _, d, e, _ in rows if t >= s.merges)
     roots = {(i, e) for i, e, _, needs in s.roots if needs}
-    # items partition the elements, and each item's elements share their needers
-    assert sorted(x for item in s.items for x in item) == list(range(math.prod(shape)))
+    # the trees' items (one reduction here: no pending axis is kept) cover every element
+    # once (a cut item's pieces are new items), and each item's elements share their needers
+    assert sorted(x for _, e, *_ in s.roots for x in s.items[e]) == list(range(math.prod(shape)))
     needs = trees.element_mask(b, mesh)
-    for e, item in enumerate(s.items):
+    for _, e, *_ in s.roots:
+        item = s.items[e]
         assert bool((needs[list(item)] == needs[item[0]]).all()), e
         for i in needs[item[0]].nonzero().flatten().tolist():
             assert delivered[(i, e)] + ((i, e) in roots) == 1, (i, e)
