@@ -10,9 +10,11 @@ greedily, item by item, so that the rank receiving the least so far takes the ne
 message; then chains of moves lower the busiest rank (`_augment`: with the nodes fixed,
 to the least possible maximum; a chain may cut an item in two where whole items cannot
 move), and a *combiner* (a rank holding no partial of the item, which combines two values
-in scratch and sends one) may relieve it further. Small schedules left above the bound
-are drawn again in a few other orders. Sends are balanced along chains too
-(`_augment_sends`).
+in scratch and sends one) may relieve it further. A schedule left well above the bound is
+drawn once more with *helper roots* (`_Helpers`: a rank not needing the item, a holder
+combining in its input or a rank holding none combining in scratch, roots its tree and
+delivers the finished value to every needer), and small ones in a few other orders. Sends
+are balanced along chains too (`_augment_sends`).
 
 A tree step runs as rounds of one all_to_all each: in a round every rank receives at most
 one value per element it combines, and adds it to the value it has, so the result does not
@@ -67,11 +69,12 @@ class Schedule:
     `items[elem[i]]`, which share their holders and needers) from mesh position `src[i]` to
     `dst[i]` in round `round[i]`. Rounds before `merges` combine
     partials; the others deliver finished values. A value lives in a rank's input (a
-    holder's partial), its output (a root that holds no partial combines there; delivered
-    values land there) or its scratch (a combiner: a rank holding no partial of the
-    element that combines two or more values for others), as `REGIONS`
-    number them. A root needing its element that holds a partial of it copies the value
-    from its input into its output."""
+    holder's partial; a root holding one combines there), its output (a root needing the
+    element that holds no partial combines there; delivered values land there) or its
+    scratch (a combiner: a rank holding no partial of the element that combines two or
+    more values, for others or as a root needing none of it), as `REGIONS` number them. A
+    root needing its element that holds a partial of it copies the value from its input
+    into its output; a root not needing it delivers it to every rank that does."""
 
     rounds: int
     merges: int
