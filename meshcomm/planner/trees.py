@@ -237,7 +237,7 @@ def tree_move(state: State, goal: State, mesh: Mesh) -> Move | None:
 
 
 def _items(state: State, goal: State, mesh: Mesh, budget: int
-           ) -> tuple[list[tuple[int, ...]], list[list[int]], list[list[int]], list[float]]:
+           ) -> tuple[list[tuple[int, ...]], list[list[int]], list[list[int]]]:
     """The elements grouped into items, with each item's holders (in `state`) and needers
     (in `goal`), as mesh positions. Elements with the same holders and needers are
     interchangeable: each such class is cut into items of near-equal size, about `budget`
@@ -250,7 +250,6 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
     items: list[tuple[int, ...]] = []
     holders: list[list[int]] = []
     needers: list[list[int]] = []
-    spread: list[float] = []
     at = 0
     for c in torch.bincount(cls).tolist():
         elems = order[at:at + c]
@@ -259,12 +258,11 @@ def _items(state: State, goal: State, mesh: Mesh, budget: int
         h = hold[first].nonzero().flatten().tolist()
         n = need[first].nonzero().flatten().tolist()
         cut = max(1, min(c, budget * c // numel, ITEMS_PER_CLASS * mesh.size))
-        for j, chunk in enumerate(torch.tensor_split(elems, cut)):
-            spread.append((j + 0.5) / cut)
+        for chunk in torch.tensor_split(elems, cut):
             items.append(tuple(chunk.tolist()))
             holders.append(h)
             needers.append(n)
-    return items, holders, needers, spread
+    return items, holders, needers
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,8 +276,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     by_kept: dict[int, list[int]] = defaultdict(list)
     for i, k in enumerate(kept):
         by_kept[k].append(i)
-    items, holders, needers, spread = _items(state, goal, mesh,
-                                             max(1, TREE_LIMIT // mesh.size))
+    items, holders, needers = _items(state, goal, mesh, max(1, TREE_LIMIT // mesh.size))
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
     order, tie = list(range(len(items))), list(range(mesh.size))
 
@@ -293,7 +290,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made, sent, recv
 
     best = drawn()
-    if best[0][0] > floor + floor // HELPER_GAP:
+    if _helpers_may_help(best, floor, items, holders, needers, part, kept, mesh.size):
         # needer roots left the busiest rank well above the bound: once more with helper
         # roots (`_Helpers`) where they lower it, and combiners sought more widely
         got = drawn(_Helpers(*best[4:]))
@@ -322,6 +319,48 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
                     tuple((t.root, t.elem, t.root_holds, t.root_needs) for t in trees),
                     tuple(tuple(sorted(x)) for x in scratch), tuple(items))
+
+
+def _helpers_may_help(best: Drawn, floor: int, items: list[tuple[int, ...]],
+                      holders: list[list[int]], needers: list[list[int]], part: list[int],
+                      kept: list[int], ranks: int) -> bool:
+    """Whether a draw with helpers (`_Helpers`) may lower schedule `best`'s time by more
+    than 1 / `HELPER_GAP`: its busiest receiver is that far above the bound `floor` (wider
+    combiners may lower it), or a busiest sender is that far above what it must send
+    (`_least_sends`) and sends that much in deliveries (helper roots take deliveries off
+    needers). Each draw costs as much planning time as the first."""
+    (time, top, _), _, pieces, (rows, first), sent, _ = best
+    if top > floor + floor // HELPER_GAP:
+        return True
+    if max(sent) <= max(top, floor + floor // HELPER_GAP):
+        return False
+    least = _least_sends(items, holders, needers, part, kept, ranks)
+    delivered = [0] * ranks
+    for t, a, _, e, *_ in rows:
+        if t >= first:
+            delivered[a] += len(pieces[e])    # the items, cut ones added
+    gap = time // HELPER_GAP
+    return any(n == time and n - least[i] > gap and delivered[i] > gap
+               for i, n in enumerate(sent))
+
+
+def _least_sends(items: list[tuple[int, ...]], holders: list[list[int]],
+                 needers: list[list[int]], part: list[int], kept: list[int], ranks: int
+                 ) -> list[int]:
+    """Per rank, elements it sends in every tree schedule: those of items whose partial it
+    alone holds in its reduction while another rank of the reduction needs them (as
+    `least_sends`, counted by items, so on any tensor a tree applies to). Where a
+    schedule's busiest rank is no busier than this (or than the receives' bound), no
+    other root helps it."""
+    out = [0] * ranks
+    for item, hs, ns in zip(items, holders, needers):
+        alone: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for i in hs:
+            alone[(kept[i], part[i])].append(i)
+        for (k, _), who in alone.items():
+            if len(who) == 1 and any(kept[j] == k and j != who[0] for j in ns):
+                out[who[0]] += len(item)
+    return out
 
 
 Messages = tuple[list[Row], int]     # the rows, the first delivery round
