@@ -41,13 +41,14 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     moves = _search(start, goal, mesh, itemsize, cost_model)
     names = dst.dim_names(mesh)
     steps = []
+    bytes_of = _Scaled(itemsize)
     state, layout = start, src
     src_held = _numels(start, mesh) * itemsize if len(moves) != 1 else 0
     peak: Counts = src_held
     for i, move in enumerate(map(with_rearranges, moves)):   # rearranges of kept moves only
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         step, live = _step(move, state, layout, after, mesh, tuple(shape), itemsize,
-                           cost_model, src_held if i else 0)
+                           cost_model, src_held if i else 0, bytes_of)
         steps.append(step)
         # step 0 holds the source besides its output (`_live`): no rank's peak is below it
         peak = live if i == 0 else _maximum(peak, live)
@@ -56,7 +57,7 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     recv = _per_rank_sum((s.recv_bytes for s in steps), mesh.size)
     # per rank, the most it holds: the source, or a step's peak (one step: that step's)
     peaks = steps[0].peak_bytes if len(steps) == 1 else _per_rank(peak, mesh)
-    lower = _times(bounds.lower_bound_elements(mesh, shape, src, dst), itemsize)
+    lower = bytes_of(bounds.lower_bound_elements(mesh, shape, src, dst))
     return Plan(mesh, shape, dtype, src, dst, tuple(steps), send, recv, lower, peaks,
                 sum(s.time_s for s in steps), cost_model)
 
@@ -106,6 +107,25 @@ def _times(values: tuple[int, ...], factor: int) -> tuple[int, ...]:
     return tuple(map(factor.__mul__, values))
 
 
+class _Scaled:
+    """Per-rank elements as bytes (`_times`), once per tuple: a plan's bound is often the
+    very tuple a step receives (`bounds.missing` is cached), and 1,024 products cost."""
+
+    __slots__ = ("itemsize", "done")
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+        self.done: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __call__(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        for seen, scaled in self.done:
+            if seen is values:
+                return scaled
+        scaled = _times(values, self.itemsize)
+        self.done.append((values, scaled))
+        return scaled
+
+
 def _check_ops(src: Layout, dst: Layout) -> None:
     shared = [a for a in src.partial_axes if a in dst.partial_axes]
     if shared and src.reduce_op != dst.reduce_op:
@@ -119,15 +139,14 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
-          held: Counts) -> tuple[Step, Counts]:
+          held: Counts, bytes_of: _Scaled) -> tuple[Step, Counts]:
     """The plan's step of `move`, and its per-rank peak bytes (`held` bytes held besides)."""
     assert move.rearranges is None, "a plan's move runs with its rearranges built (with_rearranges)"
     live = _live(move, state, mesh) * itemsize
     if not isinstance(held, int) or held:
         live = live + held
     peak = _per_rank(live, mesh)
-    send = _times(move.send, itemsize)
-    recv = send if move.recv is move.send else _times(move.recv, itemsize)
+    send, recv = bytes_of(move.send), bytes_of(move.recv)
     time = 0.0 if move.kind == "local" else _time(move, _busiest(move) * itemsize, cost_model)
     found = (functools.partial(tree_transfers, state, move.after, mesh)
              if move.action == "tree" else
@@ -239,10 +258,11 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                               not guided or move.after == goal, ntotals))
 
     while heap:
-        if not heap[0][6]:                     # bound it; back in the queue if others lead
+        # bound it; back in the queue if others lead (alone in the queue, it needs none)
+        if not heap[0][6] and len(heap) > 1:
             _, n, key, state, path, before, _, totals = heap[0]
             guess = ahead(key, state)
-            if len(heap) > 1 and guess > min(heap[1:3])[0]:
+            if guess > min(heap[1:3])[0]:
                 heapq.heapreplace(heap, (guess, n, key, state, path, before, True, totals))
                 continue
             heapq.heappop(heap)
@@ -376,8 +396,10 @@ def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, item
 
 
 def _added(total: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:
-    """Per-rank sums (a step that moves nothing adds nothing)."""
-    return total if not any(step) else tuple(map(operator.add, total, step))
+    """Per-rank sums (a step that moves nothing adds nothing; nothing yet, the step)."""
+    if not any(step):
+        return total
+    return step if not any(total) else tuple(map(operator.add, total, step))
 
 
 def _live_most(move: Move, state: State, mesh: Mesh, held: State | None) -> int:
