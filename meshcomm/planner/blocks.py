@@ -317,12 +317,28 @@ def rank_blocks(dim: DimState, mesh: Mesh) -> Tensor:
 def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
     """Per rank (mesh order), elements of its `dst` block that it holds in `state`, and
     the size of its `dst` block."""
+    own, need = own_and_need_counts(state, dst, mesh)
+    return _per_rank(own, mesh), _per_rank(need, mesh)
+
+
+@functools.lru_cache(maxsize=1024)
+def own_and_need_counts(state: State, dst: State, mesh: Mesh
+                        ) -> tuple[int | Tensor, int | Tensor]:
+    """`own_and_need`, each one int where every rank is alike (no tensor op), else a flat
+    tensor. Cached: callers must not modify them."""
     own: int | Tensor = 1
     need: int | Tensor = 1
-    for a, b in zip(state.dims, dst.dims):   # ints where every rank is alike
-        own = own * _rank_counts(a, b, mesh)
-        need = need * _rank_sizes(b, mesh)
-    return _per_rank(own, mesh), _per_rank(need, mesh)
+    for a, b in zip(state.dims, dst.dims):
+        own = _product(own, _rank_counts(a, b, mesh))
+        need = _product(need, _rank_sizes(b, mesh))
+    return own, need
+
+
+def _product(a: int | Tensor, b: int | Tensor) -> int | Tensor:
+    """a * b, with no tensor op where either is the int 1."""
+    if isinstance(a, int) and a == 1:
+        return b
+    return a if isinstance(b, int) and b == 1 else a * b
 
 
 def _per_rank(value: int | Tensor, mesh: Mesh) -> Tensor:

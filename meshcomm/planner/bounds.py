@@ -64,7 +64,7 @@ import torch
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from ..core.positions import block_flat
-from .blocks import coords_table, flat_index, own_and_need, summed_overlap
+from .blocks import coords_table, flat_index, own_and_need, own_and_need_counts, summed_overlap
 from .moves import block_indices
 from .states import State, from_layout, local_numels, local_numels_tensor
 from .unions import FlowClass, Unions
@@ -115,8 +115,9 @@ def _state_bound(start: State, goal: State, mesh: Mesh, tries: int) -> tuple[int
 def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     """Per rank, the elements it needs in `goal` and does not hold in `start` (cached: the
     bound, a send_recv's estimate and its exact price share one tuple)."""
-    own, need = own_and_need(start, goal, mesh)
-    return tuple((need - own).tolist())
+    own, need = own_and_need_counts(start, goal, mesh)
+    lacking = need - own
+    return (lacking,) * mesh.size if isinstance(lacking, int) else tuple(lacking.tolist())
 
 
 def _reduction(start: State, goal: State, mesh: Mesh, g: int, tries: int) -> tuple[int, ...]:

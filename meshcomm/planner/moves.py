@@ -248,7 +248,8 @@ def _even_gather(state: State, group: tuple[AxisName, ...], mesh: Mesh,
         shards.append(_shard_of(after.dims[d], axis))
         dims[axis] = d
         after = _set_dim(after, d, _without(after.dims[d], axis, mesh))
-    send, recv = gather_traffic(mesh, group, sizes, local_numels_tensor(state, mesh))
+    send, recv = gather_traffic(mesh, group, sizes,
+                                None if sizes else local_numels_tensor(state, mesh))
     return Move("all_gather", group, after, send=send, recv=recv,
                 rearranges=_later(post=(state, after, tuple(shards), (), dims)))
 

@@ -216,6 +216,12 @@ def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
     n = uniform_numel(state)
     if n is not None:
         return (n,) * mesh.size
+    chunked = [dim for dim in state.dims if dim.chunks]
+    laid = _chunk_lengths(chunked[0], mesh) if len(chunked) == 1 else None
+    if laid is not None:       # one chunk chain laid on the ranks in Python: no tensor
+        even = math.prod(dim.size // math.prod(s[1] // s[0] for s in dim.shards)
+                         for dim in state.dims if not dim.chunks)
+        return tuple(laid if even == 1 else map(even.__mul__, laid))
     return tuple(local_numels_tensor(state, mesh).reshape(-1).tolist())
 
 
@@ -247,20 +253,35 @@ def chunk_sizes(dim: DimState, mesh: Mesh) -> torch.Tensor:
     if mesh.group_size(dim.chunks) > _PYTHON_BLOCKS:
         start, stop = chunk_spans(dim, mesh)
         return stop - start
+    laid = _chunk_lengths(dim, mesh)
+    if laid is None:
+        return _on_ranks(torch.frombuffer(array.array("q", _chain_lengths(dim, mesh)),
+                                          dtype=torch.long), dim, mesh)
+    return torch.frombuffer(array.array("q", laid), dtype=torch.long)
+
+
+def _chain_lengths(dim: DimState, mesh: Mesh) -> list[int]:
+    """The block lengths of chunk `dim`, row-major over its chain (major first)."""
     lengths = [dim.size]
     for a in dim.chunks:
         parts = {n: reduce_ops.chunk_sizes(n, mesh.axis_size(a)) for n in set(lengths)}
         lengths = list(itertools.chain.from_iterable(map(parts.__getitem__, lengths)))
+    return lengths
+
+
+def _chunk_lengths(dim: DimState, mesh: Mesh) -> list[int] | None:
+    """`chunk_sizes` as a list, where it is laid on the ranks by repetition (its chain the
+    mesh's innermost or outermost axes, in order, of at most `_PYTHON_BLOCKS` blocks);
+    else None. Repeated blocks share their int objects."""
     k, names = len(dim.chunks), mesh.axis_names
-    if dim.chunks == names[len(names) - k:]:     # the innermost axes: repeat the whole table
-        lengths = lengths * (mesh.size // len(lengths))
-    elif dim.chunks == names[:k]:                # the outermost: repeat each block in place
-        each = itertools.repeat(mesh.size // len(lengths))
-        lengths = list(itertools.chain.from_iterable(map(itertools.repeat, lengths, each)))
-    else:
-        return _on_ranks(torch.frombuffer(array.array("q", lengths), dtype=torch.long),
-                         dim, mesh)
-    return torch.frombuffer(array.array("q", lengths), dtype=torch.long)
+    inner = dim.chunks == names[len(names) - k:]
+    if not (inner or dim.chunks == names[:k]) or mesh.group_size(dim.chunks) > _PYTHON_BLOCKS:
+        return None
+    lengths = _chain_lengths(dim, mesh)
+    if inner:                                    # the innermost axes: repeat the whole table
+        return lengths * (mesh.size // len(lengths))
+    each = itertools.repeat(mesh.size // len(lengths))   # the outermost: each block in place
+    return list(itertools.chain.from_iterable(map(itertools.repeat, lengths, each)))
 
 
 # Chunk chains of up to this many blocks are sized in Python (`chunk_sizes`): a cold torch

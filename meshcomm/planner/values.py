@@ -123,6 +123,8 @@ class CostModel:
     _lat: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _bw: tuple[tuple[str, float], ...] = field(init=False, repr=False, compare=False)
     _hash: int = field(init=False, repr=False, compare=False)
+    _lat_of: dict[str, float] = field(init=False, repr=False, compare=False)
+    _bw_of: dict[str, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKEND_FIGURES:
@@ -153,12 +155,15 @@ class CostModel:
                                                 self.native, self.trees, self.wires)))
         object.__setattr__(self, "_lat", self.latency_s)
         object.__setattr__(self, "_bw", self.bandwidth)
+        # per-axis figures as dicts, built once (a plan asks them many times)
+        object.__setattr__(self, "_lat_of", dict(self.latency_s))
+        object.__setattr__(self, "_bw_of", dict(self.bandwidth))
 
     def __hash__(self) -> int:  # computed once: plans are cached on the cost model
         return self._hash
 
-    def _get(self, table: tuple[tuple[str, float], ...], axis: str, default: float) -> float:
-        found = dict(table)
+    @staticmethod
+    def _get(found: dict[str, float], axis: str, default: float) -> float:
         return found.get(axis, found.get("*", default))
 
     @property
@@ -175,11 +180,11 @@ class CostModel:
 
     def latency_of(self, axis: AxisName) -> float:
         """Seconds of one call over `axis` that moves nothing."""
-        return self._get(self._lat, axis, BACKEND_FIGURES[self.backend][0])
+        return self._get(self._lat_of, axis, BACKEND_FIGURES[self.backend][0])
 
     def bandwidth_of(self, axis: AxisName) -> float:
         """Bytes per second of `axis`."""
-        return self._get(self._bw, axis, BACKEND_FIGURES[self.backend][1])
+        return self._get(self._bw_of, axis, BACKEND_FIGURES[self.backend][1])
 
     def time(self, axes: tuple[AxisName, ...], max_bytes: int, wire: str | None = None
              ) -> float:
@@ -193,6 +198,8 @@ class CostModel:
         for name, lat, bw in self.wires:
             if name == wire:
                 return float(lat + max_bytes / bw)
+        if len(axes) == 1:
+            return self.latency_of(axes[0]) + max_bytes / self.bandwidth_of(axes[0])
         latency = max(self.latency_of(a) for a in axes)
         bandwidth = min(self.bandwidth_of(a) for a in axes)
         return latency + max_bytes / bandwidth
