@@ -9,7 +9,9 @@ bound computed element by element (`meshcomm.testing.counting_bound`, an oracle 
 from the planner's own bound). Two samples: dims divisible by the meshes (64, 128 or 192),
 and small dims (1 to 16) that `torch.chunk` splits unevenly. It prints, per sample, the
 share of plans at the bound, the ratio's p50 / p90 / max and how many are above 1.5x, then
-the worst cases; `--json` writes the same. Planning only: nothing runs in a process group.
+the worst cases; `--json` writes the same and every case's row (to compare two checkouts
+case by case: run this script with PYTHONPATH naming the other one). Planning only:
+nothing runs in a process group.
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ SAMPLES = (("divisible", True, 7), ("small", False, 8))
 BYTES_ONLY = mc.CostModel(latency_s=0.0)
 
 
+def _step_name(s: mc.Step) -> str:
+    """A step as the worst cases print it: kind, tree, op of a send_recv, axes."""
+    op = f" {s.op}" if s.kind == "send_recv" and s.op else ""
+    return f"{s.kind}{' tree' if s.action == 'tree' else ''}{op}({','.join(s.axes)})"
+
+
 def measure(n: int, even: bool, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     rows = []
@@ -39,13 +47,12 @@ def measure(n: int, even: bool, seed: int) -> dict[str, Any]:
         rows.append({"mesh": str(mesh), "shape": list(shape), "src": src, "dst": dst,
                      "recv_max": max(p.recv_bytes), "bound": bound * 4,
                      "ratio": max(p.recv_bytes) / (bound * 4),
-                     "steps": [s.kind + (" tree" if s.action == "tree" else "") + (f" {s.op}" if s.kind == "send_recv" and s.op else "")
-                               + f"({','.join(s.axes)})" for s in p.steps]})
+                     "steps": [_step_name(s) for s in p.steps]})
     ratios = sorted(r["ratio"] for r in rows)
     return {"n": n, "seed": seed, "at_bound": sum(r <= 1.0 for r in ratios) / n,
             "p50": ratios[n // 2], "p90": ratios[int(n * 0.9)], "max": ratios[-1],
             "above_1_5": sum(r > 1.5 for r in ratios),
-            "worst": sorted(rows, key=lambda r: -r["ratio"])[:8]}
+            "worst": sorted(rows, key=lambda r: -r["ratio"])[:8], "rows": rows}
 
 
 def main() -> None:
