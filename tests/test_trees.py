@@ -524,11 +524,13 @@ def test_issue_39_all_reduce_blocks_lean_on_helper_roots() -> None:
 
 def test_random_trees_rooted_at_helpers_are_exact() -> None:
     """Random partial sources (small shapes) whose tree schedules root some items at ranks
-    not needing them: each plan exact in simulation with its bytes; the sample holds
-    such trees of several ops, rooted both at holders (in their input) and at ranks
-    holding nothing (in scratch)."""
+    not needing them (about 2 % of them: the draw with helpers runs only where the first
+    may lose more than 1/16 of its time, and is kept only where it is faster without
+    raising receives at their bound): each plan exact in simulation with its bytes; the
+    sample holds such trees of several ops, rooted both at holders (in their input) and
+    at ranks holding nothing (in scratch)."""
     rng, ops, kinds = random.Random(40), Counter(), Counter()
-    for i in range(150):
+    for i in range(200):
         mesh, shape, src, dst = partial_transition(rng, False)
         p = plan(mesh, shape, src, dst)
         if not _tree_steps(p):
@@ -538,5 +540,5 @@ def test_random_trees_rooted_at_helpers_are_exact() -> None:
             ops[p.src.reduce_op] += 1
             kinds.update(helpers)
             _check_exact(p, _data(shape, i))
-    assert sum(ops.values()) >= 5 and len(ops) >= 2, ops
+    assert sum(ops.values()) >= 4 and len(ops) >= 2, ops     # 4 plans of 200, 3 ops
     assert set(kinds) == {True, False}, kinds
