@@ -525,8 +525,8 @@ def test_issue_39_all_reduce_blocks_lean_on_helper_roots() -> None:
 def test_random_trees_rooted_at_helpers_are_exact() -> None:
     """Random partial sources (small shapes) whose tree schedules root some items at ranks
     not needing them (about 2 % of them: the draw with helpers runs only where the first
-    may lose more than 1/16 of its time, and is kept only where it is faster without
-    raising receives at their bound): each plan exact in simulation with its bytes; the
+    may lose more than 1/16 of its time, and is kept only where it is faster): each plan
+    exact in simulation with its bytes; the
     sample holds such trees of several ops, rooted both at holders (in their input) and
     at ranks holding nothing (in scratch)."""
     rng, ops, kinds = random.Random(40), Counter(), Counter()

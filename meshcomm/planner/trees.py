@@ -294,10 +294,11 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         # needer roots left the busiest rank well above the bound: once more with helper
         # roots (`_Helpers`) where they lower it, and combiners sought more widely
         got = drawn(_Helpers(*best[4:]))
-        # the better kept, but a schedule at the receives' bound keeps its receives: more
-        # time there may still beat every other plan, and helpers add messages (three of
-        # 400 small random cases traded receives at the bound for less time)
-        if got[0] < best[0] and (got[0][1] <= best[0][1] or best[0][1] > floor):
+        # the faster kept, even where it receives more (helpers add messages): keeping a
+        # schedule's receives at their bound instead left a faster tree between two other
+        # steps (`"i (pp j) k | sum(cp)"` (2, 1, 12) to `"(pp i) j k"` on `pp=4 cp=4`: 96 B
+        # received, not 56 B)
+        if got[0] < best[0]:
             best = got
     if best[0][0] > floor and len(items) * mesh.size <= RESTART_LIMIT:
         # greedy draws depend on the order items come in and on ties between ranks: a few
