@@ -146,6 +146,40 @@ def ints(shape: tuple[int, ...], seed: int, dtype: torch.dtype | None = None) ->
     return torch.randint(-9, 10, shape, generator=gen).to(dtype or torch.float32)
 
 
+def planned_calls(p: mc.Plan, rank: int) -> list[tuple[str, int, int]]:
+    """The collective calls `rank` makes in plan `p`, as (kind, bytes sent, bytes received):
+    each communicating step of its mesh, and a transfer between meshes on every rank of
+    either; none on a rank in neither."""
+    if rank not in p.ranks:
+        return []
+    i = p.ranks.index(rank)
+    return [(s.kind, s.send_bytes[i], s.recv_bytes[i]) for s in p.collectives
+            if rank in (p.ranks if s.dst_mesh is not None else (s.mesh or p.mesh).ranks)]
+
+
+def sim_problems(where: str, p: mc.Plan, rank: int, got: torch.Tensor | None,
+                 want: torch.Tensor | None, trace: Any) -> list[str]:
+    """What differs on `rank` between running plan `p` and the simulator: the output (None
+    where the rank gets nothing; dtype, shape and bits), the calls a `ByteTrace` counted
+    against `planned_calls`, and its byte totals against the plan's for the rank."""
+    import torch
+
+    problems = []
+    if (got is None) != (want is None):
+        problems.append(f"{where}: got {type(got).__name__}, sim gives {type(want).__name__}")
+    elif got is not None and want is not None and not (
+            got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)):
+        problems.append(f"{where}: output differs from sim\n{p}")
+    counted = [(c.kind, c.send_bytes, c.recv_bytes) for c in trace.calls]
+    if counted != planned_calls(p, rank):
+        problems.append(f"{where}: calls {counted} but the plan has {planned_calls(p, rank)}")
+    i = p.ranks.index(rank) if rank in p.ranks else None
+    totals = (p.send_bytes[i], p.recv_bytes[i]) if i is not None else (0, 0)
+    if (trace.send_bytes, trace.recv_bytes) != totals:
+        problems.append(f"{where}: bytes {trace.send_bytes, trace.recv_bytes} != plan {totals}")
+    return problems
+
+
 def dtensor_placements(text: str) -> tuple[Any, ...]:
     """DTensor placements from short words, one per mesh axis: "S0 SS0.2 R Psum" ->
     (Shard(0), _StridedShard(0, split_factor=2), Replicate(), Partial("sum"))."""

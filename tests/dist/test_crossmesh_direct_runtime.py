@@ -7,8 +7,8 @@ group order; and the same cases planned on bytes alone, where some reduce on the
 mesh first. Each rank's output must equal `mc.sim` bit for bit and, for a direct delivery,
 the reduction of the partials computed here (random floats under the default model: the
 order of adding is part of the result; integer values on bytes alone, where a gloo
-reduce_scatter adds in its own order), and the bytes counted at each call the plan's. One case also runs compiled
-(inductor), where the transfer is one all_to_all over both meshes' ranks.
+reduce_scatter adds in its own order), and the bytes counted at each call the plan's. One
+case also runs compiled (inductor), where the transfer is one all_to_all over both meshes' ranks.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from meshcomm.executors.distributed.execute import execute_cross
 from meshcomm.executors.distributed.handlers import ByteTrace
 from meshcomm.executors.sim.shards import shard_of
 
-from conftest import ranks_fixture
+from conftest import ranks_fixture, sim_problems
 from test_crossmesh_direct import _partials
-from test_crossmesh_runtime import sim_problems
 
 MESHES = {                                            # bound in this order on every rank
     "A": mc.Mesh("dp=2 tp=2"),                        # ranks 0-3

@@ -33,7 +33,7 @@ from meshcomm.core.errors import MeshMismatchError, ShapeError
 from meshcomm.executors.sim import execute as sim_execute
 from meshcomm.testing import random_layout
 
-from conftest import ints, ranks_fixture, scaled
+from conftest import ints, ranks_fixture, scaled, sim_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = "ijk"
@@ -149,14 +149,7 @@ def check_cases(bounds: dict[str, BoundMesh], cases: list[Any]) -> dict[str, Any
         else:
             got = execute(p, locs[pos], bound, trace=trace)
         where = f"case {i} {spec} {shape} {dtype} \"{src}\" -> \"{dst}\" on rank {rank}"
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-            problems.append(f"{where}: output differs from sim\n{p}")
-        counted = [(c.kind, c.send_bytes, c.recv_bytes) for c in trace.calls]
-        planned = [(s.kind, s.send_bytes[pos], s.recv_bytes[pos]) for s in p.collectives]
-        if counted != planned:
-            problems.append(f"{where}: calls {counted} but the plan has {planned}")
-        if (trace.send_bytes, trace.recv_bytes) != (p.send_bytes[pos], p.recv_bytes[pos]):
-            problems.append(f"{where}: bytes differ from the plan's totals")
+        problems += sim_problems(where, p, rank, got, want, trace)
     return {"problems": problems, "kinds": sorted(kinds), "cases": len(cases)}
 
 

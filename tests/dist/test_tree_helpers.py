@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ints, ranks_fixture
+from conftest import ints, ranks_fixture, sim_problems
 
 import meshcomm as mc
 from meshcomm.executors.distributed.execute import execute
@@ -55,12 +55,7 @@ def run_cases(rank: int, world: int) -> dict[str, Any]:
         trace = ByteTrace()
         got = execute(p, locs[pos], bound, trace=trace)
         where = f"{spec} {shape} \"{src}\" -> \"{dst}\" on rank {rank}"
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
-            problems.append(f"{where}: output differs from sim\n{p}")
-        counted = [(c.kind, c.send_bytes, c.recv_bytes) for c in trace.calls]
-        planned = [(s.kind, s.send_bytes[pos], s.recv_bytes[pos]) for s in p.collectives]
-        if counted != planned:
-            problems.append(f"{where}: calls {counted} but the plan has {planned}")
+        problems += sim_problems(where, p, rank, got, want, trace)
     return {"problems": problems, "steps": steps}
 
 
