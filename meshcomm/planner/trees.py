@@ -297,8 +297,11 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
         # the faster kept, even where it receives more (helpers add messages): keeping a
         # schedule's receives at their bound instead left a faster tree between two other
         # steps (`"i (pp j) k | sum(cp)"` (2, 1, 12) to `"(pp i) j k"` on `pp=4 cp=4`: 96 B
-        # received, not 56 B)
-        if got[0] < best[0]:
+        # received, not 56 B); but more rounds only for a gain the draw was made for (each
+        # round costs a latency: a 60-element, 39-round tree became 59 elements, 70 rounds)
+        gain = best[0][0] - got[0][0]
+        if got[0] < best[0] and (_rounds(got) <= _rounds(best)
+                                 or gain * HELPER_GAP > best[0][0]):
             best = got
     if best[0][0] > floor and len(items) * mesh.size <= RESTART_LIMIT:
         # greedy draws depend on the order items come in and on ties between ranks: a few
@@ -313,7 +316,7 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
             if best[0][0] <= floor:
                 break
     _, trees, items, (rows, first), _, _ = best
-    rounds = max(first, 1 + max(r[0] for r in rows))
+    rounds = _rounds(best)
     round_, src, dst, elem, src_region, dst_region = (
         (tuple(c) for c in zip(*rows)) if rows else ((),) * 6)
     scratch: list[set[int]] = [set() for _ in range(mesh.size)]
@@ -323,6 +326,12 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     return Schedule(rounds, first, src, dst, elem, round_, src_region, dst_region,
                     tuple((t.root, t.elem, t.root_holds, t.root_needs) for t in trees),
                     tuple(tuple(sorted(x)) for x in scratch), tuple(items))
+
+
+def _rounds(drawn: Drawn) -> int:
+    """The rounds of a drawn schedule: its combining rounds, then its deliveries."""
+    rows, first = drawn[3]
+    return max(first, 1 + max(r[0] for r in rows)) if rows else first
 
 
 def _helpers_may_help(best: Drawn, floor: int, items: list[tuple[int, ...]],
