@@ -11,7 +11,7 @@ import torch
 
 import meshcomm as mc
 from meshcomm.core.reduce_ops import chunk_size, chunk_sizes, op_reduce, op_reduce_rows
-from meshcomm.executors.distributed import wire
+from meshcomm.executors.distributed import handlers, wire
 from meshcomm.executors.distributed.handlers import per_step
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
@@ -84,6 +84,7 @@ def test_chunk_size_is_one_entry_of_chunk_sizes() -> None:
 
 
 def test_per_step_builds_once_per_step_and_key() -> None:
+    handlers._MEMO.clear()      # a memo filled by earlier tests may empty itself midway
     p = mc.plan(mc.Mesh("dp=2 tp=4"), (8, 16), "(dp a) (tp b)", "(dp tp a) b")
     step = p.steps[0]
     built: list[int] = []

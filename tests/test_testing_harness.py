@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import TIMEOUT_FACTOR_ENV, run_scaled, scaled
@@ -110,12 +111,26 @@ def test_the_rank_whose_fn_raised_is_named_even_when_a_consequence_reports_first
     cause = (2, False, "Traceback ...\nValueError: rank two is unhappy", True)
     threading.Timer(1.5, results_q.put, args=(cause,)).start()
     results_q.put((1, True, b"", False))
-    later = launch._later_failures(results_q, consequence, 0, 4, time.monotonic() + 60)
+    running = [SimpleNamespace(exitcode=None) for _ in range(4)]
+    later = launch._later_failures(results_q, consequence, set(), running,
+                                   time.monotonic() + 60)
     with pytest.raises(RankFailure) as info:
         launch._raise_failures([consequence] + later, 4)
     text = str(info.value)
     assert text.startswith("run_ranks: rank 2 of 4 raised:\nTraceback"), text
     assert "other ranks that failed too:\n  rank 0: RuntimeError: Connection closed" in text
+
+
+def test_a_consequence_waits_no_longer_once_the_silent_ranks_have_exited() -> None:
+    """A rank that crashed (os._exit, a signal) never reports: the wait for a root cause
+    ends once every rank that has not reported has exited, not after _ROOT_CAUSE_S."""
+    results_q: queue.Queue = queue.Queue()
+    consequence = (0, "Traceback ...\nRuntimeError: Connection closed by peer", False)
+    procs = [SimpleNamespace(exitcode=None), SimpleNamespace(exitcode=-9)]
+    start = time.monotonic()
+    assert launch._later_failures(results_q, consequence, set(), procs,
+                                  start + 60) == []
+    assert time.monotonic() - start < launch._ROOT_CAUSE_S / 2
 
 
 def test_hanging_ranks_are_named_at_the_timeout_and_killed(tmp_path: Path) -> None:

@@ -98,32 +98,37 @@ def _collect(procs: list[Any], results_q: Any, world_size: int, deadline: float,
             continue
         if not ok:
             first = (rank, payload, in_fn)
-            _raise_failures([first] + _later_failures(results_q, first, len(results),
-                                                        world_size, deadline), world_size)
+            _raise_failures([first] + _later_failures(results_q, first, set(results),
+                                                        procs, deadline), world_size)
         results[rank] = pickle.loads(payload)
     return [results[r] for r in range(world_size)]
 
 
-def _later_failures(results_q: Any, first: tuple[int, str, bool], done: int, world_size: int,
-                    deadline: float) -> list[tuple[int, str, bool]]:
+def _later_failures(results_q: Any, first: tuple[int, str, bool], done: set[int],
+                    procs: list[Any], deadline: float) -> list[tuple[int, str, bool]]:
     """Every other failure reported within a moment (often consequences of the first).
     When the first is not `fn`'s own (a peer's init or teardown error), wait longer, up to
     _ROOT_CAUSE_S or the deadline, for the rank whose `fn` raised: on a loaded machine its
-    report can come seconds after the errors it caused."""
+    report can come seconds after the errors it caused. The wait ends early once every
+    rank has reported or exited (a crashed rank never reports)."""
     found: list[tuple[int, str, bool]] = []
+    reported = done | {first[0]}
     start = time.monotonic()
-    while True:
+    while len(reported) < len(procs):
         root_seen = first[2] or any(f[2] for f in found)
         end = min(start + (0.5 if root_seen else _ROOT_CAUSE_S), deadline)
-        if time.monotonic() >= end or done + 1 + len(found) >= world_size:
+        now = time.monotonic()
+        if now >= end:
             break
+        gone = all(p.exitcode is not None for r, p in enumerate(procs) if r not in reported)
         try:
-            rank, ok, payload, in_fn = results_q.get(timeout=max(0.0, end - time.monotonic()))
+            rank, ok, payload, in_fn = results_q.get(timeout=min(_POLL_S, end - now))
         except queue_mod.Empty:
-            break
-        if ok:
-            done += 1
-        else:
+            if gone:        # exited without a report, and nothing left in the pipe
+                break
+            continue
+        reported.add(rank)
+        if not ok:
             found.append((rank, payload, in_fn))
     return found
 
@@ -323,9 +328,16 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, backe
         in_fn = True
         try:
             result = fn(rank, world_size, *args, **kwargs)
-            in_fn = False       # only an exception out of fn leaves it set
-        finally:
-            dist.destroy_process_group()
+        except BaseException:
+            # reported before the group goes: its teardown fails the peers' collectives,
+            # whose own reports must come after this one
+            results_q.put((rank, False, traceback.format_exc(), True))
+            in_fn = False
+            with contextlib.suppress(Exception):    # the report above names the cause
+                dist.destroy_process_group()
+            return
+        in_fn = False
+        dist.destroy_process_group()
         results_q.put((rank, True, pickle.dumps(result), False))
     except BaseException:  # report everything, KeyboardInterrupt and SystemExit included
         results_q.put((rank, False, traceback.format_exc(), in_fn))
