@@ -316,7 +316,7 @@ def rank_blocks(dim: DimState, mesh: Mesh) -> Tensor:
 @functools.lru_cache(maxsize=1024)
 def own_and_need(state: State, dst: State, mesh: Mesh) -> tuple[Tensor, Tensor]:
     """Per rank (mesh order), elements of its `dst` block that it holds in `state`, and
-    the size of its `dst` block."""
+    the size of its `dst` block. They may be cached tensors: never modify them in place."""
     own, need = own_and_need_counts(state, dst, mesh)
     return _per_rank(own, mesh), _per_rank(need, mesh)
 

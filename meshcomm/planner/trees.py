@@ -600,6 +600,8 @@ def _relieve(rx: _Receivers, t: int, b: int, where: dict[int, list[int]]) -> boo
         rx.freeing -= 1
     else:
         return False
+    if t not in rx.spare[b]:    # an earlier candidate's failed chains passed through b
+        return False
     tree.degree[b] -= 1
     tree.degree[c] = 2
     tree.combiners.add(c)
