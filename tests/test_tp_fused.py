@@ -201,6 +201,8 @@ def test_a_local_size_reads_the_same_under_every_name_the_config_maps() -> None:
         assert (view.n_head, view.num_attention_heads) == (2, 2), given
         assert view.n_embd == view.hidden_size == 64 and isinstance(view, GPT2Config)
     assert (shared.n_head, shared.num_attention_heads) == (8, 8)
+    both = config_view(shared, {"n_head": 2, "num_attention_heads": 3})   # each as given
+    assert (both.n_head, both.num_attention_heads) == (2, 3)
 
 
 def test_local_sizes_copy_nothing_per_forward_and_see_later_config_changes() -> None:

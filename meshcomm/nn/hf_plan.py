@@ -206,7 +206,7 @@ def config_view(shared: Any, local: Mapping[str, int]) -> Any:
     names = dict(getattr(shared, "attribute_map", None) or {})     # alias -> stored name
     stored = {names[k]: v for k, v in local.items() if k in names}
     aliases = {alias: local[name] for alias, name in names.items() if name in local}
-    values = {**local, **stored, **aliases}
+    values = {**stored, **aliases, **local}     # a name given keeps its own value
     view: Any = object.__new__(_view_class(shared.__class__))
     object.__setattr__(view, "_meshcomm_local", values)
     object.__setattr__(view, "_meshcomm_shared", shared)
