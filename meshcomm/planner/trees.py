@@ -594,14 +594,12 @@ def _relieve(rx: _Receivers, t: int, b: int, where: dict[int, list[int]]) -> boo
         while recv[c] + 2 * w >= recv[b] and rx.lower(c, recv[b], cut=False):
             pass
         if recv[c] + 2 * w < recv[b]:
-            if t not in rx.spare[b]:     # a chain passed through b's place in this tree
-                return False
             break
         rx.freeing -= 1
     else:
         return False
-    if t not in rx.spare[b]:    # an earlier candidate's failed chains passed through b
-        return False
+    if t not in rx.spare[b]:    # a chain (this candidate's or an earlier one's) passed
+        return False            # through b's place in this tree
     tree.degree[b] -= 1
     tree.degree[c] = 2
     tree.combiners.add(c)
