@@ -3,9 +3,10 @@
 Run: `python benchmarks/reshard_vs_dtensor.py [--quick] [--json PATH] [--no-eight]`.
 
 Every case runs both ways in the same processes (4 ranks, then 8 unless --no-eight or
---quick): a warm-up, then N iterations, each side after its own barrier; an iteration
-takes as long as its slowest rank, and a case reports the median over iterations and the
-ratio meshcomm / DTensor (under 1: meshcomm is faster); a tensor under 4 KiB is timed as 20
+--quick): a warm-up, then N iterations, each side after its own barrier and the two sides
+in turn first; an iteration takes as long as its slowest rank. A case reports each side's
+median over iterations and the median of the per-iteration ratio meshcomm / DTensor (under
+1: meshcomm is faster), with a 95 % interval for it; a tensor under 4 KiB is timed as 20
 calls back to back per iteration (its call is shorter than the ranks' spread leaving a
 barrier). Both results are checked against
 `mc.sim.scatter` of the global tensor. Layouts become DTensor placements with the mapper
@@ -143,9 +144,14 @@ def _case_rank(case: Case, k: int, bound: Any, dmesh: Any, reps: int) -> dict[st
         return run
 
     t_ours, t_theirs = [], []
-    for _ in range(reps):   # interleaved, so drifts in machine load hit both sides alike
-        t_ours += [t / calls for t in _timed(many(ours), 1, dist.barrier)]
-        t_theirs += [t / calls for t in _timed(many(theirs), 1, dist.barrier)]
+    # Interleaved, so drifts in machine load hit both sides alike, and in turn first (ABBA),
+    # so neither side always runs right after the other's barrier.
+    for i in range(reps):
+        first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
+        a = [t / calls for t in _timed(many(first), 1, dist.barrier)]
+        b = [t / calls for t in _timed(many(second), 1, dist.barrier)]
+        t_ours += a if i % 2 == 0 else b
+        t_theirs += b if i % 2 == 0 else a
     return {"ok": bool(ok), "meshcomm_s": t_ours, "dtensor_s": t_theirs, "calls": calls}
 
 
@@ -279,6 +285,21 @@ def _slowest(per_rank: list[list[float]]) -> float:
     return statistics.median(max(ts) for ts in zip(*per_rank))
 
 
+def paired_ratio(ours: list[list[float]], theirs: list[list[float]]) -> tuple[float, float, float]:
+    """The median over iterations of ours / theirs (each the slowest rank's time in that
+    iteration), with a 95 % interval for that median (binomial order statistics).
+
+    Both sides of an iteration ran back to back in the same processes, so a load spike
+    that slows one iteration slows both and cancels in its ratio; a ratio of the two
+    medians would mix iterations that ran under different loads.
+    """
+    pairs = sorted(max(o) / max(t) for o, t in zip(zip(*ours), zip(*theirs)))
+    n = len(pairs)
+    half = 0.98 * math.sqrt(n)     # 1.96 standard deviations of Binomial(n, 1/2), halved
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    return statistics.median(pairs), pairs[lo], pairs[hi]
+
+
 def _geomean(values: list[float]) -> float:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else math.nan
 
@@ -294,10 +315,13 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
             res = [r["cases"][case.id] for r in per_rank]
             p = mc.plan(mc.Mesh(case.mesh), case.shape, case.src, case.dst)
             ours, theirs = (_slowest([r[k] for r in res]) for k in ("meshcomm_s", "dtensor_s"))
+            ratio, lo, hi = paired_ratio([r["meshcomm_s"] for r in res],
+                                         [r["dtensor_s"] for r in res])
             rows.append({**asdict(case), "world": world, "ok": all(r["ok"] for r in res),
                          "calls_per_iteration": res[0]["calls"],
                          "meshcomm_steps": [s.kind for s in p.collectives],
-                         "meshcomm_s": ours, "dtensor_s": theirs, "ratio": ours / theirs})
+                         "meshcomm_s": ours, "dtensor_s": theirs, "ratio": ratio,
+                         "ratio_95": [lo, hi], "ratio_of_medians": ours / theirs})
         if first:
             over = [r["overhead"] for r in per_rank]
             med = {k: statistics.median(o[k] for o in over) for k in over[0]}
@@ -317,7 +341,9 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
                "worst_case": max(rows, key=lambda r: r["ratio"])["id"],
                "cases_over_1.1": [r["id"] for r in rows if r["ratio"] > 1.1]}
     meta = {"torch": torch.__version__, "backend": "gloo", "reps": reps,
-            "timing": "per iteration the slowest rank, median over iterations; a tensor"
+            "timing": "per iteration the slowest rank; the two sides in turn first; ratio:"
+                      " median over iterations of the paired ratio, with its 95 % interval;"
+                      " times: medians over iterations; a tensor"
                       f" under {TINY_BYTES} B: {TINY_CALLS} calls back to back per"
                       " iteration, time per call",
             "dtensor_all_to_all": "as on GPUs (plan_vs_dtensor._all_to_all_as_on_gpu)"}
@@ -326,7 +352,7 @@ def run(cases: list[Case], reps: int, timeout_s: float) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     head = (f"{'case':<4} {'mesh':<11} {'shape':<14} {'src -> dst':<42} {'meshcomm steps':<30}"
-            f" {'meshcomm ms':>11} {'DTensor ms':>10} {'ratio':>6}")
+            f" {'meshcomm ms':>11} {'DTensor ms':>10} {'ratio':>6} {'95 %':>11}")
     lines = [head, "-" * len(head)]
     for r in report["cases"]:
         flag = "" if r["ok"] else "  (result differs!)"
@@ -334,7 +360,7 @@ def render(report: dict[str, Any]) -> str:
         steps = ",".join(r["meshcomm_steps"]) or "-"
         lines.append(f"{r['id']:<4} {r['mesh']:<11} {shape:<14} {r['src'] + ' -> ' + r['dst']:<42}"
                      f" {steps:<30} {r['meshcomm_s'] * 1e3:>11.3f} {r['dtensor_s'] * 1e3:>10.3f}"
-                     f" {r['ratio']:>6.2f}{flag}")
+                     f" {r['ratio']:>6.2f} {r['ratio_95'][0]:>5.2f}-{r['ratio_95'][1]:<5.2f}{flag}")
     s = report["summary"]
     lines.append(f"geometric mean of wall-time ratio meshcomm/DTensor: {s['geomean_ratio']:.3f}"
                  f" (target <= 1.0); worst {s['worst_case']} at {s['max_ratio']:.2f}"
