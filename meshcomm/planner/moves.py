@@ -53,6 +53,7 @@ from .states import (
     is_chain,
     local_numels,
     local_numels_tensor,
+    most_numel,
     to_layout,
     uniform_numel,
 )
@@ -216,16 +217,39 @@ def gathers(state: State, dst: State, mesh: Mesh) -> Iterator[Move]:
                 continue
             if dim.chunks:
                 if axis == dim.chunks[-1]:
-                    after = _set_dim(state, d, _without(dim, axis, mesh))
-                    send, recv = gather_traffic(mesh, (axis,), sizes,
-                                                local_numels_tensor(state, mesh))
-                    yield Move("all_gather", (axis,), after, dim=d, send=send, recv=recv)
+                    yield chunk_gather(state, d, mesh, exact=False, goal=dst)
                 continue
             even.append(axis)
     order = [a for a in mesh.axis_names if a in even]
     for k in range(1, len(order) + 1):
         for group in itertools.combinations(order, k):
             yield _even_gather(state, group, mesh, sizes)
+
+
+def chunk_gather(state: State, d: int, mesh: Mesh, exact: bool = True,
+                 goal: State | None = None) -> Move:
+    """all_gather of the last axis of uneven dim `d`'s chain.
+
+    With `exact=False`, where ranks hold different amounts and the step does not reach
+    `goal`, it is priced at a floor (`Move.estimate`): its busiest rank's elements
+    (`least`: the first rank's, which holds the most, `most_numel`) and no per-rank
+    traffic. Per-rank counts of an uneven state cost tensor ops, and the search prices the
+    step exactly (this function) only when it pops it: most such gathers never are.
+    """
+    dim = state.dims[d]
+    axis = dim.chunks[-1]
+    after = _set_dim(state, d, _without(dim, axis, mesh))
+    n = uniform_numel(state)   # where ranks differ, their sizes stay a tensor
+    if n is None and not exact and after != goal:
+        zeros = (0,) * mesh.size
+        most = most_numel(state, mesh)
+        least = max((mesh.axis_size(axis) - 1) * most, most_numel(after, mesh) - most)
+        return Move("all_gather", (axis,), after, dim=d, estimate=True, send=zeros,
+                    recv=zeros, least=least)
+    sizes = None if n is None else (n,) * mesh.size
+    send, recv = gather_traffic(mesh, (axis,), sizes,
+                                None if sizes else local_numels_tensor(state, mesh))
+    return Move("all_gather", (axis,), after, dim=d, send=send, recv=recv)
 
 
 def _same_place(state: State, dst: State, d: int, axis: AxisName) -> bool:

@@ -23,7 +23,7 @@ from ..core.layout import Layout, Shape
 from ..core.mesh import Mesh
 from . import bounds
 from .direct import direct_move
-from .moves import Move, expand, with_rearranges
+from .moves import Move, chunk_gather, expand, with_rearranges
 from .rank_transfers import blocks_of, resolved_axes
 from .states import State, from_layout, local_numels_tensor, most_numel, to_layout, uniform_numel
 from .traffic import as_tensor
@@ -242,7 +242,8 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
     labels: dict[State, list[tuple[Key, Totals]]] = {start: [(first, origin)]}
 
     def relax(key: Key, totals: Totals, state: State, move: Move,
-              path: tuple[Move, ...]) -> None:
+              path: tuple[Move, ...], n: int | None = None) -> None:
+        """Queue `move` from `state` (`n`: the queue order of the estimate it prices)."""
         nkey, ntotals = _extend(key, totals, move, state, mesh, itemsize, cost_model,
                                 start, bool(path))
         if move.estimate:   # a lower bound of its key: price it when it is popped
@@ -254,7 +255,9 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
             return
         labels[move.after] = [(k, t) for k, t in held if not _dominates(nkey, ntotals, k, t)]
         labels[move.after].append((nkey, ntotals))
-        heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), None,
+        # a priced gather keeps its place among equal keys (as if it had been queued exact)
+        order = n if n is not None and move.kind == "all_gather" else next(counter)
+        heapq.heappush(heap, (nkey, order, nkey, move.after, path + (move,), None,
                               not guided or move.after == goal, ntotals))
 
     while heap:
@@ -267,14 +270,13 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
                 continue
             heapq.heappop(heap)
         else:
-            _, _, key, state, path, before, _, totals = heapq.heappop(heap)
-        if before is not None:   # an estimated send_recv or tree: price it, then queue it
+            _, n, key, state, path, before, _, totals = heapq.heappop(heap)
+        if before is not None:   # an estimated step (send_recv, tree, gather): price, queue it
             *head, last = path
             prev = head[-1].after if head else start
-            exact = (tree_move(prev, last.after, mesh) if last.action == "tree"
-                     else send_recv_move(prev, last.after, mesh))
-            assert exact is not None, f"no send_recv to {last.after}"
-            relax(before, totals, prev, exact, tuple(head))
+            exact = _priced(prev, last, mesh)
+            assert exact is not None, f"no exact {last.kind} to {last.after}"
+            relax(before, totals, prev, exact, tuple(head), n)
             continue
         if state == goal:
             return path
@@ -321,13 +323,23 @@ def exact_moves(state: State, goal: State, mesh: Mesh, cost_model: CostModel) ->
     out = []
     for move in _moves(state, goal, mesh, cost_model):
         if move.estimate:
-            exact = (tree_move(state, move.after, mesh) if move.action == "tree"
-                     else send_recv_move(state, move.after, mesh))
+            exact = _priced(state, move, mesh)
             if exact is None:
                 continue
             move = exact
         out.append(move)
     return out
+
+
+def _priced(state: State, move: Move, mesh: Mesh) -> Move | None:
+    """Estimated `move` from `state`, priced exactly: an uneven all_gather, a tree or a
+    send_recv."""
+    if move.kind == "all_gather":
+        assert move.dim is not None, f"an estimated all_gather of no uneven dim: {move}"
+        return chunk_gather(state, move.dim, mesh)
+    if move.action == "tree":
+        return tree_move(state, move.after, mesh)
+    return send_recv_move(state, move.after, mesh)
 
 
 def _alone_at_bound(move: Move, start: State, goal: State, mesh: Mesh,

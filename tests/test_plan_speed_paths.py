@@ -1,0 +1,111 @@
+"""The planner's cheap paths change no plan: a step priced at a floor first (an uneven
+all_gather the search may never pop) keys no higher than its exact price, prices to what
+the general formula gives, and plans come out the same as with every such step priced
+up front."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+import meshcomm as mc
+from meshcomm.planner import moves
+from meshcomm.planner.search import exact_moves, path_key
+from meshcomm.planner.states import from_layout, local_numels_tensor
+from meshcomm.planner.traffic import gather_traffic
+from meshcomm.testing import random_layout
+
+MESHES = ("dp=4", "dp=3 tp=5", "dp=2 cp=3 tp=4", "dp=16 tp=16", "pp=4 dp=8 tp=8",
+          "dp=32 tp=32")
+SIZES = (1, 3, 7, 13, 64, 97, 1000, 50257)
+COST = mc.CostModel()
+
+
+def _clear_caches() -> None:
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("meshcomm") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            if callable(getattr(value, "cache_clear", None)) and not isinstance(value, type):
+                value.cache_clear()
+    sys.modules["meshcomm.planner.plan"].clear_memos()
+
+
+def _uneven(seed: int, count: int) -> list[tuple[mc.Mesh, tuple[int, ...], str, str]]:
+    """`count` transitions from a layout with an uneven dim, on `MESHES`."""
+    rng = random.Random(seed)
+    out: list[tuple[mc.Mesh, tuple[int, ...], str, str]] = []
+    while len(out) < count:
+        mesh = mc.Mesh(rng.choice(MESHES))
+        shape = tuple(rng.choice(SIZES) for _ in range(rng.randint(1, 3)))
+        src = random_layout(rng, mesh, len(shape), ("sum",), name_inside=0.3)
+        dst = random_layout(rng, mesh, len(shape), ("sum",), name_inside=0.3)
+        try:
+            state = from_layout(mc.Layout(src), mesh, shape)
+            from_layout(mc.Layout(dst), mesh, shape)
+        except mc.errors.MeshcommError:
+            continue
+        if any(d.chunks for d in state.dims) and src != dst:
+            out.append((mesh, shape, src, dst))
+    return out
+
+
+def test_an_uneven_gather_is_a_floor_of_its_exact_price() -> None:
+    floors = 0
+    for mesh, shape, src, dst in _uneven(0, 120):
+        state = from_layout(mc.Layout(src), mesh, shape)
+        goal = from_layout(mc.Layout(dst), mesh, shape)
+        for move in moves.gathers(state, goal, mesh):
+            if move.dim is None:
+                continue
+            exact = moves.chunk_gather(state, move.dim, mesh)
+            axis = state.dims[move.dim].chunks[-1]
+            assert (exact.send, exact.recv) == gather_traffic(
+                mesh, (axis,), None, local_numels_tensor(state, mesh))
+            assert exact.after == move.after and not exact.estimate
+            if not move.estimate:
+                assert move == exact
+                continue
+            floors += 1
+            assert 0 < move.least <= max(max(exact.send), max(exact.recv))
+            for itemsize in (1, 4):
+                low = path_key(state, (move,), mesh, itemsize, COST)
+                assert low <= path_key(state, (exact,), mesh, itemsize, COST), (src, dst)
+            assert exact in exact_moves(state, goal, mesh, COST)
+    assert floors >= 20, f"only {floors} gathers were priced at a floor"
+
+
+def test_v1024_never_prices_the_gather_it_does_not_take(monkeypatch) -> None:
+    # benchmarks/plan_scale.py's v1024: one send_recv; the uneven all_gather stays a floor
+    priced = []
+    exact = moves.chunk_gather
+    monkeypatch.setattr(sys.modules["meshcomm.planner.search"], "chunk_gather",
+                        lambda *a, **k: priced.append(a) or exact(*a, **k))
+    _clear_caches()
+    p = mc.plan(mc.Mesh("dp=32 tp=32"), (50257, 4096), "(tp v) h", "v (tp h)")
+    assert [s.kind for s in p.steps] == ["send_recv"] and priced == []
+    _clear_caches()   # g1024: both gathers taken, the first priced when popped
+    p = mc.plan(mc.Mesh("dp=32 tp=32"), (50257, 4096), "(dp tp v) h", "v h")
+    assert [(s.kind, s.axes) for s in p.steps] == [("all_gather", ("tp",)),
+                                                    ("all_gather", ("dp",))]
+    assert len(priced) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_plans_as_with_every_gather_priced_up_front(seed: int, monkeypatch) -> None:
+    cases = _uneven(100 + seed, 40)
+    floored = []
+    for mesh, shape, src, dst in cases:
+        _clear_caches()
+        floored.append(mc.plan(mesh, shape, src, dst))
+    exact = moves.chunk_gather
+    monkeypatch.setattr(moves, "chunk_gather",
+                        lambda state, d, mesh, **_: exact(state, d, mesh))
+    for (mesh, shape, src, dst), want in zip(cases, floored):
+        _clear_caches()
+        got = mc.plan(mesh, shape, src, dst)
+        assert str(got) == str(want) and got.steps == want.steps, (mesh, shape, src, dst)
+        assert (got.send_bytes, got.recv_bytes, got.peak_bytes) == (
+            want.send_bytes, want.recv_bytes, want.peak_bytes)
