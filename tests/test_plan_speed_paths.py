@@ -109,3 +109,20 @@ def test_plans_as_with_every_gather_priced_up_front(seed: int, monkeypatch) -> N
         assert str(got) == str(want) and got.steps == want.steps, (mesh, shape, src, dst)
         assert (got.send_bytes, got.recv_bytes, got.peak_bytes) == (
             want.send_bytes, want.recv_bytes, want.peak_bytes)
+
+
+def test_off_diagonal_by_repetition_as_by_tensors() -> None:
+    from meshcomm.planner import traffic
+    rng = random.Random(7)
+    for spec in ("dp=4 tp=4", "pp=2 dp=3 cp=5 tp=3", "a=2 b=3 c=2 d=3", "dp=32 tp=32", "x=4"):
+        mesh = mc.Mesh(spec)
+        for a in mesh.axis_names:
+            for b in mesh.axis_names:
+                if a == b:
+                    continue
+                n = rng.randint(1, 9)
+                uneven = tuple(n + (r % 3) for r in range(mesh.size))
+                with_tensors = traffic.off_diagonal(mesh, uneven, a, b)   # ranks differ
+                laid = traffic.off_diagonal(mesh, (n,) * mesh.size, a, b)
+                assert laid == tuple(0 if k == 0 else n for k in with_tensors), (spec, a, b)
+                assert 0 < laid.count(0) < mesh.size

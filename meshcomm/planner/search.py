@@ -14,7 +14,7 @@ import functools
 import heapq
 import itertools
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -38,7 +38,8 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     start, goal = from_layout(src, mesh, shape), from_layout(dst, mesh, shape)
     _check_ops(src, dst)
     itemsize = dtype.itemsize
-    moves = _search(start, goal, mesh, itemsize, cost_model)
+    busiest = _Most()
+    moves = _search(start, goal, mesh, itemsize, cost_model, busiest)
     names = dst.dim_names(mesh)
     steps = []
     bytes_of = _Scaled(itemsize)
@@ -48,7 +49,7 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     for i, move in enumerate(map(with_rearranges, moves)):   # rearranges of kept moves only
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         step, live = _step(move, state, layout, after, mesh, tuple(shape), itemsize,
-                           cost_model, src_held if i else 0, bytes_of)
+                           cost_model, src_held if i else 0, bytes_of, busiest)
         steps.append(step)
         # step 0 holds the source besides its output (`_live`): no rank's peak is below it
         peak = live if i == 0 else _maximum(peak, live)
@@ -126,6 +127,30 @@ class _Scaled:
         return scaled
 
 
+class _Most:
+    """The largest of per-rank counts (`_most`), once per tuple: a plan asks it of the
+    same tuples again (an estimate's received counts and its exact price's, both
+    `bounds.missing`; a step's in the search and in the plan)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done: dict[int, tuple[tuple[int, ...], int]] = {}
+
+    def __call__(self, values: tuple[int, ...]) -> int:
+        if len(values) < _MOST_KEPT:
+            return _most(values)
+        hit = self.done.get(id(values))
+        if hit is not None and hit[0] is values:
+            return hit[1]
+        most = _most(values)
+        self.done[id(values)] = (values, most)   # held: its id names no other tuple
+        return most
+
+
+_MOST_KEPT = 64   # per-rank tuples at least this long have their largest count kept
+
+
 def _check_ops(src: Layout, dst: Layout) -> None:
     shared = [a for a in src.partial_axes if a in dst.partial_axes]
     if shared and src.reduce_op != dst.reduce_op:
@@ -139,7 +164,7 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
-          held: Counts, bytes_of: _Scaled) -> tuple[Step, Counts]:
+          held: Counts, bytes_of: _Scaled, most: Largest) -> tuple[Step, Counts]:
     """The plan's step of `move`, and its per-rank peak bytes (`held` bytes held besides)."""
     assert move.rearranges is None, "a plan's move runs with its rearranges built (with_rearranges)"
     live = _live(move, state, mesh) * itemsize
@@ -147,7 +172,8 @@ def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
         live = live + held
     peak = _per_rank(live, mesh)
     send, recv = bytes_of(move.send), bytes_of(move.recv)
-    time = 0.0 if move.kind == "local" else _time(move, _busiest(move) * itemsize, cost_model)
+    time = (0.0 if move.kind == "local" else
+            _time(move, _busiest(move, most) * itemsize, cost_model))
     found = (functools.partial(tree_transfers, state, move.after, mesh)
              if move.action == "tree" else
              blocks_of(move.kind, move.action, before, after, mesh, shape))
@@ -164,10 +190,13 @@ def _most(values: tuple[int, ...]) -> int:
     return first if values[-1] == first and values.count(first) == len(values) else max(values)
 
 
-def _busiest(move: Move) -> int:
+Largest = Callable[[tuple[int, ...]], int]   # `_most`, or a `_Most` that keeps its answers
+
+
+def _busiest(move: Move, most: Largest = _most) -> int:
     """The most elements any rank sends or receives in `move`."""
-    sent = _most(move.send)
-    return sent if move.recv is move.send else max(sent, _most(move.recv))
+    sent = most(move.send)
+    return sent if move.recv is move.send else max(sent, most(move.recv))
 
 
 def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
@@ -178,7 +207,7 @@ def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel) -> tuple[Move, ...]:
+            cost_model: CostModel, most: Largest = _most) -> tuple[Move, ...]:
     """Least ((time, busiest received, busiest sent), peak, reducing send_recvs, steps,
     index-list steps) path from `start` to `goal` (Pareto labels).
 
@@ -200,10 +229,10 @@ def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
     """
     if mesh.size <= _UNGUIDED_RANKS:
         try:
-            return _search_from(start, goal, mesh, itemsize, cost_model, guided=False)
+            return _search_from(start, goal, mesh, itemsize, cost_model, False, most)
         except _TooLong:
             pass
-    return _search_from(start, goal, mesh, itemsize, cost_model, guided=True)
+    return _search_from(start, goal, mesh, itemsize, cost_model, True, most)
 
 
 # Bounding a state costs about as much as expanding it; on small meshes most searches pop
@@ -222,7 +251,7 @@ class _TooLong(Exception):
 
 
 def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
-                 cost_model: CostModel, guided: bool) -> tuple[Move, ...]:
+                 cost_model: CostModel, guided: bool, most: Largest) -> tuple[Move, ...]:
     first: Key = ((0.0, 0, 0), _start_most(start, mesh) * itemsize, 0, 0, 0)
     zeros = (0,) * mesh.size
     origin: Totals = (zeros, zeros) if mesh.size <= TIE_RANKS else None
@@ -245,7 +274,7 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
               path: tuple[Move, ...], n: int | None = None) -> None:
         """Queue `move` from `state` (`n`: the queue order of the estimate it prices)."""
         nkey, ntotals = _extend(key, totals, move, state, mesh, itemsize, cost_model,
-                                start, bool(path))
+                                start, bool(path), most)
         if move.estimate:   # a lower bound of its key: price it when it is popped
             heapq.heappush(heap, (nkey, next(counter), nkey, move.after, path + (move,), key,
                                   not guided or move.after == goal, totals))
@@ -286,7 +315,8 @@ def _search_from(start: State, goal: State, mesh: Mesh, itemsize: int,
         if pops > _UNGUIDED_POPS and not guided:
             raise _TooLong
         for move in _moves(state, goal, mesh, cost_model):
-            if SHORTCUT and not path and _alone_at_bound(move, start, goal, mesh, cost_model):
+            if SHORTCUT and not path and _alone_at_bound(move, start, goal, mesh, cost_model,
+                                                         most):
                 return (move,)
             relax(key, totals, state, move, path)
     raise PlanError(f"no plan found from {start} to {goal}; this is a meshcomm bug,"
@@ -343,7 +373,7 @@ def _priced(state: State, move: Move, mesh: Mesh) -> Move | None:
 
 
 def _alone_at_bound(move: Move, start: State, goal: State, mesh: Mesh,
-                    cost_model: CostModel) -> bool:
+                    cost_model: CostModel, most: Largest = _most) -> bool:
     """Whether `move`, one step from `start`, is the plan the whole search would return.
 
     It is where it reaches `goal` as one collective on the fastest links (the least latency
@@ -358,7 +388,7 @@ def _alone_at_bound(move: Move, start: State, goal: State, mesh: Mesh,
             or move.action == "tree" or move.rounds != 1
             or (move.kind == "send_recv" and move.op is not None)):
         return False
-    busiest = _busiest(move)
+    busiest = _busiest(move, most)
     if busiest == 0 or busiest != bounds.busiest_bound(start, goal, mesh):
         return False
     latency = [cost_model.time((a,), 0) for a in mesh.axis_names]
@@ -385,19 +415,21 @@ def _all_moves(state: State, goal: State, mesh: Mesh, trees: bool) -> Iterator[M
 
 
 def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, itemsize: int,
-            cost_model: CostModel, start: State, held: bool
+            cost_model: CostModel, start: State, held: bool, most: Largest = _most
             ) -> tuple[Key, Totals]:
     live = _live_most(move, state, mesh, start if held else None) * itemsize
     time, (_, got, sent) = 0.0, key[0]
     if move.kind != "local":
-        step_send = _most(move.send) * itemsize
-        step_recv = step_send if move.recv is move.send else _most(move.recv) * itemsize
+        step_send = most(move.send) * itemsize
+        step_recv = step_send if move.recv is move.send else most(move.recv) * itemsize
         time = _time(move, max(step_send, step_recv, move.least * itemsize), cost_model)
         if totals is None:     # a large mesh: the sums of each step's busiest rank
             got, sent = got + step_recv, sent + step_send
         else:
-            totals = (_added(totals[0], move.recv), _added(totals[1], move.send))
-            got, sent = max(totals[0]) * itemsize, max(totals[1]) * itemsize
+            recv, send = _added(totals[0], move.recv), _added(totals[1], move.send)
+            got = _total_most(recv, totals[0], got, move.recv, step_recv, itemsize)
+            sent = _total_most(send, totals[1], sent, move.send, step_send, itemsize)
+            totals = (recv, send)
     # At equal time, the least busiest rank's received bytes win, then its sent bytes (a
     # step's time is the larger of its sent and received bytes); then the lower peak; then
     # native reductions (reduce_scatter, all_reduce) over a reducing send_recv or tree;
@@ -405,6 +437,15 @@ def _extend(key: Key, totals: Totals, move: Move, state: State, mesh: Mesh, item
     reducing = move.kind == "send_recv" and move.op is not None
     return ((round(key[0][0] + time, 15), got, sent), max(key[1], live),
             key[2] + reducing, key[3] + 1, key[4] + move.indexed), totals
+
+
+def _total_most(total: tuple[int, ...], before: tuple[int, ...], before_most: int,
+                step: tuple[int, ...], step_most: int, itemsize: int) -> int:
+    """The largest of per-rank totals `total` (`_added` of `before` and `step`) in bytes,
+    known where it is either of them (their largest given, in bytes)."""
+    if total is before:
+        return before_most
+    return step_most if total is step else max(total) * itemsize
 
 
 def _added(total: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:

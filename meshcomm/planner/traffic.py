@@ -10,6 +10,8 @@ in C, not in Python.
 from __future__ import annotations
 
 import array
+import itertools
+import math
 
 import torch
 
@@ -45,8 +47,9 @@ def gather_traffic(mesh: Mesh, axes: tuple[AxisName, ...], sizes: tuple[int, ...
     """`mine`: `sizes` as a tensor of the mesh's shape, where the caller has it (then
     `sizes` may be None)."""
     g = mesh.group_size(axes)
-    if sizes is not None and uniform(sizes):
-        return ((g - 1) * sizes[0],) * mesh.size, ((g - 1) * sizes[0],) * mesh.size
+    if sizes is not None and uniform(sizes):   # sent = received: one tuple for both
+        each = ((g - 1) * sizes[0],) * mesh.size
+        return each, each
     if mine is None:
         assert sizes is not None, "gather_traffic needs the ranks' sizes"
         mine = on_mesh(mesh, sizes)
@@ -69,8 +72,8 @@ def all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
                         sizes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     g = mesh.group_size(axes)
     if uniform(sizes) and sizes[0] % g == 0:
-        each = sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g)
-        return (each,) * mesh.size, (each,) * mesh.size
+        out = (sizes[0] - sizes[0] // g + (g - 1) * (sizes[0] // g),) * mesh.size
+        return out, out
     total = on_mesh(mesh, sizes)
     pos = group_positions(mesh, axes)
     step = (total + g - 1) // g          # torch.chunk of the flat tensor: chunk `pos`
@@ -82,8 +85,31 @@ def all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
 
 def off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -> tuple[int, ...]:
     """`sizes`, zero at ranks whose coordinates on `a` and `b` agree (they keep their block)."""
+    if uniform(sizes):
+        return _off_diagonal_of(mesh, sizes[0], a, b)
     ca, cb = group_positions(mesh, (a,)), group_positions(mesh, (b,))
     return tuple(torch.where(ca == cb, 0, on_mesh(mesh, sizes)).reshape(-1).tolist())
+
+
+def _off_diagonal_of(mesh: Mesh, n: int, a: AxisName, b: AxisName) -> tuple[int, ...]:
+    """`off_diagonal` where every rank holds `n`: laid out by list repetition (no tensor op;
+    a cold one costs more than the whole). In mesh order a rank's index is
+    ((((p A + i) M + m) B + j) Q + q), i and j its coordinates on the first and second of
+    the two axes (sizes A and B), p, m and q on the axes before, between and after them."""
+    first, second = sorted((mesh.axis_names.index(a), mesh.axis_names.index(b)))
+    shape = mesh.shape
+    size_a, size_b = shape[first], shape[second]
+    between, after = math.prod(shape[first + 1:second]), math.prod(shape[second + 1:])
+    out: list[int] = []
+    for i in range(size_a):
+        row = [n] * size_b
+        if i < size_b:
+            row[i] = 0
+        if after > 1:
+            row = list(itertools.chain.from_iterable(map(itertools.repeat, row,
+                                                         itertools.repeat(after))))
+        out += row * between
+    return tuple(out * math.prod(shape[:first]))
 
 
 def all_to_all_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
