@@ -66,7 +66,7 @@ def _mask(mesh: Mesh, shape: tuple[int, ...], layout: Layout, rank: int) -> torc
 
 
 def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
-                   dst: str | Layout) -> int | None:
+                   dst: str | Layout, with_classes: bool | None = None) -> int | None:
     """Elements the busiest rank must receive when `src` with a pending reduction becomes
     `dst`, counted element by element (an oracle for tests and benchmarks; the planner's
     bound, `meshcomm.planner.bounds`, counts the same from block tables). None where the
@@ -78,7 +78,9 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
     total over P ranks, and every rank at least one message per element it needs. Where
     ranks hold and need nothing (idle), each wastes its first message of an element (it
     has no value to add to), so the load rises until the ranks carry every message and
-    every one of the g - 1 unions per item (see `meshcomm.planner.bounds`).
+    every one of the g - 1 unions per item (see `meshcomm.planner.bounds`). With
+    `with_classes`, also per class of items sharing holders and needers; by default where
+    the planner's bound does (elements x ranks at most `CLASS_LIMIT`).
 
     >>> from meshcomm import Mesh
     >>> counting_bound(Mesh("tp=4"), (8,), "i | sum(tp)", "(tp i)")   # a reduce_scatter's 3 x 2
@@ -112,8 +114,9 @@ def counting_bound(mesh: Mesh, shape: tuple[int, ...], src: str | Layout,
                    for n, h in zip(needers.values(), combines.values()))
     unions = sum(int((n > 0).sum()) for n in needers.values()) * (g - 1)
     rootless = sum(int(((n > 0) & ~h).sum()) for n, h in zip(needers.values(), combines.values()))
-    classes = (_item_classes(mesh, keep, resolve, holds, wants)
-               if numel * mesh.size <= CLASS_LIMIT else [])
+    if with_classes is None:
+        with_classes = numel * mesh.size <= CLASS_LIMIT
+    classes = _item_classes(mesh, keep, resolve, holds, wants) if with_classes else []
     if classes:   # a root saves a copy only where it holds nothing at all
         nothing = {i for i, hold in enumerate(holds) if not hold.any()}
         rootless = sum(c[0] for c in classes if nothing & set(c[4]))

@@ -12,6 +12,7 @@ it needs. It is a lower bound for every plan, whatever its steps.
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -20,7 +21,8 @@ from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
 from meshcomm.executors.sim import execute, scatter
-from meshcomm.planner.bounds import FLOW_TRIES, row_ids
+from meshcomm.planner.bounds import FLOW_TRIES, cells, element_mask, row_ids
+from meshcomm.planner.states import from_layout
 from meshcomm.planner.unions import unions_fit
 from meshcomm.testing import counting_bound, partial_transition
 
@@ -197,3 +199,29 @@ def test_row_ids_number_equal_rows_alike(rows: int, cols: int) -> None:
                    for k in range(0, cols, 63)) for row in mask]
     by_id = {int(i): w for i, w in zip(ids, words)}
     assert [by_id[i] for i in sorted(by_id)] == sorted(by_id.values())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cells_hold_the_elements_alike(seed: int) -> None:
+    """`bounds.cells` (how the bound's classes of items are found, from the layouts' blocks):
+    the cells partition the tensor, and every element of a cell is held and needed by
+    exactly the cell's ranks (element by element, `bounds.element_mask`), on random
+    layouts of pending reductions, on dims that split evenly and dims that do not."""
+    rng = random.Random(seed)
+    checked = 0
+    while checked < 40:
+        mesh, shape, src, dst = partial_transition(rng, rng.random() < 0.5)
+        a = from_layout(mc.Layout(src), mesh, shape)
+        b = from_layout(mc.Layout(dst), mesh, shape)
+        if math.prod(shape) * mesh.size > 1 << 16:
+            continue
+        hold, need, size = cells(a, b, mesh)
+        assert int(size.sum()) == math.prod(shape) and bool((size > 0).all())
+        elem_hold, elem_need = element_mask(a, mesh), element_mask(b, mesh)
+        rows = torch.cat([elem_hold, elem_need], 1)
+        seen = torch.cat([hold, need], 1)
+        # each element's row is one cell's, and as many elements have it as the cells hold
+        for row, n in zip(*torch.unique(rows, dim=0, return_counts=True)):
+            match = (seen == row).all(1)
+            assert int(size[match].sum()) == int(n), (mesh, shape, src, dst)
+        checked += 1

@@ -40,7 +40,8 @@ For P ranks, rank r holding `have_r` before and `need_r` after:
   it receives beyond its needs at least ceil(e / g) add nothing to F, but as
   the root of an item no needer holds a partial of (one an item, where such a
   rank needs it): `sum_r e_r - (wasted - refunds) >= F`. And on small tensors
-  (`CLASS_LIMIT`) per class of items sharing holders and needers
+  (`CLASS_LIMIT`) per class of items sharing holders and needers (found cell by
+  cell: a cell holds the elements sharing their block of every dim on both sides)
   (`ClassCaps`): an item takes one node per partial value, so a class
   cannot use more of a partial's holders than one node an item can take; and
   all classes at once (`unions_fit`, a max-flow): a rank's unions of classes
@@ -64,9 +65,17 @@ import torch
 from ..core.layout import Layout, Shape
 from ..core.mesh import AxisName, Mesh
 from ..core.positions import block_flat
-from .blocks import coords_table, flat_index, own_and_need, own_and_need_counts, summed_overlap
+from .blocks import (
+    coords_table,
+    flat_index,
+    own_and_need,
+    own_and_need_counts,
+    pair_counts,
+    rank_blocks,
+    summed_overlap,
+)
 from .moves import block_indices
-from .states import State, from_layout, local_numels, local_numels_tensor
+from .states import DimState, State, from_layout, local_numels, local_numels_tensor
 from .unions import FlowClass, Unions
 
 
@@ -94,9 +103,14 @@ def state_bound(start: State, goal: State, mesh: Mesh, tries: int = 1) -> tuple[
     state it queues and takes one (a bound as valid, at most as tight); the plan's own
     bound and trees take `FLOW_TRIES`. It matters only where the bound looks at classes
     of items, so elsewhere every `tries` shares one cached answer."""
-    if tries != 1 and not _looks_at_classes(start, mesh):
+    if tries != 1 and not (_resolves(start, goal, mesh) and _looks_at_classes(start, goal, mesh)):
         tries = 1
     return _state_bound(start, goal, mesh, tries)
+
+
+def _resolves(start: State, goal: State, mesh: Mesh) -> bool:
+    """Whether `goal` resolves a pending reduction of `start` over more than one rank."""
+    return mesh.group_size(a for a in start.partial if a not in goal.partial) > 1
 
 
 @functools.lru_cache(maxsize=4096)
@@ -139,7 +153,7 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int, tries: int) -> tup
     idle = int((empty & (need == 0)).sum())
     # items no needer holds a partial of: their root may be a rank holding nothing
     rootless = k * total - held
-    classes = _classes(start, goal, mesh, g) if _looks_at_classes(start, mesh) else ()
+    classes = _classes(start, goal, mesh, g) if _looks_at_classes(start, goal, mesh) else ()
     if classes:   # only a rank holding nothing saves a copy as a root
         rootless = sum(c.count for c in classes if bool(empty[c.roots].any()))
     # every rank receives at least one message per element of its block
@@ -192,9 +206,45 @@ CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classe
 FLOW_TRIES = 32         # max-flows a `unions_fit` call may run for a plan's own bound
 
 
-def _looks_at_classes(start: State, mesh: Mesh) -> bool:
-    """Whether a reduction's bound from `start` checks classes of items (`CLASS_LIMIT`)."""
+def _looks_at_classes(start: State, goal: State, mesh: Mesh) -> bool:
+    """Whether a reduction's bound from `start` to `goal` checks classes of items
+    (`CLASS_LIMIT`). The classes come from the layouts' cells (`cells`), whatever the
+    tensor's size; the limit is on elements because the test of the classes together
+    (`Unions`, a max-flow) grows with them: on few cells of a large tensor it can cost a
+    plan 100 ms for a bound a few percent tighter."""
     return math.prod(d.size for d in start.dims) * mesh.size <= CLASS_LIMIT
+
+
+def _dim_cells(a: DimState, b: DimState, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor,
+                                                                torch.Tensor]:
+    """The non-empty intersections of a block of `a` and a block of `b` of one dim: the
+    block of each (x, y) and its size."""
+    table = pair_counts(a, b, mesh)
+    x, y = table.nonzero(as_tuple=True)
+    return x, y, table[x, y]
+
+
+@functools.lru_cache(maxsize=64)
+def cells(start: State, goal: State, mesh: Mesh) -> tuple[torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+    """Cells x mesh positions: which positions hold each cell in `start` and which need it
+    in `goal`, and each cell's element count. A cell is the set of elements lying in one
+    block of every dim on both sides: per dim an intersection of a block of `start` with a
+    block of `goal`, and the cell their product. A rank holds an element when it holds its
+    block of every dim, so the elements of a cell share their holders and needers: they
+    stand for the tensor in the bound's classes, at a cost that follows the layouts and
+    the mesh, never the element count. Cached: callers must not modify them."""
+    hold = torch.ones(1, mesh.size, dtype=torch.bool)
+    need = torch.ones(1, mesh.size, dtype=torch.bool)
+    count = torch.ones(1, dtype=torch.long)
+    for a, b in zip(start.dims, goal.dims):
+        x, y, size = _dim_cells(a, b, mesh)
+        h = rank_blocks(a, mesh)[None, :] == x[:, None]
+        n = rank_blocks(b, mesh)[None, :] == y[:, None]
+        hold = (hold[:, None, :] & h[None, :, :]).reshape(-1, mesh.size)
+        need = (need[:, None, :] & n[None, :, :]).reshape(-1, mesh.size)
+        count = (count[:, None] * size[None, :]).reshape(-1)
+    return hold, need, count
 
 
 @dataclass(frozen=True)
@@ -265,21 +315,22 @@ def _sizes(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _classes(start: State, goal: State, mesh: Mesh, g: int) -> tuple[ItemClass, ...]:
-    """The classes of items of a reduction (see `ItemClass`), element by element: only for
-    small tensors (`CLASS_LIMIT`), where few items share a class and the class's own
+    """The classes of items of a reduction (see `ItemClass`), cell by cell (`cells`): only
+    for small tensors (`CLASS_LIMIT`), where few items share a class and the class's own
     capacity binds before the ranks' total does."""
     resolve = tuple(a for a in start.partial if a not in goal.partial)
     coords = coords_table(mesh)
     part = flat_index(coords, mesh, resolve)
     kept = flat_index(coords, mesh, goal.partial)
-    hold, need = element_mask(start, mesh), element_mask(goal, mesh)
+    hold, need, size = cells(start, goal, mesh)
     out = []
     for k in torch.unique(kept).tolist():
         group = kept == k
         h, n = hold & group, need & group
         both_masks = torch.cat([h, n], 1)
         ids = row_ids(both_masks)
-        first, counts = _firsts(ids)
+        first, _ = _firsts(ids)
+        counts = torch.zeros(len(first), dtype=torch.long).index_add_(0, ids, size)
         for row, c in zip(both_masks[first], counts.tolist()):
             holders, needers = row[:mesh.size], row[mesh.size:]
             if not needers.any():
