@@ -501,19 +501,25 @@ def test_issue_39_max_case_reaches_its_bound_with_wider_combiners() -> None:
 def test_issue_39_all_reduce_blocks_lean_on_helper_roots() -> None:
     """Issue 39's `sp=3 pp=2 ep=2 cp=2` case: the 6 ranks of the (pp, cp) block holding
     slices 0 and 1 also need them, so with needer roots they all-reduce 1,680 elements:
-    each sends at least 10/6 of them (5 partials in, 5 deliveries out an element), 11,200
-    B, and the planner took two collectives at 11,200 B. Helper roots (ranks of the other
-    blocks, combining in scratch and delivering to all six) let each of them send and
-    receive one value an element; the tree step now sends at most 8,128 B and receives at
-    most 7,736 B (bound 7,280 B), exact."""
+    each sends and receives 10/6 of them (5 partials in, 5 deliveries out an element),
+    11,200 B, and the planner took two collectives at 11,200 B. Helper roots (ranks of the
+    other blocks, combining in scratch and delivering to all six) take 4 sends and 4
+    receives an element off the six for 6 of each on the other 18 ranks, which start at
+    1,400 (the block holding and needing slice 4) and 1,540 (slices 2 and 3, each held by
+    one block and needed by the other) of each: by that count (a sketch, not the
+    planner's bound), a tree step's busiest rank moves about 7,716 B (1,929 values) at
+    best, sent or received (receives alone reach about 7,512 B where a helper sums 5
+    partials for a root among the six, but those six then send 11,200 B). Weighed
+    against the first draw's loads (whose combiners had taken receives off the six, not
+    sends) the helpers stopped at 8,128 B sent (7,736 B received); weighed against its
+    loads before combiners too, the step sends at most 7,768 B and receives at most
+    7,724 B, exact."""
     mesh, shape = mc.Mesh("sp=3 pp=2 ep=2 cp=2"), (7, 5, 10, 12)
     p = plan(mesh, shape, "a (cp pp b) c d | sum(ep, sp)", "e (pp cp f) g h",
              dtype=torch.int32)
     assert [s.action for s in p.steps] == ["tree"]
-    bound = max(p.lower_bound_bytes)
-    assert bound == 7280
-    assert max(p.recv_bytes) <= 7736 and max(p.send_bytes) <= 8128, str(p)
-    assert max(p.recv_bytes) < 1.07 * bound
+    assert max(p.recv_bytes) <= 7724 and max(p.send_bytes) <= 7768, str(p)
+    assert max(p.lower_bound_bytes) <= max(p.recv_bytes) < 1.07 * 7280
     s = _schedule_of(p)
     helpers = [(i, e, holds) for i, e, holds, needs in s.roots if not needs]
     assert len(helpers) > len(s.roots) // 10

@@ -11,9 +11,10 @@ message; then chains of moves lower the busiest rank (`_augment`: with the nodes
 to the least possible maximum; a chain may cut an item in two where whole items cannot
 move), and a *combiner* (a rank holding no partial of the item, which combines two values
 in scratch and sends one) may relieve it further. A schedule left well above the bound is
-drawn once more with *helper roots* (`_Helpers`: a rank not needing the item, a holder
+drawn twice more with *helper roots* (`_Helpers`: a rank not needing the item, a holder
 combining in its input or a rank holding none combining in scratch, roots its tree and
-delivers the finished value to every needer), and small ones in a few other orders. Sends
+delivers the finished value to every needer; weighed against the first draw's loads, then
+against its loads before combiners), and small ones in a few other orders. Sends
 are balanced along chains too (`_augment_sends`).
 
 A tree step runs as rounds of one all_to_all each: in a round every rank receives at most
@@ -35,7 +36,7 @@ import heapq
 import math
 import random
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -280,29 +281,37 @@ def schedule(state: State, goal: State, mesh: Mesh) -> Schedule:
     floor = max(state_bound(state, goal, mesh, FLOW_TRIES))   # no schedule receives less
     order, tie = list(range(len(items))), list(range(mesh.size))
 
+    plain: list[_Helpers] = []    # the first draw's loads before its combiners
+
     def drawn(helpers: _Helpers | None = None
               ) -> Drawn:
         budget = _Budget(SEARCH_UNITS)
-        trees, got, recv, sent = _balanced(order, tie, items, holders, needers, kept, by_kept,
-                                           part, g, mesh.size, floor, budget, helpers)
+        trees, got, recv, sent, loads = _balanced(order, tie, items, holders, needers, kept,
+                                                  by_kept, part, g, mesh.size, floor, budget,
+                                                  helpers)
+        if loads is not None and not plain:
+            plain.append(loads)
         made = _messages(trees, part, recv, sent, budget)
         # a step's time is its busiest rank's larger of sent and received
         return (max(max(recv), max(sent)), max(recv), sum(recv)), trees, got, made, sent, recv
 
     best = drawn()
     if _helpers_may_help(best, floor, items, holders, needers, part, kept, mesh.size):
-        # needer roots left the busiest rank well above the bound: once more with helper
-        # roots (`_Helpers`) where they lower it, and combiners sought more widely
-        got = drawn(_Helpers(*best[4:]))
-        # the faster kept, even where it receives more (helpers add messages): keeping a
-        # schedule's receives at their bound instead left a faster tree between two other
-        # steps (`"i (pp j) k | sum(cp)"` (2, 1, 12) to `"(pp i) j k"` on `pp=4 cp=4`: 96 B
-        # received, not 56 B); but more rounds only for a gain the draw was made for (each
-        # round costs a latency: a 60-element, 39-round tree became 59 elements, 70 rounds)
-        gain = best[0][0] - got[0][0]
-        if got[0] < best[0] and (_rounds(got) <= _rounds(best)
-                                 or gain * HELPER_GAP > best[0][0]):
-            best = got
+        # needer roots left the busiest rank well above the bound: twice more with helper
+        # roots (`_Helpers`) where they lower it, and combiners sought more widely: helpers
+        # weighed against the first draw's loads, then against its loads before combiners
+        for helpers in (_Helpers(*best[4:]), plain[0]):
+            got = drawn(helpers)
+            # the faster kept, even where it receives more (helpers add messages): keeping a
+            # schedule's receives at their bound instead left a faster tree between two
+            # other steps (`"i (pp j) k | sum(cp)"` (2, 1, 12) to `"(pp i) j k"` on `pp=4
+            # cp=4`: 96 B received, not 56 B); but more rounds only for a gain the draw was
+            # made for (each round costs a latency: a 60-element, 39-round tree became 59
+            # elements, 70 rounds)
+            gain = best[0][0] - got[0][0]
+            if got[0] < best[0] and (_rounds(got) <= _rounds(best)
+                                     or gain * HELPER_GAP > best[0][0]):
+                best = got
     if best[0][0] > floor and len(items) * mesh.size <= RESTART_LIMIT:
         # greedy draws depend on the order items come in and on ties between ranks: a few
         # other orders of both, the best kept
@@ -408,10 +417,12 @@ def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
               holders: list[list[int]], needers: list[list[int]], kept: list[int],
               by_kept: dict[int, list[int]], part: list[int], g: int, ranks: int, floor: int,
               budget: _Budget, helpers: _Helpers | None = None
-              ) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int]]:
+              ) -> tuple[list[_Tree], list[tuple[int, ...]], list[int], list[int],
+                         _Helpers | None]:
     """Trees for every item, drawn greedily in `order` (ties between ranks to the least
     `tie`) and balanced (`_augment`, `_rebalance`): the trees, the items (cut ones added),
-    and the elements each rank receives and sends."""
+    the elements each rank receives and sends, and (without `helpers`) each rank's load
+    before combiners (`_Helpers.before_combiners`: what a draw with helpers starts from)."""
     items = list(items)
     recv = [0] * ranks       # elements received so far: every needer one per element
     sent = [0] * ranks
@@ -429,9 +440,10 @@ def _balanced(order: list[int], tie: list[int], items: list[tuple[int, ...]],
                                sent, tie, helpers))
     rx = _Receivers(trees, items, recv, sent, part, budget, helpers is not None)
     _augment(rx, floor)
+    plain = None if helpers is not None else _Helpers.before_combiners(trees, sent, recv)
     _rebalance(rx)
     _augment(rx, floor)
-    return trees, items, recv, sent
+    return trees, items, recv, sent, plain
 
 
 def _draw(e: int, w: int, want: list[int], held: list[int], members: list[int],
@@ -485,13 +497,35 @@ class _Helpers:
     value on through the other needers, who forward it: where the needers hold partials
     they must send too, they are the busiest senders, and helpers sending the deliveries
     lower them at the cost of more messages. `sent` and `recv`: each rank's elements in a
-    schedule drawn with needer roots only, updated as helpers take trees over."""
+    schedule drawn with needer roots only (with its combiners, or, `plain`, before them),
+    updated as helpers take trees over."""
 
-    __slots__ = ("sent", "recv")
+    __slots__ = ("sent", "recv", "plain")
 
-    def __init__(self, sent: list[int], recv: list[int]) -> None:
+    def __init__(self, sent: Sequence[float], recv: Sequence[float], plain: bool = False
+                 ) -> None:
         self.sent = [float(n) for n in sent]
         self.recv = [float(n) for n in recv]
+        self.plain = plain     # loads before combiners (`before_combiners`)
+
+    @classmethod
+    def before_combiners(cls, trees: list[_Tree], sent: list[int], recv: list[int]
+                         ) -> _Helpers:
+        """Each rank's load in needer-rooted `trees` without combiners, whose `recv` and
+        `sent` count every message but the deliveries after each root's first: those are
+        spread evenly over the ranks holding the finished value (the root and its needers).
+        A combiner takes receives off a busy needer at a message more in all, while a
+        helper root takes both sends and receives off it: weighed against the combiners'
+        loads alone, helpers saw the needers' receives already low and stopped short,
+        leaving them the busiest senders (issue 39's `sp=3 pp=2 ep=2 cp=2` case: 8,128 B
+        sent, not 7,768 B)."""
+        out = cls(sent, recv, plain=True)
+        for tree in trees:
+            if len(tree.want) > 1:
+                each = tree.weight * (len(tree.want) - 1) / (len(tree.want) + 1)
+                for i in (tree.root, *tree.want):
+                    out.sent[i] += each
+        return out
 
     def load(self, i: int) -> float:
         return max(self.sent[i], self.recv[i])
@@ -502,7 +536,9 @@ def _root(w: int, want: list[int], holding: set[int], members: list[int], g: int
     """The root of a tree: a rank needing the item (its first message replaces its
     delivery), one holding a partial if any. With `helpers`, a helper instead where the
     needers are among the busiest ranks of the schedule drawn without helpers and a helper
-    lowers the busier of them and it."""
+    lowers the busier of them and it (with `helpers.plain`, loads before combiners: the
+    tree also takes the needers' merges off them, and the helper counts half what it
+    adds)."""
     both = [i for i in want if i in holding]
     root = min(both or want, key=lambda i: (sent[i], recv[i], tie[i]))
     if helpers is None:
@@ -514,7 +550,11 @@ def _root(w: int, want: list[int], holding: set[int], members: list[int], g: int
     # A needer root's tree has the needers send k - 1 deliveries, and its partial stays
     # (a helper's has every holder send its own): k - 2 fewer sends, spread over them.
     share = w * (k - 2 + (not both)) / k
-    after = max(max(helpers.sent[i] - share, helpers.recv[i]) for i in want)
+    # and of its other g - 1 merges (the root's first is its delivery), those landing on
+    # needers holding partials go (a helper's needers receive their delivery alone)
+    both_held = sum(i in holding for i in want) if helpers.plain else 0
+    taken = w * max(0, g - 2) * both_held / (len(holding) * k) if both_held else 0.0
+    after = max(max(helpers.sent[i] - share, helpers.recv[i] - taken) for i in want)
 
     def cost(h: int) -> tuple[float, float]:      # a helper's sends and receives after
         return (helpers.sent[h] + k * w, helpers.recv[h] + w * (1 if h in holding else 2))
@@ -522,11 +562,23 @@ def _root(w: int, want: list[int], holding: set[int], members: list[int], g: int
     wanted = set(want)
     helper = min((h for h in members if h not in wanted), key=lambda h: (max(cost(h)), tie[h]),
                  default=None)
-    if helper is None or max(after, *cost(helper)) >= before:
+    if helper is None:
+        return root
+    # Against loads before combiners, taken while the helper, halfway through what the
+    # tree adds to it, stays below the needers before: later chains spread its load, and
+    # a whole tree's margin (k deliveries on one rank) stopped the draw that far short of
+    # where helpers and needers meet.
+    sends, receives = cost(helper)
+    if helpers.plain:
+        mid = max((helpers.sent[helper] + sends) / 2, (helpers.recv[helper] + receives) / 2)
+    else:
+        mid = max(sends, receives)
+    if max(after, mid) >= before:
         return root
     for i in want:
         helpers.sent[i] -= share
-    helpers.sent[helper], helpers.recv[helper] = cost(helper)
+        helpers.recv[i] -= taken
+    helpers.sent[helper], helpers.recv[helper] = sends, receives
     return helper
 
 
