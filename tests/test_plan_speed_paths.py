@@ -126,3 +126,20 @@ def test_off_diagonal_by_repetition_as_by_tensors() -> None:
                 laid = traffic.off_diagonal(mesh, (n,) * mesh.size, a, b)
                 assert laid == tuple(0 if k == 0 else n for k in with_tensors), (spec, a, b)
                 assert 0 < laid.count(0) < mesh.size
+
+
+def test_peaks_laid_out_per_block_as_by_tensors() -> None:
+    from meshcomm.planner import search
+    laid = 0
+    for mesh, shape, src, dst in _uneven(3, 80):
+        state = from_layout(mc.Layout(src), mesh, shape)
+        goal = from_layout(mc.Layout(dst), mesh, shape)
+        for move in exact_moves(state, goal, mesh, COST):
+            for itemsize, held in ((4, 0), (2, 12)):
+                got = search._laid_live(move, state, mesh, itemsize, held)
+                if got is None:
+                    continue
+                laid += 1
+                want = search._per_rank(search._live(move, state, mesh) * itemsize + held, mesh)
+                assert got == want, (src, dst, move.kind, move.action)
+    assert laid >= 30, f"only {laid} steps took the laid-out path"

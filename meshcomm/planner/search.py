@@ -25,8 +25,17 @@ from . import bounds
 from .direct import direct_move
 from .moves import Move, chunk_gather, expand, with_rearranges
 from .rank_transfers import blocks_of, resolved_axes
-from .states import State, from_layout, local_numels_tensor, most_numel, to_layout, uniform_numel
-from .traffic import as_tensor
+from .states import (
+    State,
+    block_numels,
+    from_layout,
+    lay_blocks,
+    local_numels_tensor,
+    most_numel,
+    to_layout,
+    uniform_numel,
+)
+from .traffic import as_tensor, on_mesh
 from .transfers import reindex_move, send_recv_move, send_recv_targets
 from .trees import tree_estimate, tree_move, tree_transfers
 from .values import CostModel, Plan, Step, wire_of
@@ -45,14 +54,14 @@ def single_plan(mesh: Mesh, shape: Shape, dtype: torch.dtype, src: Layout, dst: 
     bytes_of = _Scaled(itemsize)
     state, layout = start, src
     src_held = _numels(start, mesh) * itemsize if len(moves) != 1 else 0
-    peak: Counts = src_held
+    peak: Counts | tuple[int, ...] = src_held
     for i, move in enumerate(map(with_rearranges, moves)):   # rearranges of kept moves only
         after = dst if move.after == goal else to_layout(move.after, names, mesh)
         step, live = _step(move, state, layout, after, mesh, tuple(shape), itemsize,
                            cost_model, src_held if i else 0, bytes_of, busiest)
         steps.append(step)
         # step 0 holds the source besides its output (`_live`): no rank's peak is below it
-        peak = live if i == 0 else _maximum(peak, live)
+        peak = live if i == 0 else _maximum(_counts(peak, mesh), _counts(live, mesh))
         state, layout = move.after, after
     send = _per_rank_sum((s.send_bytes for s in steps), mesh.size)
     recv = _per_rank_sum((s.recv_bytes for s in steps), mesh.size)
@@ -74,6 +83,13 @@ def _numels(state: State, mesh: Mesh) -> Counts:
     return local_numels_tensor(state, mesh) if n is None else n
 
 
+def _counts(value: Counts | tuple[int, ...], mesh: Mesh) -> Counts:
+    """Per-rank counts as `Counts` (laid-out tuples as a tensor where ranks differ)."""
+    if not isinstance(value, tuple):
+        return value
+    return value[0] if value.count(value[0]) == len(value) else on_mesh(mesh, value)
+
+
 def _maximum(a: Counts, b: Counts) -> Counts:
     if isinstance(a, int) and isinstance(b, int):
         return max(a, b)
@@ -83,7 +99,9 @@ def _maximum(a: Counts, b: Counts) -> Counts:
     return a.clamp(min=b) if isinstance(b, int) else torch.maximum(a, b)
 
 
-def _per_rank(value: Counts, mesh: Mesh) -> tuple[int, ...]:
+def _per_rank(value: Counts | tuple[int, ...], mesh: Mesh) -> tuple[int, ...]:
+    if isinstance(value, tuple):
+        return value
     return (value,) * mesh.size if isinstance(value, int) else tuple(value.reshape(-1).tolist())
 
 
@@ -164,13 +182,19 @@ def _check_ops(src: Layout, dst: Layout) -> None:
 
 def _step(move: Move, state: State, before: Layout, after: Layout, mesh: Mesh,
           shape: tuple[int, ...], itemsize: int, cost_model: CostModel,
-          held: Counts, bytes_of: _Scaled, most: Largest) -> tuple[Step, Counts]:
-    """The plan's step of `move`, and its per-rank peak bytes (`held` bytes held besides)."""
+          held: Counts, bytes_of: _Scaled, most: Largest
+          ) -> tuple[Step, Counts | tuple[int, ...]]:
+    """The plan's step of `move`, and its per-rank peak bytes (`held` bytes held besides;
+    a tuple where `_laid_live` laid them out)."""
     assert move.rearranges is None, "a plan's move runs with its rearranges built (with_rearranges)"
-    live = _live(move, state, mesh) * itemsize
-    if not isinstance(held, int) or held:
-        live = live + held
-    peak = _per_rank(live, mesh)
+    live: Counts | tuple[int, ...] | None = _laid_live(move, state, mesh, itemsize, held)
+    if isinstance(live, tuple):
+        peak = live
+    else:
+        live = _live(move, state, mesh) * itemsize
+        if not isinstance(held, int) or held:
+            live = live + held
+        peak = _per_rank(live, mesh)
     send, recv = bytes_of(move.send), bytes_of(move.recv)
     time = (0.0 if move.kind == "local" else
             _time(move, _busiest(move, most) * itemsize, cost_model))
@@ -503,6 +527,33 @@ def _live_terms(move: Move, state: State, mesh: Mesh
         g = mesh.group_size(resolved_axes(state, move.after) or ())
         return [(1, state), (2 * g, move.after)]
     return [(1, state), (1, move.after)]
+
+
+def _laid_live(move: Move, state: State, mesh: Mesh, itemsize: int, held: Counts
+               ) -> tuple[int, ...] | None:
+    """`_live` in bytes plus `held` per rank, where one term varies over the ranks as a
+    chunk chain laid on them by repetition (`states.block_numels`) and the rest are alike:
+    worked out per block and laid out (no tensor op; a cold one costs more than the
+    whole); else None."""
+    if not isinstance(held, int):
+        return None
+    alike, varying = 0, None
+    for factor, term in _live_terms(move, state, mesh):
+        n = uniform_numel(term) if isinstance(term, State) else None
+        if n is None and isinstance(term, int):
+            n = term
+        if n is not None:
+            alike += factor * n
+        elif varying is not None or not isinstance(term, State):
+            return None
+        else:
+            varying = factor, term
+    found = None if varying is None else block_numels(varying[1], mesh)
+    if varying is None or found is None:
+        return None
+    factor, (blocks, dim) = varying[0], found
+    table = [(factor * b + alike) * itemsize + held for b in blocks]
+    return tuple(lay_blocks(table, dim, mesh))
 
 
 def _live(move: Move, state: State, mesh: Mesh) -> Counts:

@@ -273,15 +273,41 @@ def _chunk_lengths(dim: DimState, mesh: Mesh) -> list[int] | None:
     """`chunk_sizes` as a list, where it is laid on the ranks by repetition (its chain the
     mesh's innermost or outermost axes, in order, of at most `_PYTHON_BLOCKS` blocks);
     else None. Repeated blocks share their int objects."""
+    if _laid_inner(dim, mesh) is None:
+        return None
+    return lay_blocks(_chain_lengths(dim, mesh), dim, mesh)
+
+
+def _laid_inner(dim: DimState, mesh: Mesh) -> bool | None:
+    """True where chunk `dim`'s chain is the mesh's innermost axes (in order), False where
+    it is its outermost ones, of at most `_PYTHON_BLOCKS` blocks; else None."""
     k, names = len(dim.chunks), mesh.axis_names
     inner = dim.chunks == names[len(names) - k:]
     if not (inner or dim.chunks == names[:k]) or mesh.group_size(dim.chunks) > _PYTHON_BLOCKS:
         return None
-    lengths = _chain_lengths(dim, mesh)
-    if inner:                                    # the innermost axes: repeat the whole table
-        return lengths * (mesh.size // len(lengths))
-    each = itertools.repeat(mesh.size // len(lengths))   # the outermost: each block in place
-    return list(itertools.chain.from_iterable(map(itertools.repeat, lengths, each)))
+    return inner
+
+
+def lay_blocks(table: list[int], dim: DimState, mesh: Mesh) -> list[int]:
+    """Per-block values of chunk `dim` (row-major over its chain), per rank (mesh order),
+    where its chain is laid on the ranks by repetition (`block_numels`): no int copied."""
+    if _laid_inner(dim, mesh):                   # the innermost axes: repeat the whole table
+        return table * (mesh.size // len(table))
+    each = itertools.repeat(mesh.size // len(table))     # the outermost: each block in place
+    return list(itertools.chain.from_iterable(map(itertools.repeat, table, each)))
+
+
+def block_numels(state: State, mesh: Mesh) -> tuple[list[int], DimState] | None:
+    """Where `state`'s only uneven dim is a chunk chain laid on the ranks by repetition
+    (its mesh's innermost or outermost axes): the elements a rank holding each block of
+    it holds (row-major over the chain), and that dim, so that per-rank values worked
+    out per block are laid on the ranks by `lay_blocks`; else None."""
+    chunked = [dim for dim in state.dims if dim.chunks]
+    if len(chunked) != 1 or _laid_inner(chunked[0], mesh) is None:
+        return None
+    even = math.prod(dim.size // math.prod(s[1] // s[0] for s in dim.shards)
+                     for dim in state.dims if not dim.chunks)
+    return [even * n for n in _chain_lengths(chunked[0], mesh)], chunked[0]
 
 
 # Chunk chains of up to this many blocks are sized in Python (`chunk_sizes`): a cold torch
