@@ -387,7 +387,7 @@ def test_the_chain_searches_look_at_a_bounded_number_of_units(
     trees.schedule.cache_clear()
     trees.schedule(before, after, mesh)
     trees.schedule.cache_clear()
-    draws = 2 + trees.RESTARTS     # the first, one with helper roots, the restarts
+    draws = 3 + trees.RESTARTS     # the first, two with helper roots, the restarts
     assert 0 < len(taken) <= draws * (trees.SEARCH_UNITS + 1), len(taken)
     move = trees.tree_move(before, after, mesh)
     bound = max(state_bound(before, after, mesh, FLOW_TRIES))   # what the schedule aims at
