@@ -226,8 +226,8 @@ def _busiest(move: Move, most: Largest = _most) -> int:
 def _time(move: Move, busiest: int, cost_model: CostModel) -> float:
     """Modelled seconds of a collective move whose busiest rank moves `busiest` bytes; a tree
     step pays one latency per round (its bytes pipeline over the rounds)."""
-    return (cost_model.time(move.axes, busiest)
-            + (move.rounds - 1) * cost_model.time(move.axes, 0))
+    once = cost_model.time(move.axes, busiest)
+    return once if move.rounds == 1 else once + (move.rounds - 1) * cost_model.time(move.axes, 0)
 
 
 def _search(start: State, goal: State, mesh: Mesh, itemsize: int,
