@@ -373,7 +373,7 @@ def path_key(start: State, moves: tuple[Move, ...], mesh: Mesh, itemsize: int,
 
 def exact_moves(state: State, goal: State, mesh: Mesh, cost_model: CostModel) -> list[Move]:
     """The moves the search considers from `state`, each priced exactly (an estimated
-    send_recv or tree drawn as the search draws it when it pops one)."""
+    send_recv, tree or uneven all_gather priced as the search prices it when it pops one)."""
     out = []
     for move in _moves(state, goal, mesh, cost_model):
         if move.estimate:
