@@ -376,14 +376,14 @@ def test_the_chain_searches_look_at_a_bounded_number_of_units(
     after = from_layout(mc.Layout(dst), mesh, shape)
     taken: list[int] = []
 
-    class Counted(trees._Budget):
+    class Counted(trees.Budget):
         __slots__ = ()
 
         def take(self) -> bool:
             taken.append(1)
             return super().take()
 
-    monkeypatch.setattr(trees, "_Budget", Counted)
+    monkeypatch.setattr(trees, "Budget", Counted)
     trees.schedule.cache_clear()
     trees.schedule(before, after, mesh)
     trees.schedule.cache_clear()
