@@ -294,10 +294,19 @@ def paired_ratio(ours: list[list[float]], theirs: list[list[float]]) -> tuple[fl
     medians would mix iterations that ran under different loads.
     """
     pairs = sorted(max(o) / max(t) for o, t in zip(zip(*ours), zip(*theirs)))
-    n = len(pairs)
-    half = 0.98 * math.sqrt(n)     # 1.96 standard deviations of Binomial(n, 1/2), halved
-    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half) - 1)
+    lo, hi = median_interval(len(pairs))
     return statistics.median(pairs), pairs[lo], pairs[hi]
+
+
+def median_interval(n: int, alpha: float = 0.05) -> tuple[int, int]:
+    """0-based indices (lo, hi) of the sorted sample of n whose values bound its median
+    with confidence at least 1 - alpha, where n allows (distribution-free: the count of
+    values below the median is Binomial(n, 1/2)); the widest, (0, n - 1), below that."""
+    below, r = 0.0, 0
+    while r < n and below + math.comb(n, r) / 2**n <= alpha / 2:
+        below += math.comb(n, r) / 2**n
+        r += 1
+    return max(0, r - 1), min(n - 1, n - r)
 
 
 def _geomean(values: list[float]) -> float:

@@ -21,6 +21,7 @@ from test_plan_scale import _check_exact, _data
 
 import meshcomm as mc
 from meshcomm.executors.sim import execute, scatter
+from meshcomm.planner import bounds
 from meshcomm.planner.bounds import FLOW_TRIES, cells, element_mask, row_ids
 from meshcomm.planner.states import from_layout
 from meshcomm.planner.unions import unions_fit
@@ -225,3 +226,22 @@ def test_cells_hold_the_elements_alike(seed: int) -> None:
             match = (seen == row).all(1)
             assert int(size[match].sum()) == int(n), (mesh, shape, src, dst)
         checked += 1
+
+
+def test_classes_past_the_limit_raise_the_bound_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39's `sp=3 pp=2 ep=2 cp=2` case is past `CLASS_LIMIT` (4,200 elements x 24
+    ranks): the bound counts 1,820 values. Its classes of items (4 cells) give 1,867, and
+    the oracle, forced to look at classes element by element, counts the same."""
+    mesh, shape = mc.Mesh("sp=3 pp=2 ep=2 cp=2"), (7, 5, 10, 12)
+    src, dst = "a (cp pp b) c d | sum(ep, sp)", "e (pp cp f) g h"
+    a, b = from_layout(mc.Layout(src), mesh, shape), from_layout(mc.Layout(dst), mesh, shape)
+    assert max(bounds.state_bound(a, b, mesh, FLOW_TRIES)) == 1820
+    assert counting_bound(mesh, shape, src, dst) == 1820
+    assert len(cells(a, b, mesh)[2]) == 4
+    monkeypatch.setattr(bounds, "CLASS_LIMIT", 1 << 20)
+    bounds._state_bound.cache_clear()
+    try:
+        assert max(bounds.state_bound(a, b, mesh, FLOW_TRIES)) == 1867
+    finally:
+        bounds._state_bound.cache_clear()
+    assert counting_bound(mesh, shape, src, dst, with_classes=True) == 1867

@@ -117,6 +117,8 @@ def test_off_diagonal_by_repetition_as_by_tensors() -> None:
     for spec in ("dp=4 tp=4", "pp=2 dp=3 cp=5 tp=3", "a=2 b=3 c=2 d=3", "dp=32 tp=32", "x=4"):
         mesh = mc.Mesh(spec)
         for a in mesh.axis_names:
+            # one axis with itself: every rank's two coordinates agree, it keeps all
+            assert traffic.off_diagonal(mesh, (3,) * mesh.size, a, a) == (0,) * mesh.size
             for b in mesh.axis_names:
                 if a == b:
                     continue

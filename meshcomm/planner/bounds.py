@@ -103,7 +103,7 @@ def state_bound(start: State, goal: State, mesh: Mesh, tries: int = 1) -> tuple[
     state it queues and takes one (a bound as valid, at most as tight); the plan's own
     bound and trees take `FLOW_TRIES`. It matters only where the bound looks at classes
     of items, so elsewhere every `tries` shares one cached answer."""
-    if tries != 1 and not (_resolves(start, goal, mesh) and _looks_at_classes(start, goal, mesh)):
+    if tries != 1 and not (_resolves(start, goal, mesh) and _looks_at_classes(start, mesh)):
         tries = 1
     return _state_bound(start, goal, mesh, tries)
 
@@ -153,7 +153,7 @@ def _reduction(start: State, goal: State, mesh: Mesh, g: int, tries: int) -> tup
     idle = int((empty & (need == 0)).sum())
     # items no needer holds a partial of: their root may be a rank holding nothing
     rootless = k * total - held
-    classes = _classes(start, goal, mesh, g) if _looks_at_classes(start, goal, mesh) else ()
+    classes = _classes(start, goal, mesh, g) if _looks_at_classes(start, mesh) else ()
     if classes:   # only a rank holding nothing saves a copy as a root
         rootless = sum(c.count for c in classes if bool(empty[c.roots].any()))
     # every rank receives at least one message per element of its block
@@ -206,8 +206,8 @@ CLASS_LIMIT = 1 << 16   # elements x ranks up to which the bound looks at classe
 FLOW_TRIES = 32         # max-flows a `unions_fit` call may run for a plan's own bound
 
 
-def _looks_at_classes(start: State, goal: State, mesh: Mesh) -> bool:
-    """Whether a reduction's bound from `start` to `goal` checks classes of items
+def _looks_at_classes(start: State, mesh: Mesh) -> bool:
+    """Whether a reduction's bound from `start` checks classes of items
     (`CLASS_LIMIT`). The classes come from the layouts' cells (`cells`), whatever the
     tensor's size; the limit is on elements because the test of the classes together
     (`Unions`, a max-flow) grows with them: on few cells of a large tensor it can cost a

@@ -85,6 +85,8 @@ def all_reduce_traffic(mesh: Mesh, axes: tuple[AxisName, ...],
 
 def off_diagonal(mesh: Mesh, sizes: tuple[int, ...], a: AxisName, b: AxisName) -> tuple[int, ...]:
     """`sizes`, zero at ranks whose coordinates on `a` and `b` agree (they keep their block)."""
+    if a == b:
+        return (0,) * mesh.size
     if uniform(sizes):
         return _off_diagonal_of(mesh, sizes[0], a, b)
     ca, cb = group_positions(mesh, (a,)), group_positions(mesh, (b,))
