@@ -145,3 +145,40 @@ def test_peaks_laid_out_per_block_as_by_tensors() -> None:
                 want = search._per_rank(search._live(move, state, mesh) * itemsize + held, mesh)
                 assert got == want, (src, dst, move.kind, move.action)
     assert laid >= 30, f"only {laid} steps took the laid-out path"
+
+
+def test_a_replicated_destination_counts_without_tensors() -> None:
+    """Toward a destination every rank holds whole (no sharded dim), what a rank lacks
+    (`bounds.missing`) and what it sends in a send_recv (`transfers.pair_sent`) come from its
+    own block's size alone: the same as the block-table counts, on even and uneven
+    sources, pending sums, and meshes with size-1 axes."""
+    from meshcomm.planner import blocks, bounds, transfers
+    checked = 0
+    for mesh, shape, src, _ in _uneven(5, 60) + _even(6, 40):
+        state = from_layout(mc.Layout(src), mesh, shape)
+        names = " ".join(f"d{i}" for i in range(len(shape)))
+        goal = from_layout(mc.Layout(names), mesh, shape)
+        own, need = blocks.own_and_need(state, goal, mesh)
+        assert bounds.missing(state, goal, mesh) == tuple((need - own).tolist())
+        tables = blocks.summed_overlap(state, goal, mesh, bounds.sharding_axes(state),
+                                       in_need=True) - own
+        assert transfers.pair_sent(state, goal, mesh) == tuple(tables.tolist()), (mesh, src)
+        checked += 1
+    assert checked == 100
+
+
+def _even(seed: int, count: int) -> list[tuple[mc.Mesh, tuple[int, ...], str, str]]:
+    """`count` layouts with no uneven dim, on `MESHES` (the dst is unused)."""
+    rng = random.Random(seed)
+    out: list[tuple[mc.Mesh, tuple[int, ...], str, str]] = []
+    while len(out) < count:
+        mesh = mc.Mesh(rng.choice(MESHES))
+        shape = tuple(rng.choice((8, 16, 24, 48)) for _ in range(rng.randint(1, 3)))
+        src = random_layout(rng, mesh, len(shape), ("sum",), name_inside=0.3)
+        try:
+            state = from_layout(mc.Layout(src), mesh, shape)
+        except mc.errors.MeshcommError:
+            continue
+        if not any(d.chunks for d in state.dims):
+            out.append((mesh, shape, src, src))
+    return out

@@ -129,6 +129,9 @@ def _state_bound(start: State, goal: State, mesh: Mesh, tries: int) -> tuple[int
 def missing(start: State, goal: State, mesh: Mesh) -> tuple[int, ...]:
     """Per rank, the elements it needs in `goal` and does not hold in `start` (cached: the
     bound, a send_recv's estimate and its exact price share one tuple)."""
+    if all(d.is_local for d in goal.dims):     # every rank needs it all: what it lacks is
+        total = math.prod(d.size for d in goal.dims)     # the rest (no tensor op)
+        return tuple(total - n for n in local_numels(start, mesh))
     own, need = own_and_need_counts(start, goal, mesh)
     lacking = need - own
     return (lacking,) * mesh.size if isinstance(lacking, int) else tuple(lacking.tolist())

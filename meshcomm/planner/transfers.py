@@ -35,7 +35,7 @@ from .blocks import (
 from .bounds import missing, sharding_axes, state_bound
 from .moves import Move, block_indices
 from .rank_transfers import resolved_axes, rotation, send_recv_axes
-from .states import DimState, State, as_chunks, chunk_dim, even_dim, is_chain
+from .states import DimState, State, as_chunks, chunk_dim, even_dim, is_chain, local_numels
 from .values import Transfer
 
 Index = tuple[tuple[int, ...], ...]
@@ -202,15 +202,19 @@ def pair_traffic(state: State, dst: State, mesh: Mesh) -> tuple[tuple[int, ...],
     group of products of per-dim intersection tables, counted for all ranks at once.
     """
     own, need = own_and_need(state, dst, mesh)
-    return tuple(_pair_sent(state, dst, mesh).tolist()), tuple((need - own).tolist())
+    return pair_sent(state, dst, mesh), tuple((need - own).tolist())
 
 
-def _pair_sent(state: State, dst: State, mesh: Mesh) -> Tensor:
-    """What each rank sends in `pair_traffic`, as a tensor (flat, mesh order)."""
+def pair_sent(state: State, dst: State, mesh: Mesh) -> tuple[int, ...]:
+    """What each rank sends in `pair_traffic` (mesh order)."""
+    if all(d.is_local for d in dst.dims):   # every rank needs it all: a sender's block goes
+        others = mesh.group_size(sharding_axes(state)) - 1      # to its group's others
+        return tuple(others * n for n in local_numels(state, mesh))
     own, _ = own_and_need(state, dst, mesh)
     # Sender p's receivers are p with its coordinates on the axes sharding `state`
     # replaced by any values.
-    return summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True) - own
+    return tuple((summed_overlap(state, dst, mesh, sharding_axes(state), in_need=True)
+                  - own).tolist())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -241,7 +245,7 @@ def send_recv_move(state: State, dst: State, mesh: Mesh, exact: bool = True) -> 
     axes = in_mesh_order(mesh, sharding_axes(state))
     if not exact:
         return Move("send_recv", axes, dst, indexed=True, estimate=True, send=recv, recv=recv)
-    send = tuple(_pair_sent(state, dst, mesh).tolist())   # each receives `recv`, above
+    send = pair_sent(state, dst, mesh)   # each receives `recv`, above
     most = max(send)     # in Python: the tensor's max and int are two more cold torch ops
     if most > max(recv):     # twins send more than anyone receives: rotate them?
         turn = rotation(state, mesh)
