@@ -103,14 +103,9 @@ def state_bound(start: State, goal: State, mesh: Mesh, tries: int = 1) -> tuple[
     state it queues and takes one (a bound as valid, at most as tight); the plan's own
     bound and trees take `FLOW_TRIES`. It matters only where the bound looks at classes
     of items, so elsewhere every `tries` shares one cached answer."""
-    if tries != 1 and not (_resolves(start, goal, mesh) and _looks_at_classes(start, mesh)):
+    if tries != 1 and not _looks_at_classes(start, mesh):
         tries = 1
     return _state_bound(start, goal, mesh, tries)
-
-
-def _resolves(start: State, goal: State, mesh: Mesh) -> bool:
-    """Whether `goal` resolves a pending reduction of `start` over more than one rank."""
-    return mesh.group_size(a for a in start.partial if a not in goal.partial) > 1
 
 
 @functools.lru_cache(maxsize=4096)

@@ -216,12 +216,9 @@ def local_numels(state: State, mesh: Mesh) -> tuple[int, ...]:
     n = uniform_numel(state)
     if n is not None:
         return (n,) * mesh.size
-    chunked = [dim for dim in state.dims if dim.chunks]
-    laid = _chunk_lengths(chunked[0], mesh) if len(chunked) == 1 else None
+    laid = block_numels(state, mesh)
     if laid is not None:       # one chunk chain laid on the ranks in Python: no tensor
-        even = math.prod(dim.size // math.prod(s[1] // s[0] for s in dim.shards)
-                         for dim in state.dims if not dim.chunks)
-        return tuple(laid if even == 1 else map(even.__mul__, laid))
+        return tuple(lay_blocks(*laid, mesh))
     return tuple(local_numels_tensor(state, mesh).reshape(-1).tolist())
 
 
