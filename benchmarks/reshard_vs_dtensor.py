@@ -146,12 +146,10 @@ def _case_rank(case: Case, k: int, bound: Any, dmesh: Any, reps: int) -> dict[st
     t_ours, t_theirs = [], []
     # Interleaved, so drifts in machine load hit both sides alike, and in turn first (ABBA),
     # so neither side always runs right after the other's barrier.
+    sides = ((ours, t_ours), (theirs, t_theirs))
     for i in range(reps):
-        first, second = (ours, theirs) if i % 2 == 0 else (theirs, ours)
-        a = [t / calls for t in _timed(many(first), 1, dist.barrier)]
-        b = [t / calls for t in _timed(many(second), 1, dist.barrier)]
-        t_ours += a if i % 2 == 0 else b
-        t_theirs += b if i % 2 == 0 else a
+        for fn, times in sides if i % 2 == 0 else sides[::-1]:
+            times += [t / calls for t in _timed(many(fn), 1, dist.barrier)]
     return {"ok": bool(ok), "meshcomm_s": t_ours, "dtensor_s": t_theirs, "calls": calls}
 
 
